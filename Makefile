@@ -1,0 +1,56 @@
+# kvfence: every target sets up what it needs from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is installed first and pinned so that nothing pulls a multi-GB CUDA build onto a
+# CPU machine. Where PyPI's torch is a CUDA build, point TORCH_INDEX at a CPU wheel index.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.stamp-install
+HOST ?= 127.0.0.1
+PORT ?= 50051
+DEV_TENANTS ?= dev/tenants.toml
+
+.PHONY: install protos lint typecheck test serve parity verify bench model clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -e ".[server,dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/kvfence models pull
+
+protos: $(STAMP)
+	PYTHON=$(PY) protos/generate.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy kvcache clients service protos
+
+test: $(STAMP) model lint typecheck
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+serve: $(STAMP) model
+	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT)
+
+parity: $(STAMP) model
+	$(PY) bench/parity.py
+
+verify: $(STAMP) model
+	$(PY) -m tests.verify_report
+
+bench: $(STAMP) model
+	$(PIP) install -q -e ".[bench]"
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

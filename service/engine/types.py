@@ -1,0 +1,155 @@
+"""Engine requests, events, configs and errors: everything the service sees of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
+
+#: Tenant names starting with this prefix are reserved for the engine itself (warm-up).
+RESERVED_TENANT_PREFIX = "__kvfence"
+WARMUP_TENANT = "__kvfence_warmup__"
+
+
+class EngineError(Exception):
+    """Base class of the engine's typed errors."""
+
+
+class QueueFull(EngineError):
+    """The tenant's waiting queue is full; raised by ``submit`` at once."""
+
+    def __init__(self, tenant: str, max_waiting: int) -> None:
+        super().__init__(f"tenant waiting queue is full ({max_waiting} requests)")
+        self.tenant = tenant
+        self.max_waiting = max_waiting
+
+
+class RequestTooLarge(EngineError):
+    """The request can never fit the KV pool or the tenant's page quota."""
+
+    def __init__(self, needed_pages: int, limit_pages: int, what: str) -> None:
+        super().__init__(f"request needs {needed_pages} KV pages but the {what} allows {limit_pages}")
+        self.needed_pages = needed_pages
+        self.limit_pages = limit_pages
+        self.what = what
+
+
+class InvalidRequest(EngineError):
+    """The request is malformed (empty prompt, out-of-range parameter, reserved tenant...)."""
+
+
+class EngineStopped(EngineError):
+    """The engine is not running (not started yet, or shut down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is drawn. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    """When generation ends. Stop strings are trimmed from the streamed text."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One generation request, already authenticated and validated by the service."""
+
+    request_id: str
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    stopping: StoppingParams = StoppingParams()
+    logprobs: int = 0  # number of top alternatives to return per token
+    deadline: float | None = None  # engine clock (monotonic seconds)
+    bypass_prefix_cache: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSchedPolicy:
+    """Per-tenant scheduling: DRR weight, concurrency cap, waiting-queue bound."""
+
+    weight: float = 1.0
+    max_running: int = 64
+    max_waiting: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine limits.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by decodes and prefill
+    chunks. ``long_prefill_threshold`` caps one request's prefill chunk per step (0 = only
+    the budget caps it), so one long prompt cannot take a whole step from the others.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    long_prefill_threshold: int = 0
+    warmup: bool = True
+    warmup_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    evict_interval_s: float = 1.0
+    idle_wait_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Logprob of the chosen token and of the top-n alternatives (see ``sampler.py``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request got a running slot and its KV pages."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    queue_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New tokens and the text they completed (never a partial UTF-8 character)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of every request."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_s: float
+    ttft_s: float | None
+    total_s: float
+    error: Exception | None = None
+
+
+EngineEvent = Admitted | Delta | Finished
