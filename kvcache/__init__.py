@@ -1,0 +1,65 @@
+"""kvcache: KV memory and everything that touches it.
+
+Page pool, allocator with generation fences, per-tenant prefix cache, TTL/LRU eviction,
+quotas, scrubbing, attention metadata and the paged-attention backends. No gRPC, no model.
+
+Modules (one noun each):
+- ``attention``: the AttentionFn protocol the model calls.
+- ``dense``: contiguous single-sequence reference attention (test oracle).
+- ``config``: CacheConfig, TenantCachePolicy.
+- ``errors``: KVCacheError and its typed subclasses.
+- ``pool``: PagePool (the KV tensor) and sizing helpers.
+- ``allocator``: PageRef, refcounts, owners, generations, the fence, the LRU free list.
+- ``eviction``: EvictionQueue of unreferenced cached pages (LRU + TTL).
+- ``prefix_cache``: per-tenant chained-HMAC prefix cache over full pages.
+- ``page_table``: one sequence's tokens and page refs.
+- ``metadata``: StepEntry, AttentionMetadata (FlashInfer CSR), write_kv.
+- ``step``: StepAttention, the per-step AttentionFn.
+- ``backends``: torch (default) and flashinfer paged attention.
+- ``stats``: TenantUsage, CacheStats.
+- ``manager``: KVCacheManager, the engine's only entry point.
+"""
+
+from kvcache.allocator import PageRef
+from kvcache.attention import AttentionFn
+from kvcache.backends import AttentionBackend, TorchBackend
+from kvcache.config import CacheConfig, ScrubPolicy, TenantCachePolicy
+from kvcache.errors import (
+    FenceViolation,
+    InvalidRequest,
+    KVCacheError,
+    OutOfPages,
+    QuotaExceeded,
+    UnknownSequence,
+)
+from kvcache.manager import KVCacheManager
+from kvcache.metadata import AttentionMetadata, StepEntry, write_kv
+from kvcache.pool import PagePool, pages_for_budget, pages_for_fraction
+from kvcache.stats import CacheStats, TenantUsage
+from kvcache.step import StepAttention
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionFn",
+    "AttentionMetadata",
+    "CacheConfig",
+    "CacheStats",
+    "FenceViolation",
+    "InvalidRequest",
+    "KVCacheError",
+    "KVCacheManager",
+    "OutOfPages",
+    "PagePool",
+    "PageRef",
+    "QuotaExceeded",
+    "ScrubPolicy",
+    "StepAttention",
+    "StepEntry",
+    "TenantCachePolicy",
+    "TenantUsage",
+    "TorchBackend",
+    "UnknownSequence",
+    "pages_for_budget",
+    "pages_for_fraction",
+    "write_kv",
+]

@@ -29,7 +29,9 @@ class RequestTooLarge(EngineError):
     """The request can never fit the KV pool or the tenant's page quota."""
 
     def __init__(self, needed_pages: int, limit_pages: int, what: str) -> None:
-        super().__init__(f"request needs {needed_pages} KV pages but the {what} allows {limit_pages}")
+        super().__init__(
+            f"request needs {needed_pages} KV pages but the {what} allows {limit_pages}"
+        )
         self.needed_pages = needed_pages
         self.limit_pages = limit_pages
         self.what = what
@@ -98,12 +100,15 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes and prefill
     chunks. ``long_prefill_threshold`` caps one request's prefill chunk per step (0 = only
     the budget caps it), so one long prompt cannot take a whole step from the others.
+    ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
+    interleaves tenants more finely; costs are prompt + max_tokens).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     long_prefill_threshold: int = 0
+    drr_quantum: int = 128
     warmup: bool = True
     warmup_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     evict_interval_s: float = 1.0

@@ -1,0 +1,1 @@
+"""kvfence benchmarks: one module per suite, run together by `python -m bench.run_all`."""

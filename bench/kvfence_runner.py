@@ -1,0 +1,215 @@
+"""kvfence as the system under test: the engine in process, and the gRPC service.
+
+Both drivers take the same `Work` list, send every request greedy with ignore_eos (so each
+produces exactly its max_tokens), and return a client-side `RequestTrace` per request.
+Arrival times and a concurrency cap are optional, as in vLLM `bench serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import io
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+from bench.common import Work
+from bench.traces import RequestTrace
+from kvcache import CacheConfig
+from kvcache.config import ScrubPolicy
+from service.engine.engine import Engine
+from service.engine.factory import build_engine
+from service.engine.types import (
+    Admitted,
+    Delta,
+    EngineConfig,
+    Finished,
+    Request,
+    SamplingParams,
+    StoppingParams,
+)
+from service.logging import make_logger
+from service.model.loader import LoadedModel, load_model
+from service.serve import EngineSizing, build_server
+from service.server import ServerOptions
+from service.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
+
+GREEDY = SamplingParams(temperature=0.0)
+# Every tenant may hold more streams than any suite sends, so the gRPC path is never throttled
+# by quotas the in-process engine does not have.
+STREAM_QUOTA = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """Engine and KV settings shared by the in-process engine and the gRPC server."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    kv_bytes: int = 1 << 30
+    scrub_policy: ScrubPolicy = "reassign"
+    prefix_ttl_s: float = 600.0
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(scrub_policy=self.scrub_policy, default_ttl_s=self.prefix_ttl_s)
+
+    def serve_sizing(self) -> EngineSizing:
+        return EngineSizing(
+            kv_memory=str(self.kv_bytes), max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            scrub_policy=self.scrub_policy, prefix_ttl_s=self.prefix_ttl_s, sampler_seed=0,
+        )
+
+
+def load_kvfence(path: object) -> LoadedModel:
+    return load_model(str(path), progress=False)
+
+
+@contextmanager
+def started_engine(loaded: LoadedModel, sizing: Sizing = Sizing()) -> Iterator[Engine]:
+    """A started engine (its warm-up included) that is shut down on exit."""
+    engine = build_engine(
+        loaded, sizing.engine_config(), sizing.cache_config(), kv_bytes=sizing.kv_bytes,
+        sampler_seed=0,
+    )
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@asynccontextmanager
+async def grpc_server(
+    loaded: LoadedModel, tenants: Sequence[str], sizing: Sizing = Sizing()
+) -> AsyncIterator[tuple[str, dict[str, str], Engine]]:
+    """An in-process server on 127.0.0.1:0 in the running loop, as tests/serverutil.py starts
+    one; yields (target, {tenant: api key}, engine)."""
+    keys = {t: new_api_key() for t in tenants}
+    registry = TenantRegistry({
+        t: Tenant(t, key_hashes=(hash_key(k),), quotas=Quotas(max_concurrent_streams=STREAM_QUOTA))
+        for t, k in keys.items()
+    })
+    log = make_logger("json", io.StringIO())
+    stack = await asyncio.to_thread(
+        build_server, loaded, sizing.serve_sizing(), registry, ServerOptions(), log
+    )
+    try:
+        port = await stack.server.start()
+        yield f"127.0.0.1:{port}", keys, stack.engine
+    finally:
+        await stack.server.close()
+        await asyncio.to_thread(stack.engine.shutdown)
+
+
+async def drive(
+    count: int,
+    one: Callable[[int], Awaitable[RequestTrace]],
+    arrivals: Sequence[float] | None = None,
+    max_concurrency: int | None = None,
+) -> tuple[float, list[RequestTrace]]:
+    """Launch request i at arrivals[i] (seconds from start; all at once if None), at most
+    max_concurrency in flight; returns (wall seconds, traces in request order)."""
+    start = time.perf_counter()
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def launch(i: int) -> RequestTrace:
+        if arrivals is not None:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        if gate is None:
+            return await one(i)
+        async with gate:
+            return await one(i)
+
+    traces = await asyncio.gather(*(launch(i) for i in range(count)))
+    return time.perf_counter() - start, list(traces)
+
+
+async def run_engine(
+    engine: Engine,
+    work: Sequence[Work],
+    tenants: Sequence[str] = ("bench",),
+    *,
+    bypass_prefix_cache: bool = False,
+    arrivals: Sequence[float] | None = None,
+    max_concurrency: int | None = None,
+) -> tuple[float, list[RequestTrace]]:
+    """Submit work[i] as tenant tenants[i % len(tenants)] straight to the engine."""
+
+    async def one(i: int) -> RequestTrace:
+        w = work[i]
+        trace = RequestTrace(tenants[i % len(tenants)], len(w.prompt_ids), time.perf_counter())
+        request = Request(
+            request_id=uuid.uuid4().hex, tenant=trace.tenant, prompt_ids=w.prompt_ids,
+            sampling=GREEDY, stopping=StoppingParams(max_tokens=w.max_tokens, ignore_eos=True),
+            bypass_prefix_cache=bypass_prefix_cache,
+        )
+        async for event in engine.submit(request):
+            if isinstance(event, Delta):
+                trace.on_chunk(time.perf_counter(), len(event.token_ids))
+            elif isinstance(event, Admitted):
+                trace.cached_tokens = event.cached_tokens
+            elif isinstance(event, Finished):
+                trace.end = time.perf_counter()
+                trace.finish_reason = event.reason
+        return trace
+
+    return await drive(len(work), one, arrivals, max_concurrency)
+
+
+async def run_grpc(
+    target: str,
+    api_keys: Mapping[str, str],
+    work: Sequence[Work],
+    tenants: Sequence[str],
+    *,
+    bypass_prefix_cache: bool = False,
+    arrivals: Sequence[float] | None = None,
+    max_concurrency: int | None = None,
+) -> tuple[float, list[RequestTrace]]:
+    """The same as run_engine, through clients.AsyncClient (one channel per tenant)."""
+    from clients.aio import AsyncClient
+    from clients.types import Chunk, Finished as WireFinished, Started
+
+    clients = {t: AsyncClient(target, api_key=api_keys[t], retries=0) for t in tenants}
+
+    async def one(i: int) -> RequestTrace:
+        w = work[i]
+        trace = RequestTrace(tenants[i % len(tenants)], len(w.prompt_ids), time.perf_counter())
+        stream = clients[trace.tenant].generate(
+            token_ids=w.prompt_ids, max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True,
+            bypass_prefix_cache=bypass_prefix_cache,
+        )
+        async for event in stream:
+            if isinstance(event, Chunk):
+                trace.on_chunk(time.perf_counter(), len(event.token_ids))
+            elif isinstance(event, Started):
+                trace.cached_tokens = event.cached_prompt_tokens
+            elif isinstance(event, WireFinished):
+                trace.end = time.perf_counter()
+                trace.finish_reason = event.reason
+        return trace
+
+    try:
+        return await drive(len(work), one, arrivals, max_concurrency)
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+def check_complete(work: Sequence[Work], traces: Sequence[RequestTrace]) -> None:
+    """Every request must have produced exactly its max_tokens, else the run is invalid."""
+    for i, (w, t) in enumerate(zip(work, traces, strict=True)):
+        if t.output_tokens != w.max_tokens or t.finish_reason != "length":
+            raise RuntimeError(
+                f"request {i}: {t.output_tokens}/{w.max_tokens} tokens, finish={t.finish_reason!r}"
+            )

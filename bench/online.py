@@ -1,0 +1,108 @@
+"""Suite 4, online serving through gRPC, in the style of vLLM `bench serve`.
+
+200 requests per run, 3 tenants (round robin), random token prompts of 128 and outputs of 64
+tokens with range ratio 0.5 (uniform in [64, 192] and [32, 96]), greedy, ignore_eos.
+First an unlimited-rate run capped at 32 concurrent requests measures capacity C (req/s);
+then Poisson arrivals at RATE_FRACTIONS of C. Rates are set relative to the measured
+capacity so the curve spans light load to near saturation on any machine; the absolute
+rates are recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from bench.common import (
+    bench_threads,
+    default_model_file,
+    line_plot,
+    machine_info,
+    md_table,
+    random_work,
+    set_torch_threads,
+    write_suite,
+)
+from bench.traces import by_tenant, summarize
+
+SUITE = "online"
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+RATE_FRACTIONS = (0.5, 0.7, 0.9)
+MAX_CONCURRENCY = 32
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return [float(x) for x in np.cumsum(gaps) - gaps[0]]
+
+
+async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
+    from bench.kvfence_runner import check_complete, grpc_server, run_grpc
+
+    n, inp, out = (12, 32, 8) if quick else (200, 128, 64)
+    vocab = loaded.model.config.vocab_size
+    work = random_work(0, n, (inp // 2, inp * 3 // 2), (out // 2, out * 3 // 2), vocab)
+    warm = random_work(1, 6, (inp // 2, inp), (2, 4), vocab)
+    results: list[dict[str, Any]] = []
+    async with grpc_server(loaded, TENANTS) as (target, keys, _):
+        await run_grpc(target, keys, warm, TENANTS)
+        plans: list[tuple[str, float | None]] = [("inf", None)]
+        for label, rate in plans:
+            arrivals = poisson_arrivals(rate, n, seed=len(results)) if rate else None
+            wall, traces = await run_grpc(target, keys, work, TENANTS, arrivals=arrivals,
+                                          max_concurrency=None if rate else MAX_CONCURRENCY)
+            check_complete(work, traces)
+            overall = summarize(traces, wall)
+            results.append({"rate": label, "request_rate": rate, "max_concurrency":
+                            None if rate else MAX_CONCURRENCY, "overall": overall,
+                            "per_tenant": by_tenant(traces, wall)})
+            print(f"[{SUITE}] rate={label}: {overall['req_s']:.2f} req/s, "
+                  f"{overall['output_tok_s']:.1f} out tok/s, TTFT p50 {overall['ttft_p50_ms']:.0f} ms",
+                  flush=True)
+            if rate is None:  # capacity known: add the Poisson runs
+                capacity = overall["req_s"]
+                plans += [(f"{f * capacity:.2f}", f * capacity) for f in RATE_FRACTIONS]
+    return results
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from bench.kvfence_runner import load_kvfence
+
+    threads = bench_threads()
+    set_torch_threads(threads)
+    loaded = load_kvfence(default_model_file())
+    results = asyncio.run(_runs(loaded, quick))
+    cols = ("rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+            "ITL p50", "ITL p99")
+
+    def row(label: str, s: dict[str, Any]) -> tuple[Any, ...]:
+        return (label, s["req_s"], s["output_tok_s"], s["ttft_p50_ms"], s["ttft_p99_ms"],
+                s["tpot_p50_ms"], s["tpot_p99_ms"], s["itl_p50_ms"], s["itl_p99_ms"])
+
+    overall = [row(r["rate"], r["overall"]) for r in results]
+    tenants = [row(f"{r['rate']} / {t}", s) for r in results for t, s in r["per_tenant"].items()]
+    ordered = sorted(results, key=lambda r: r["overall"]["req_s"])
+    x = [r["overall"]["req_s"] for r in ordered]
+    plots = [
+        line_plot(f"{SUITE}_ttft", x, {q: [r["overall"][f"ttft_{q}_ms"] for r in ordered]
+                                       for q in ("p50", "p99")},
+                  "TTFT vs request rate", "achieved req/s", "TTFT ms"),
+        line_plot(f"{SUITE}_itl", x, {q: [r["overall"][f"itl_{q}_ms"] for r in ordered]
+                                      for q in ("p50", "p99")},
+                  "ITL vs request rate", "achieved req/s", "ITL ms"),
+    ]
+    md = "\n\n".join([
+        f"# Online serving over gRPC{' (quick)' if quick else ''}",
+        f"{results[0]['overall']['requests']} requests per run, tenants {', '.join(TENANTS)}; "
+        f"rate `inf` = all at once, at most {MAX_CONCURRENCY} in flight; the other rates are "
+        f"Poisson at {', '.join(str(f) for f in RATE_FRACTIONS)} x its req/s. Times in ms; "
+        f"{threads} threads.",
+        md_table(cols, overall), "## Per tenant", md_table(cols, tenants),
+        *(f"![plot]({p})" for p in plots),
+    ])
+    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "runs": results,
+            "targets": []}
+    write_suite(SUITE, data, md)
+    return data

@@ -1,0 +1,25 @@
+"""The protocol a paged-attention backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvcache.metadata import AttentionMetadata
+
+
+class StepKernel(Protocol):
+    """Attention for one step, prepared once and called per layer.
+
+    ``q`` ``[T, Hq, D]``; ``kv_layer`` the layer's ``[num_pages, 2, page_size, Hkv, D]``
+    view with this step's K/V already written. Reads only ``metadata``'s pages.
+    """
+
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor: ...
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, metadata: AttentionMetadata) -> StepKernel:
+        """Plan one step (index tensors, kernel plans) for reuse across layers."""
+        ...

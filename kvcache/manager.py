@@ -1,0 +1,346 @@
+"""KVCacheManager: the only interface the engine uses to KV memory.
+
+It ties the pieces together: the allocator (refcounts, owners, generation fences), the
+per-tenant prefix cache, the eviction queue (TTL and LRU over unreferenced cached pages),
+per-tenant quotas, scrubbing, and per-step attention metadata. Each public call either
+completes or raises having changed nothing that matters (allocation is all-or-nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvcache.allocator import PageAllocator, PageRef
+from kvcache.backends.base import AttentionBackend
+from kvcache.backends.torch_backend import TorchBackend
+from kvcache.config import CacheConfig, TenantCachePolicy
+from kvcache.errors import (
+    FenceViolation,
+    InvalidRequest,
+    OutOfPages,
+    QuotaExceeded,
+    UnknownSequence,
+)
+from kvcache.eviction import EvictionQueue
+from kvcache.metadata import SeqSpan, StepEntry, build_metadata
+from kvcache.page_table import PageTable
+from kvcache.pool import PagePool
+from kvcache.prefix_cache import ChainPos, KeyFn, PrefixCache, chain_key
+from kvcache.stats import CacheStats, Counters, TenantUsage
+from kvcache.step import StepAttention
+
+
+class KVCacheManager:
+    """Pages, prefix cache and attention metadata for every open sequence.
+
+    Not thread-safe: the engine loop is its only caller. ``key_fn`` is a test hook that
+    replaces the prefix-cache HMAC (e.g. with a weak hash to force collisions).
+    """
+
+    def __init__(
+        self,
+        pool: PagePool,
+        config: CacheConfig,
+        clock: Callable[[], float],
+        backend: AttentionBackend | None = None,
+        *,
+        key_fn: KeyFn = chain_key,
+    ) -> None:
+        if pool.page_size != config.page_size:
+            raise ValueError(
+                f"pool page_size {pool.page_size} != config page_size {config.page_size}"
+            )
+        self.pool = pool
+        self.config = config
+        self._clock = clock
+        self._backend: AttentionBackend = backend if backend is not None else TorchBackend()
+        self.allocator = PageAllocator(pool.num_pages)
+        self.prefix = PrefixCache(config.secret, key_fn)
+        self.evictable = EvictionQueue()
+        self._policies: dict[str, TenantCachePolicy] = {}
+        self._tables: dict[str, PageTable] = {}
+        self._counters = Counters()
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free()
+
+    # -- policy --------------------------------------------------------------------------
+    def set_tenant_policy(self, tenant: str, policy: TenantCachePolicy) -> None:
+        self._policies[tenant] = policy
+
+    def _ttl(self, tenant: str) -> float:
+        p = self._policies.get(tenant)
+        return self.config.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s
+
+    def _caching(self, table: PageTable) -> bool:
+        return table.use_prefix_cache and table.chain_open and self._ttl(table.tenant) > 0
+
+    def _table(self, seq_id: str) -> PageTable:
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise UnknownSequence(seq_id)
+        return table
+
+    # -- sequences -----------------------------------------------------------------------
+    def open(
+        self, seq_id: str, tenant: str, token_ids: Sequence[int], *, use_prefix_cache: bool = True
+    ) -> int:
+        """Register a sequence and reuse the tenant's cached full pages of its prefix.
+
+        At least one token is always left uncomputed (its logits are needed). Takes a
+        reference on every hit page. Returns the number of cached tokens.
+        """
+        if seq_id in self._tables:
+            raise InvalidRequest(f"sequence {seq_id!r} is already open")
+        if not tenant:
+            raise InvalidRequest("tenant must be non-empty")
+        if not token_ids:
+            raise InvalidRequest("token_ids must be non-empty")
+        self.evict_expired()
+        table = PageTable(seq_id, tenant, list(token_ids), self.page_size, use_prefix_cache)
+        if self._caching(table):
+            for index in range((len(token_ids) - 1) // self.page_size):
+                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(index))
+                if entry is None:
+                    break
+                # NOTE: share() is the owner check behind the key-space separation.
+                ref = self.allocator.share(entry.page_id, tenant, seq_id)
+                if entry.page_id in self.evictable:
+                    self.evictable.remove(entry.page_id)
+                table.pages.append(ref)
+                table.chain = ChainPos(entry.key, entry.serial)
+            table.num_cached_pages = len(table.pages)
+            table.num_computed = len(table.pages) * self.page_size
+            self._counters.add_lookup(
+                tenant, table.num_computed, len(token_ids) - table.num_computed
+            )
+        self._tables[seq_id] = table
+        return table.num_computed
+
+    def append_token(self, seq_id: str, token_id: int) -> None:
+        self._table(seq_id).token_ids.append(token_id)
+
+    def num_cached_tokens(self, seq_id: str) -> int:
+        return self._table(seq_id).num_cached_pages * self.page_size
+
+    def _plan_reserve(self, tenant: str, needed: int) -> int:
+        """Check quota and pool for ``needed`` new pages without changing anything.
+        Returns how many of the tenant's own cached pages must be evicted for its quota."""
+        policy = self._policies.get(tenant)
+        quota_evictions = 0
+        if policy is not None and policy.max_pages is not None:
+            owned = self.allocator.tenant_pages(tenant).owned
+            excess = owned + needed - policy.max_pages
+            if excess > 0:
+                if excess > self.evictable.count(tenant):
+                    raise QuotaExceeded(tenant, policy.max_pages, owned + needed)
+                quota_evictions = excess
+        available = self.allocator.num_free() + len(self.evictable)
+        if needed > available:
+            raise OutOfPages(needed, available)
+        return quota_evictions
+
+    def can_allocate(self, seq_id: str, num_new_tokens: int) -> bool:
+        table = self._table(seq_id)
+        try:
+            self._plan_reserve(
+                table.tenant, table.pages_needed(table.num_computed + num_new_tokens)
+            )
+        except (QuotaExceeded, OutOfPages):
+            return False
+        return True
+
+    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> None:
+        """Give tokens ``[0, num_computed + num_new_tokens)`` slots. All or nothing."""
+        if num_new_tokens < 0:
+            raise InvalidRequest(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        table = self._table(seq_id)
+        needed = table.pages_needed(table.num_computed + num_new_tokens)
+        if needed == 0:
+            return
+        self.evict_expired()
+        tenant = table.tenant
+        for _ in range(self._plan_reserve(tenant, needed)):
+            page_id = self.evictable.oldest(tenant)
+            assert page_id is not None
+            self._evict(page_id, "quota")
+        while self.allocator.num_free() < needed:
+            page_id = self.evictable.oldest()
+            assert page_id is not None
+            self._evict(page_id, "lru")
+        to_scrub: list[int] = []
+        for _ in range(needed):
+            ref, data_owner = self.allocator.take(tenant, seq_id)
+            if self.config.scrub_policy != "off" and data_owner not in (None, tenant):
+                to_scrub.append(ref.page_id)
+            table.pages.append(ref)
+        self._zero(to_scrub)
+        for ref in table.pages[-needed:]:
+            self.allocator.mark_written(ref.page_id, tenant)
+
+    def begin_step(self, entries: Sequence[StepEntry]) -> StepAttention:
+        """Fence every page of every sequence in the batch, then build the step's metadata.
+
+        Raises FenceViolation (and builds nothing) if any page's owner or generation does
+        not match the sequence that would read it.
+        """
+        if not entries:
+            raise InvalidRequest("a step needs at least one sequence")
+        spans: list[SeqSpan] = []
+        seen: set[str] = set()
+        for e in entries:
+            table = self._table(e.seq_id)
+            if e.seq_id in seen:
+                raise InvalidRequest(f"sequence {e.seq_id!r} appears twice in one step")
+            seen.add(e.seq_id)
+            end = e.num_computed + e.num_new
+            if e.num_new < 1 or e.num_computed != table.num_computed or end > table.num_slots:
+                raise InvalidRequest(
+                    f"step entry for {e.seq_id!r} (computed {e.num_computed}, new {e.num_new}) "
+                    f"does not match its state (computed {table.num_computed}, "
+                    f"slots {table.num_slots})"
+                )
+            for ref in table.pages:
+                self.allocator.check(ref, table.tenant, e.seq_id)
+            num_pages = -(-end // self.page_size)
+            spans.append(
+                SeqSpan(
+                    q_start=e.num_computed,
+                    num_new=e.num_new,
+                    page_ids=tuple(r.page_id for r in table.pages[:num_pages]),
+                    slots=tuple(table.slots(e.num_computed, end)),
+                )
+            )
+        metadata = build_metadata(spans, self.page_size, self.pool.device)
+        return StepAttention(metadata, self.pool, self._backend.prepare(metadata))
+
+    def commit(self, seq_id: str, num_computed: int) -> None:
+        """Tokens ``[0, num_computed)`` now have KV; full pages enter the prefix cache."""
+        table = self._table(seq_id)
+        if not table.num_computed <= num_computed <= min(table.num_slots, len(table.token_ids)):
+            raise InvalidRequest(
+                f"commit of {num_computed} tokens for {seq_id!r} outside "
+                f"[{table.num_computed}, {min(table.num_slots, len(table.token_ids))}]"
+            )
+        table.num_computed = num_computed
+        while self._caching(table) and table.num_cached_pages < num_computed // self.page_size:
+            index = table.num_cached_pages
+            page_id = table.pages[index].page_id
+            entry = self.prefix.insert(table.tenant, table.chain, table.page_tokens(index), page_id)
+            if entry is None:
+                table.chain_open = False  # collision: stop caching this sequence's pages
+                break
+            table.chain = ChainPos(entry.key, entry.serial)
+            table.num_cached_pages += 1
+
+    def free(self, seq_id: str) -> None:
+        """Release the sequence's pages, tail first. Cached pages become evictable."""
+        table = self._table(seq_id)
+        del self._tables[seq_id]
+        now = self._clock()
+        ttl = self._ttl(table.tenant)
+        to_zero: list[int] = []
+        violation: FenceViolation | None = None
+        for ref in reversed(table.pages):
+            try:
+                if self.allocator.release(ref, table.tenant, seq_id) > 0:
+                    continue
+            except FenceViolation as exc:
+                # NOTE: keep releasing the sequence's other pages, then report.
+                violation = violation or exc
+                continue
+            cached = self.prefix.entry_for_page(ref.page_id) is not None
+            if cached and ttl > 0:
+                self.evictable.push(ref.page_id, table.tenant, now + ttl)
+            else:
+                if cached:
+                    self.prefix.remove_page(ref.page_id)
+                to_zero.extend(self._reclaim(ref.page_id))
+        self._zero(to_zero)
+        if violation is not None:
+            raise violation
+
+    # -- eviction ------------------------------------------------------------------------
+    def _reclaim(self, page_id: int) -> list[int]:
+        """Return an unreferenced page to the free list; returns it if it must be zeroed."""
+        self.allocator.reclaim(page_id)
+        return [page_id] if self.config.scrub_policy == "always" else []
+
+    def _zero(self, page_ids: list[int]) -> None:
+        self.pool.zero_pages(page_ids)
+        for page_id in page_ids:
+            self.allocator.mark_zeroed(page_id)
+        self._counters.scrubs += len(page_ids)
+
+    def _evict(self, page_id: int, reason: str) -> None:
+        self.evictable.remove(page_id)
+        self.prefix.remove_page(page_id)
+        self._zero(self._reclaim(page_id))
+        self._counters.evictions[reason] += 1
+
+    def evict_expired(self) -> int:
+        """Evict every unreferenced cached page whose TTL has run out."""
+        expired = self.evictable.pop_expired(self._clock())
+        for page_id in expired:
+            self.prefix.remove_page(page_id)
+            self._zero(self._reclaim(page_id))
+        self._counters.evictions["ttl"] += len(expired)
+        return len(expired)
+
+    def purge_tenant(self, tenant: str) -> int:
+        """Drop every prefix-cache entry of ``tenant``. Unreferenced pages return to the
+        pool; pages running sequences still use stay with them, uncached. Returns the
+        number of entries dropped."""
+        pages = self.prefix.pages_of(tenant)
+        for page_id in pages:
+            if page_id in self.evictable:
+                self._evict(page_id, "purge")
+            else:
+                self.prefix.remove_page(page_id)
+        return len(pages)
+
+    def purge_all(self) -> int:
+        return sum(self.purge_tenant(t) for t in self.prefix.tenants())
+
+    # -- stats ---------------------------------------------------------------------------
+    def usage(self, tenant: str) -> TenantUsage:
+        pages = self.allocator.tenant_pages(tenant)
+        policy = self._policies.get(tenant)
+        return TenantUsage(
+            tenant=tenant,
+            pages_in_use=pages.referenced,
+            pages_cached=pages.owned - pages.referenced,
+            cached_prefixes=self.prefix.num_entries(tenant),
+            hit_tokens=self._counters.hit_tokens.get(tenant, 0),
+            miss_tokens=self._counters.miss_tokens.get(tenant, 0),
+            max_pages=None if policy is None else policy.max_pages,
+        )
+
+    def stats(self) -> CacheStats:
+        tenants = (
+            set(self._counters.hit_tokens)
+            | set(self.prefix.tenants())
+            | {t.tenant for t in self._tables.values()}
+            | set(self._policies)
+        )
+        return CacheStats(
+            tenants={t: self.usage(t) for t in sorted(tenants)},
+            evictions=dict(self._counters.evictions),
+            scrubs=self._counters.scrubs,
+            fence_violations=self.allocator.violations,
+            hash_collisions=self.prefix.collisions,
+            free_pages=self.allocator.num_free(),
+            total_pages=self.num_pages,
+        )
+
+    def sequence_pages(self, seq_id: str) -> tuple[PageRef, ...]:
+        """The sequence's page refs in order (for the engine's accounting and tests)."""
+        return tuple(self._table(seq_id).pages)

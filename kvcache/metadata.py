@@ -1,0 +1,103 @@
+"""Per-step attention metadata in FlashInfer's CSR form, and the one KV write path.
+
+For a batch of B sequences and T new tokens: ``qo_indptr`` [B+1] splits the T query rows,
+``kv_indptr`` [B+1] splits ``kv_indices`` (the pages each sequence attends over, in order),
+``kv_last_page_len`` [B] is how many slots of each last page are valid, and
+``slot_mapping`` [T] is the flat slot (``page_id * page_size + offset``) each new token's K/V
+is written to. Host copies of the lengths ride along so backends can plan without a sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StepEntry:
+    """One sequence in a step: KV for ``[0, num_computed)`` exists; ``num_new`` tokens run."""
+
+    seq_id: str
+    num_computed: int
+    num_new: int
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpan:
+    """What the metadata needs of one fenced sequence."""
+
+    q_start: int  # position of the first new token (= num_computed)
+    num_new: int
+    page_ids: tuple[int, ...]  # pages covering [0, q_start + num_new), in order
+    slots: tuple[int, ...]  # flat slots of the new tokens
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [B+1] int32
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_indices: torch.Tensor  # [nnz_pages] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    page_size: int
+    q_starts: tuple[int, ...]  # host copies of the above, per sequence
+    qo_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    page_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.qo_lens)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.qo_lens)
+
+
+def _indptr(lengths: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def build_metadata(
+    spans: Sequence[SeqSpan], page_size: int, device: torch.device
+) -> AttentionMetadata:
+    """CSR metadata for the spans, in batch order."""
+    qo_lens = tuple(s.num_new for s in spans)
+    kv_lens = tuple(s.q_start + s.num_new for s in spans)
+    page_ids = tuple(s.page_ids for s in spans)
+    last = [n - (len(p) - 1) * page_size for n, p in zip(kv_lens, page_ids, strict=True)]
+    flat_pages = [p for s in spans for p in s.page_ids]
+    slots = [x for s in spans for x in s.slots]
+
+    def i32(xs: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(xs), dtype=torch.int32, device=device)
+
+    return AttentionMetadata(
+        qo_indptr=i32(_indptr(qo_lens)),
+        kv_indptr=i32(_indptr([len(p) for p in page_ids])),
+        kv_indices=i32(flat_pages),
+        kv_last_page_len=i32(last),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        page_size=page_size,
+        q_starts=tuple(s.q_start for s in spans),
+        qo_lens=qo_lens,
+        kv_lens=kv_lens,
+        page_ids=page_ids,
+    )
+
+
+def write_kv(
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k``, ``v`` ``[T, H, D]`` at ``slot_mapping`` ``[T]`` in one layer's
+    ``[num_pages, 2, page_size, H, D]`` view. The only code that writes KV memory."""
+    page_size = kv_layer.shape[2]
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    offsets = slot_mapping - pages * page_size
+    kv_layer[pages, 0, offsets] = k.to(kv_layer.dtype)
+    kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)

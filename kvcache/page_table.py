@@ -1,0 +1,41 @@
+"""One sequence's page table: its tokens, its page refs and how far its KV is computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache.allocator import PageRef
+from kvcache.prefix_cache import ChainPos
+
+
+@dataclass(slots=True)
+class PageTable:
+    """Token ``i`` of the sequence lives in ``pages[i // page_size]`` at ``i % page_size``."""
+
+    seq_id: str
+    tenant: str
+    token_ids: list[int]
+    page_size: int
+    use_prefix_cache: bool
+    pages: list[PageRef] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is written (set by open on a hit, then commit)
+    num_cached_pages: int = 0  # leading pages already matched or inserted in the prefix cache
+    chain: ChainPos = field(default_factory=ChainPos)  # set by the manager as pages are cached
+    chain_open: bool = True  # False after a collision: later pages are not cached
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.pages) * self.page_size
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Extra pages needed so tokens ``[0, num_tokens)`` have slots."""
+        return max(0, -(-num_tokens // self.page_size) - len(self.pages))
+
+    def page_tokens(self, index: int) -> list[int]:
+        """Token ids stored in full page ``index``."""
+        return self.token_ids[index * self.page_size : (index + 1) * self.page_size]
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Flat KV slots (``page_id * page_size + offset``) of tokens ``[start, end)``."""
+        ps = self.page_size
+        return [self.pages[i // ps].page_id * ps + i % ps for i in range(start, end)]

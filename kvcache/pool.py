@@ -1,0 +1,123 @@
+"""The page pool: one tensor holding every layer's KV in FlashInfer's paged NHD layout.
+
+Shape ``[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]``; ``layer(i)`` is the
+``[num_pages, 2, page_size, H, D]`` view FlashInfer's paged wrappers take directly
+(index 0 along dim 2 is K, 1 is V). A KV slot is ``page_id * page_size + offset``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+
+def page_bytes(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one page occupies across all layers (K and V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize
+
+
+def pages_for_budget(
+    budget_bytes: int,
+    *,
+    num_layers: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """How many whole pages fit in ``budget_bytes``."""
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    return budget_bytes // page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
+
+
+def free_device_bytes(device: torch.device | str) -> int:
+    """Free memory on ``device``: CUDA free memory, or available host RAM for CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pages_for_fraction(
+    fraction: float,
+    *,
+    num_layers: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> int:
+    """How many pages fit in ``fraction`` of the device's currently free memory."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    budget = int(free_device_bytes(device) * fraction)
+    return pages_for_budget(
+        budget,
+        num_layers=num_layers,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+
+
+class PagePool:
+    """Owns the KV tensor. Knows nothing of tenants; the allocator decides who uses a page."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # NOTE: zero-initialised so a page never handed out before holds no stale bytes.
+        self.kv = torch.zeros(
+            (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        return page_bytes(
+            self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """The ``[num_pages, 2, page_size, H, D]`` view of one layer."""
+        return self.kv[layer]
+
+    def zero_pages(self, page_ids: Sequence[int]) -> None:
+        """Zero the given pages in every layer (one kernel for the whole batch)."""
+        if not page_ids:
+            return
+        index = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
+        self.kv.index_fill_(1, index, 0)

@@ -1,0 +1,137 @@
+"""Per-tenant prefix cache over full pages, keyed by a chained, length-framed HMAC.
+
+Keys: ``tenant_key = HMAC-SHA256(secret, frame("kvfence-prefix-v1", tenant))`` and, page by
+page, ``key_i = HMAC-SHA256(tenant_key, frame(key_{i-1}, tokens_i))``. Every field is
+length-framed, so no two different field tuples serialise to the same bytes. Each tenant
+has its own key space (a dict per tenant) and its own HMAC key, so a tenant can neither
+look up nor compute another tenant's keys.
+
+A key hit is never trusted alone: the stored page's token ids must equal the request's and
+its parent must be the exact entry matched one page earlier (entry serials are never reused),
+so even a forced hash collision cannot splice a foreign prefix in. ``key_fn`` lets tests
+swap in a deliberately weak hash to prove that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+KeyFn = Callable[[bytes, bytes, Sequence[int]], bytes]
+"""(tenant_key, parent_key, page token ids) -> page key."""
+
+ROOT_KEY = b""
+ROOT_SERIAL = 0
+
+
+def frame(*fields: bytes) -> bytes:
+    """Length-prefix every field (8-byte big-endian) and concatenate."""
+    return b"".join(len(f).to_bytes(8, "big") + f for f in fields)
+
+
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64."""
+    return array("q", token_ids).tobytes()
+
+
+def derive_tenant_key(secret: bytes, tenant: str) -> bytes:
+    return hmac.new(secret, frame(b"kvfence-prefix-v1", tenant.encode()), hashlib.sha256).digest()
+
+
+def chain_key(tenant_key: bytes, parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """The default :data:`KeyFn`: HMAC-SHA256 over the framed (parent, tokens)."""
+    return hmac.new(
+        tenant_key, frame(parent_key, encode_tokens(token_ids)), hashlib.sha256
+    ).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """One cached full page. ``serial`` is unique for the cache's lifetime."""
+
+    key: bytes
+    page_id: int
+    token_ids: tuple[int, ...]
+    parent_serial: int
+    serial: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPos:
+    """Where a sequence is in its chain: the last matched or inserted entry."""
+
+    key: bytes = ROOT_KEY
+    serial: int = ROOT_SERIAL
+
+
+class PrefixCache:
+    """Maps (tenant, chained key) to a cached page. Holds no refcounts and no KV."""
+
+    def __init__(self, secret: bytes, key_fn: KeyFn = chain_key) -> None:
+        self._secret = secret
+        self._key_fn = key_fn
+        self._tenant_keys: dict[str, bytes] = {}
+        self._spaces: dict[str, dict[bytes, CacheEntry]] = {}
+        self._by_page: dict[int, tuple[str, CacheEntry]] = {}
+        self._next_serial = ROOT_SERIAL + 1
+        self.collisions = 0  # key hits rejected by the token / parent comparison
+
+    def key(self, tenant: str, parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+        tkey = self._tenant_keys.get(tenant)
+        if tkey is None:
+            tkey = self._tenant_keys[tenant] = derive_tenant_key(self._secret, tenant)
+        return self._key_fn(tkey, parent_key, token_ids)
+
+    def _verified(self, entry: CacheEntry, pos: ChainPos, token_ids: Sequence[int]) -> bool:
+        if entry.parent_serial == pos.serial and entry.token_ids == tuple(token_ids):
+            return True
+        self.collisions += 1
+        return False
+
+    def lookup(self, tenant: str, pos: ChainPos, token_ids: Sequence[int]) -> CacheEntry | None:
+        """The tenant's entry for the page after ``pos`` holding ``token_ids``, if any."""
+        space = self._spaces.get(tenant)
+        if not space:
+            return None
+        entry = space.get(self.key(tenant, pos.key, token_ids))
+        if entry is None or not self._verified(entry, pos, token_ids):
+            return None
+        return entry
+
+    def insert(
+        self, tenant: str, pos: ChainPos, token_ids: Sequence[int], page_id: int
+    ) -> CacheEntry | None:
+        """Cache ``page_id`` after ``pos``. If the key is taken, returns the existing entry
+        when it holds the same prefix, and None (nothing inserted) on a collision."""
+        key = self.key(tenant, pos.key, token_ids)
+        space = self._spaces.setdefault(tenant, {})
+        existing = space.get(key)
+        if existing is not None:
+            return existing if self._verified(existing, pos, token_ids) else None
+        entry = CacheEntry(key, page_id, tuple(token_ids), pos.serial, self._next_serial)
+        self._next_serial += 1
+        space[key] = entry
+        self._by_page[page_id] = (tenant, entry)
+        return entry
+
+    def entry_for_page(self, page_id: int) -> tuple[str, CacheEntry] | None:
+        return self._by_page.get(page_id)
+
+    def remove_page(self, page_id: int) -> None:
+        tenant, entry = self._by_page.pop(page_id)
+        space = self._spaces[tenant]
+        del space[entry.key]
+        if not space:
+            del self._spaces[tenant]
+
+    def pages_of(self, tenant: str) -> list[int]:
+        return [e.page_id for e in self._spaces.get(tenant, {}).values()]
+
+    def num_entries(self, tenant: str) -> int:
+        return len(self._spaces.get(tenant, {}))
+
+    def tenants(self) -> list[str]:
+        return list(self._spaces)

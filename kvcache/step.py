@@ -1,0 +1,40 @@
+"""StepAttention: the AttentionFn the model calls for one fenced, planned step."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcache.backends.base import StepKernel
+from kvcache.errors import InvalidRequest
+from kvcache.metadata import AttentionMetadata, write_kv
+from kvcache.pool import PagePool
+
+
+class StepAttention:
+    """Implements :class:`~kvcache.attention.AttentionFn` for one step.
+
+    Built only by ``KVCacheManager.begin_step`` after the fence has passed; every slot in
+    ``metadata`` belongs to the sequence whose token it holds.
+    """
+
+    def __init__(self, metadata: AttentionMetadata, pool: PagePool, kernel: StepKernel) -> None:
+        self.metadata = metadata
+        self._pool = pool
+        self._kernel = kernel
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        t = self.metadata.num_tokens
+        if q.shape[0] != t or k.shape[0] != t or v.shape[0] != t:
+            raise InvalidRequest(
+                f"step has {t} tokens but got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
+            )
+        pool = self._pool
+        if k.shape[1:] != (pool.num_kv_heads, pool.head_dim) or q.shape[2] != pool.head_dim:
+            raise InvalidRequest(f"k shape {tuple(k.shape)} does not match the page pool")
+        if not 0 <= layer < pool.num_layers:
+            raise InvalidRequest(f"layer {layer} out of range")
+        kv_layer = pool.layer(layer)
+        write_kv(kv_layer, k, v, self.metadata.slot_mapping)
+        return self._kernel(q, kv_layer)

@@ -1,0 +1,79 @@
+"""``kvfence.v1.Cache``: a tenant's view of, and control over, its own KV namespace only."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from kvcache.stats import TenantUsage
+from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc
+from service.auth import current_tenant
+from service.limits import TenantLimiter
+from service.metrics import Metrics
+from service.tenants import Tenant
+
+T = TypeVar("T")
+
+#: Runs a function against the KV cache on the engine thread (the manager is not
+#: thread-safe) and returns its result.
+CacheCall = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+class CacheServicer(cache_pb2_grpc.CacheServicer):
+    def __init__(
+        self,
+        usage: Callable[[str], Awaitable[TenantUsage]],
+        purge: Callable[[str], Awaitable[int]],
+        page_size: int,
+        default_ttl_s: float,
+        limiter: TenantLimiter,
+        metrics: Metrics,
+    ) -> None:
+        self._usage = usage
+        self._purge = purge
+        self._page_size = page_size
+        self._default_ttl_s = default_ttl_s
+        self._limiter = limiter
+        self._metrics = metrics
+
+    async def GetUsage(
+        self, request: cache_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.GetUsageResponse:
+        tenant = current_tenant()
+        usage = await self._usage(tenant.name)
+        self._count(tenant, "GetUsage")
+        return cache_pb2.GetUsageResponse(
+            pages_in_use=usage.pages_in_use,
+            pages_cached=usage.pages_cached,
+            cached_prefixes=usage.cached_prefixes,
+            prefix_hit_tokens=usage.hit_tokens,
+            prefix_miss_tokens=usage.miss_tokens,
+            hit_rate=usage.hit_rate,
+            page_size=self._page_size,
+            running_requests=self._limiter.active(tenant.name),
+            quotas=self._quotas(tenant),
+        )
+
+    async def Purge(
+        self, request: cache_pb2.PurgeRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.PurgeResponse:
+        tenant = current_tenant()
+        purged = await self._purge(tenant.name)
+        self._count(tenant, "Purge")
+        return cache_pb2.PurgeResponse(pages_purged=purged)
+
+    def _count(self, tenant: Tenant, method: str) -> None:
+        self._metrics.requests.labels(self._metrics.label(tenant.name), method, "OK").inc()
+
+    def _quotas(self, tenant: Tenant) -> cache_pb2.Quotas:
+        q = tenant.quotas
+        ttl = tenant.prefix_cache_ttl_seconds
+        return cache_pb2.Quotas(
+            max_kv_pages=q.max_kv_pages,
+            max_concurrent_streams=q.max_concurrent_streams,
+            max_prompt_tokens=q.max_prompt_tokens,
+            tokens_per_minute=q.tokens_per_minute,
+            prefix_cache_ttl_seconds=self._default_ttl_s if ttl is None else ttl,
+        )

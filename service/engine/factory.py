@@ -1,0 +1,84 @@
+"""Build an Engine with its page pool and KV cache manager from a loaded model.
+
+This is the one place the service (and tests, benchmarks) wires model, kvcache and engine:
+
+    engine = build_engine(loaded, EngineConfig(), CacheConfig(), kv_bytes=2 << 30)
+    engine.start()
+
+Exactly one of ``kv_pages`` / ``kv_bytes`` sizes the pool. The pool takes the model's
+dtype and device; its geometry (layers, KV heads, head dim) comes from the model config.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvcache import CacheConfig, KVCacheManager, PagePool, pages_for_budget
+from kvcache.backends import AttentionBackend
+from service.engine.engine import Engine
+from service.engine.types import EngineConfig
+from service.model.llama import LlamaModel
+from service.model.loader import LoadedModel
+
+
+def build_cache(
+    model: LlamaModel,
+    cache_config: CacheConfig,
+    *,
+    kv_pages: int | None = None,
+    kv_bytes: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    backend: AttentionBackend | None = None,
+) -> KVCacheManager:
+    """A KVCacheManager over a fresh PagePool shaped for ``model``."""
+    if (kv_pages is None) == (kv_bytes is None):
+        raise ValueError("give exactly one of kv_pages or kv_bytes")
+    cfg = model.config
+    if kv_pages is None:
+        assert kv_bytes is not None
+        kv_pages = pages_for_budget(
+            kv_bytes,
+            num_layers=cfg.num_layers,
+            page_size=cache_config.page_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=model.dtype,
+        )
+    if kv_pages < 1:
+        raise ValueError("the KV budget holds no page")
+    pool = PagePool(
+        cfg.num_layers,
+        kv_pages,
+        cache_config.page_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        model.dtype,
+        model.device,
+    )
+    return KVCacheManager(pool, cache_config, clock, backend)
+
+
+def build_engine(
+    loaded: LoadedModel,
+    engine_config: EngineConfig,
+    cache_config: CacheConfig,
+    *,
+    kv_pages: int | None = None,
+    kv_bytes: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    backend: AttentionBackend | None = None,
+    sampler_seed: int | None = None,
+) -> Engine:
+    """An unstarted Engine over a new pool; call ``start()`` (warm-up) before ``submit``."""
+    cache = build_cache(
+        loaded.model,
+        cache_config,
+        kv_pages=kv_pages,
+        kv_bytes=kv_bytes,
+        clock=clock,
+        backend=backend,
+    )
+    return Engine(
+        loaded.model, loaded.tokenizer, cache, engine_config, clock, sampler_seed=sampler_seed
+    )

@@ -1,0 +1,90 @@
+"""Per-request engine state: one ``Sequence`` from submit to finish.
+
+A sequence's tokens are ``prompt + output``. The scheduler's only rule is that
+``num_computed`` (tokens whose KV is in the cache) catches up with ``num_tokens``; a token
+is sampled whenever a step brings them level. Preemption resets ``num_computed`` to zero and
+keeps the output, so recomputation re-reads prompt + output and streamed tokens are neither
+lost nor repeated.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.types import EngineEvent, Request
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request: Request
+    sink: Callable[[EngineEvent], None]  # receives this request's events, in order
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    max_tokens: int  # stopping.max_tokens capped by max_model_len
+    arrival: float
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    # Set by the scheduler on first admission.
+    admitted_at: float | None = None
+    cached_tokens: int = 0
+    # Set by the scheduler on every admission; the newest running sequence is preempted first.
+    admit_order: int = 0
+    num_preemptions: int = 0
+    announced: bool = False  # Admitted was sent
+    in_cache: bool = False  # opened in the KVCacheManager and not freed yet
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.request.prompt_ids)
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt + self.max_tokens
+
+    @property
+    def cost(self) -> int:
+        """DRR cost in tokens: what is left to compute and generate."""
+        return self.max_total_tokens - self.num_computed
+
+    def banned_ids(self) -> tuple[int, ...]:
+        """Stop tokens may not be sampled before ``min_tokens`` outputs exist."""
+        if self.num_output < self.request.stopping.min_tokens:
+            return tuple(sorted(self.stop_ids))
+        return ()

@@ -1,0 +1,199 @@
+"""Batched sampling on the device.
+
+Everything below is tensor ops over the whole ``[B, vocab]`` logits; the only Python loops
+run over the rows of the batch (never over the vocabulary), and the only host sync is the
+single ``.tolist()`` that brings the chosen ids (and logprobs, packed into the same
+tensor) back. Order of processing, per row:
+
+1. ban stop tokens while fewer than ``min_tokens`` were generated;
+2. repetition penalty (prompt + output tokens), presence and frequency penalties (output);
+3. greedy rows take the argmax here;
+4. temperature, then top-k, top-p, min-p truncation;
+5. sampling by exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn per row from
+   the row's own ``torch.Generator`` when it has a seed, so a seeded request draws the same
+   noise whatever else is in the batch.
+
+Logprobs are ``log_softmax`` of the logits after steps 1–2 and temperature scaling
+(temperature 1 for greedy rows), before top-k/top-p/min-p truncation: the model's
+distribution as the request shaped it, with every alternative still finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.types import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """What the sampler needs to know about one row of the batch."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # set when the request has a seed
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    banned_ids: tuple[int, ...] = ()  # stop tokens masked out (min_tokens not reached yet)
+    num_logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class Sampler:
+    """Samples one token per row. Holds the generator used by rows without a seed."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+        """``logits``: ``[len(rows), vocab]`` float32 on the sampler's device."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
+        logits = logits.float()
+        self._ban(logits, rows)
+        if any(_has_penalty(r.params) for r in rows):
+            logits = self._penalize(logits, rows)
+        greedy = [r.params.temperature == 0.0 for r in rows]
+        max_n = max(r.num_logprobs for r in rows)
+        if all(greedy) and max_n == 0:
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+        temps = torch.tensor(
+            [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
+            device=self.device,
+        )
+        scaled = logits / temps[:, None]
+        chosen = logits.argmax(dim=-1)
+        if not all(greedy):
+            sampled = self._draw(self._truncate(scaled, rows), rows)
+            greedy_mask = torch.tensor(greedy, device=self.device)
+            chosen = torch.where(greedy_mask, chosen, sampled)
+        if max_n == 0:
+            return SampleResult(chosen.tolist(), [None] * len(rows))
+        return self._with_logprobs(scaled, chosen, rows, max_n)
+
+    def _ban(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
+        if pairs:
+            idx = torch.tensor(pairs, dtype=torch.long, device=self.device)
+            logits[idx[:, 0], idx[:, 1]] = float("-inf")
+
+    def _penalize(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        b, vocab = logits.shape
+        pad = vocab  # an extra column absorbs padding, then is dropped
+        out_len = max(1, max(len(r.output_ids) for r in rows))
+        outs = torch.tensor(
+            [list(r.output_ids) + [pad] * (out_len - len(r.output_ids)) for r in rows],
+            dtype=torch.long,
+            device=self.device,
+        )
+        counts = torch.zeros(b, vocab + 1, device=self.device)
+        counts.scatter_add_(1, outs, torch.ones_like(outs, dtype=counts.dtype))
+        counts = counts[:, :vocab]
+        params = torch.tensor(
+            [
+                [r.params.repetition_penalty, r.params.presence_penalty, r.params.frequency_penalty]
+                for r in rows
+            ],
+            device=self.device,
+        )
+        rep, pres, freq = params[:, 0:1], params[:, 1:2], params[:, 2:3]
+        if any(r.params.repetition_penalty != 1.0 for r in rows):
+            prompt_len = max(1, max(len(r.prompt_ids) for r in rows))
+            prompts = torch.tensor(
+                [list(r.prompt_ids) + [pad] * (prompt_len - len(r.prompt_ids)) for r in rows],
+                dtype=torch.long,
+                device=self.device,
+            )
+            seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=self.device)
+            seen.scatter_(1, prompts, True)
+            seen = seen[:, :vocab] | (counts > 0)
+            penalized = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen, penalized, logits)
+        return logits - pres * (counts > 0) - freq * counts
+
+    def _truncate(self, scaled: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        vocab = scaled.shape[1]
+        use_k = any(0 < r.params.top_k < vocab for r in rows)
+        use_p = any(r.params.top_p < 1.0 for r in rows)
+        use_min_p = any(r.params.min_p > 0.0 for r in rows)
+        if use_k or use_p:
+            sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
+            remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+            if use_k:
+                ks = torch.tensor(
+                    [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows],
+                    device=self.device,
+                )
+                ranks = torch.arange(vocab, device=self.device)[None, :]
+                remove |= ranks >= ks[:, None]
+            if use_p:
+                ps = torch.tensor([r.params.top_p for r in rows], device=self.device)
+                probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+                before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+                remove |= before > ps[:, None]
+            remove[:, 0] = False  # always keep the most likely token
+            mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
+            scaled = scaled.masked_fill(mask, float("-inf"))
+        if use_min_p:
+            min_ps = torch.tensor([r.params.min_p for r in rows], device=self.device)
+            probs = scaled.softmax(dim=-1)
+            floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+            scaled = scaled.masked_fill(probs < floor, float("-inf"))
+        return scaled
+
+    def _draw(self, scaled: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        probs = scaled.softmax(dim=-1)
+        # Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None and r.params.temperature != 0.0:
+                noise[i].exponential_(generator=r.generator)
+        # Exp(1) can return 0; 0/0 would be NaN, which argmax would pick.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _with_logprobs(
+        self,
+        scaled: torch.Tensor,
+        chosen: torch.Tensor,
+        rows: Sequence[SampleRow],
+        max_n: int,
+    ) -> SampleResult:
+        logprobs = scaled.log_softmax(dim=-1)
+        chosen_lp = logprobs.gather(1, chosen[:, None])
+        top_lp, top_ids = logprobs.topk(max_n, dim=-1)
+        # One transfer for everything: ids are exact in float64.
+        packed = torch.cat(
+            [chosen[:, None].double(), chosen_lp.double(), top_ids.double(), top_lp.double()],
+            dim=1,
+        ).tolist()
+        ids: list[int] = []
+        out: list[TokenLogprob | None] = []
+        for r, row in zip(rows, packed, strict=True):
+            token = int(row[0])
+            ids.append(token)
+            if r.num_logprobs == 0:
+                out.append(None)
+                continue
+            n = r.num_logprobs
+            top = tuple((int(row[2 + j]), float(row[2 + max_n + j])) for j in range(n))
+            out.append(TokenLogprob(token, float(row[1]), top))
+        return SampleResult(ids, out)

@@ -1,0 +1,234 @@
+"""Iteration-level scheduler (vLLM-v1 semantics).
+
+One rule, no prefill/decode phases: every step, each sequence's ``num_computed`` catches up
+with its ``num_tokens`` under a shared token budget. Running sequences go first, in
+admission order (decodes take one token, partial prefills take the next chunk); then waiting
+sequences are admitted by weighted DRR over tenants while budget and slots last. A prefix
+cache hit at admission starts ``num_computed`` at the cached token count.
+
+When the pool runs out (``OutOfPages``) the most recently admitted running sequence is
+preempted: its pages are freed and it re-queues at the front of its tenant's queue, to be
+recomputed from prompt + output. ``QuotaExceeded`` does the same within the tenant.
+A request that could never fit the pool or its tenant's quota is rejected with
+``RequestTooLarge`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from kvcache.errors import KVCacheError, OutOfPages, QuotaExceeded
+from service.engine.cache_api import CacheManager
+from service.engine.fairness import FairQueue
+from service.engine.request import SeqStatus, Sequence
+from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolicy
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed this step, from seq.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """The step brings the sequence level with its tokens, so it samples the next one."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    entries: tuple[ScheduledSeq, ...]
+    admitted: tuple[Sequence, ...]  # first admissions and re-admissions after preemption
+    preempted: tuple[Sequence, ...]
+    rejected: tuple[tuple[Sequence, RequestTooLarge], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new for e in self.entries)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; talks to the cache through ``cache``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        cache: CacheManager,
+        policy: Callable[[str], TenantSchedPolicy],
+        clock: Callable[[], float],
+        drr_quantum: int = 128,
+    ) -> None:
+        self._config = config
+        self._cache = cache
+        self._policy = policy
+        self._clock = clock
+        self.waiting: FairQueue[Sequence] = FairQueue(drr_quantum, lambda t: policy(t).weight)
+        self.running: list[Sequence] = []
+        self._running_per_tenant: dict[str, int] = {}
+        self._admit_counter = itertools.count(1)
+        self.num_preemptions = 0
+
+    def num_running(self, tenant: str) -> int:
+        return self._running_per_tenant.get(tenant, 0)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.push(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self._config.max_num_batched_tokens
+        entries: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        rejected: list[tuple[Sequence, RequestTooLarge]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._chunk(seq, budget)
+            if self._allocate_running(seq, num_new, preempted, rejected):
+                entries.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+            # else: seq itself left the running list; index i now names the next one.
+
+        admitted: list[Sequence] = []
+        if not preempted:
+            self._admit(budget, entries, admitted, rejected)
+        return SchedulerOutput(tuple(entries), tuple(admitted), tuple(preempted), tuple(rejected))
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        threshold = self._config.long_prefill_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return num_new
+
+    def _allocate_running(
+        self,
+        seq: Sequence,
+        num_new: int,
+        preempted: list[Sequence],
+        rejected: list[tuple[Sequence, RequestTooLarge]],
+    ) -> bool:
+        """Grow ``seq``'s slots, preempting newer sequences as needed. False if ``seq`` left."""
+        while True:
+            try:
+                self._cache.allocate_slots(seq.seq_id, num_new)
+                return True
+            except OutOfPages:
+                rivals = self.running
+                what = "pool"
+            except QuotaExceeded:
+                rivals = [s for s in self.running if s.tenant == seq.tenant]
+                what = "tenant page quota"
+            victim = rivals[-1]
+            if victim is seq and len(rivals) == 1:
+                # Nothing else holds pages it could get: it can never fit.
+                needed = -(-(seq.num_computed + num_new) // self._cache.page_size)
+                self.remove_running(seq)
+                rejected.append(
+                    (seq, RequestTooLarge(needed, self._page_limit(seq.tenant)[0], what))
+                )
+                return False
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+
+    def _admit(
+        self,
+        budget: int,
+        entries: list[ScheduledSeq],
+        admitted: list[Sequence],
+        rejected: list[tuple[Sequence, RequestTooLarge]],
+    ) -> None:
+        blocked: set[str] = set()  # tenants at their quota this step
+
+        def eligible(tenant: str) -> bool:
+            return (
+                tenant not in blocked
+                and self.num_running(tenant) < self._policy(tenant).max_running
+            )
+
+        while budget > 0 and len(self.running) < self._config.max_num_seqs:
+            seq = self.waiting.peek(eligible)
+            if seq is None:
+                return
+            too_large = self._check_fits(seq)
+            if too_large is not None:
+                self.waiting.pop(seq, charge=False)
+                rejected.append((seq, too_large))
+                continue
+            cached = self._cache.open(
+                seq.seq_id,
+                seq.tenant,
+                seq.token_ids,
+                use_prefix_cache=not seq.request.bypass_prefix_cache,
+            )
+            seq.in_cache = True
+            seq.num_computed = cached
+            num_new = self._chunk(seq, budget)
+            try:
+                self._cache.allocate_slots(seq.seq_id, num_new)
+            except OutOfPages:
+                self._close(seq)
+                return
+            except QuotaExceeded:
+                self._close(seq)
+                blocked.add(seq.tenant)
+                continue
+            self.waiting.pop(seq)
+            if seq.admitted_at is None:
+                seq.admitted_at = self._clock()
+                seq.cached_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            seq.admit_order = next(self._admit_counter)
+            self.running.append(seq)
+            self._running_per_tenant[seq.tenant] = self.num_running(seq.tenant) + 1
+            entries.append(ScheduledSeq(seq, num_new))
+            admitted.append(seq)
+            budget -= num_new
+
+    def _page_limit(self, tenant: str) -> tuple[int, str]:
+        limit, what = self._cache.num_pages, "pool"
+        quota = self._cache.usage(tenant).max_pages
+        if quota is not None and quota < limit:
+            limit, what = quota, "tenant page quota"
+        return limit, what
+
+    def _check_fits(self, seq: Sequence) -> RequestTooLarge | None:
+        """Reject a request whose prompt plus full output budget can never fit."""
+        needed = -(-seq.max_total_tokens // self._cache.page_size)
+        limit, what = self._page_limit(seq.tenant)
+        return RequestTooLarge(needed, limit, what) if needed > limit else None
+
+    def _close(self, seq: Sequence) -> None:
+        try:
+            self._cache.free(seq.seq_id)
+        except KVCacheError as err:  # e.g. a fenced page; the pages stay with kvcache
+            log.warning("free_failed", request_id=seq.seq_id, error=type(err).__name__)
+        seq.in_cache = False
+        seq.num_computed = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s pages and queue it for recomputation ahead of its tenant's others."""
+        self.remove_running(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(seq, front=True)
+
+    def remove_running(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running list and free its pages."""
+        self.running.remove(seq)
+        self._running_per_tenant[seq.tenant] -= 1
+        if self._running_per_tenant[seq.tenant] == 0:
+            del self._running_per_tenant[seq.tenant]
+        self._close(seq)
+
+    def remove_waiting(self, seq: Sequence) -> bool:
+        return self.waiting.remove(seq)

@@ -1,0 +1,323 @@
+"""``kvfence.v1.Inference``: Generate (server streaming), Tokenize, ListModels."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from structlog.typing import FilteringBoundLogger
+
+from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+from service.auth import current_tenant
+from service.engine.types import (
+    Admitted,
+    Delta,
+    EngineStopped,
+    Finished,
+    QueueFull,
+    Request,
+    RequestTooLarge,
+)
+from service.engine.types import InvalidRequest as EngineInvalidRequest
+from service.errors import (
+    ServiceError,
+    abort,
+    invalid_argument,
+    permission_denied,
+    resource_exhausted,
+    unavailable,
+)
+from service.finish import finish_error
+from service.limits import TenantLimiter
+from service.metrics import Metrics
+from service.prompt import PromptBuilder
+from service.protocols import EngineLike
+from service.tenants import Tenant
+from service.validation import (
+    Violations,
+    check_context,
+    check_request_fields,
+    parse_sampling,
+    parse_stopping,
+    prompt_token_limit,
+    raise_if,
+)
+
+_FINISH_REASONS = {
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceOptions:
+    """Servicer settings from the command line."""
+
+    model_info: inference_pb2.ModelInfo
+    page_size: int
+    log_content: bool = False
+    alert_request_kv_pages: int = 0  # 0 = off
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(
+        self,
+        engine: EngineLike,
+        prompts: PromptBuilder,
+        limiter: TenantLimiter,
+        metrics: Metrics,
+        log: FilteringBoundLogger,
+        options: InferenceOptions,
+        is_draining: Callable[[], bool],
+        clock: Callable[[], float],
+    ) -> None:
+        self._engine = engine
+        self._prompts = prompts
+        self._limiter = limiter
+        self._metrics = metrics
+        self._log = log
+        self._opts = options
+        self._is_draining = is_draining
+        self._clock = clock
+        self._active: set[str] = set()  # request ids submitted to the engine, not finished
+
+    def abort_all(self) -> int:
+        """Abort every in-flight request in the engine (drain); returns how many."""
+        ids = list(self._active)
+        for request_id in ids:
+            self._engine.abort(request_id)
+        return len(ids)
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        tenant = current_tenant()
+        request_id = uuid.uuid4().hex
+        log = self._log.bind(tenant=tenant.name, request_id=request_id, peer=context.peer())
+        code = "CANCELLED"
+        try:
+            async for response in self._generate(request, context, tenant, request_id, log):
+                yield response
+            code = "OK"
+        except ServiceError as err:
+            code = err.code.name
+            log.info("generate.error", code=code, message=err.message)
+            await abort(context, err)
+        finally:
+            self._metrics.requests.labels(self._metrics.label(tenant.name), "Generate", code).inc()
+            if code == "CANCELLED":
+                log.info("generate.cancelled")
+
+    async def _generate(
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
+        request_id: str,
+        log: FilteringBoundLogger,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        model = self._prompts.model
+        if not tenant.may_use_model(model.name):
+            raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
+        limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
+        which = request.WhichOneof("input")
+        out: Violations = []
+        check_request_fields(request, model, out)
+        sampling = parse_sampling(request.sampling, out)
+        stopping = parse_stopping(request.stopping, model.vocab_size, out)
+        self._prompts.check_input(which, request, limit, out)
+        raise_if(out)
+        assert which is not None
+        prompt = await self._prompts.prompt_ids(which, request, limit)
+        check_context(len(prompt), stopping.max_tokens, model, out)
+        raise_if(out)
+
+        lease = self._limiter.acquire(tenant.name, len(prompt) + stopping.max_tokens)
+        try:
+            engine_request = Request(
+                request_id=request_id,
+                tenant=tenant.name,
+                prompt_ids=tuple(prompt),
+                sampling=sampling,
+                stopping=stopping,
+                logprobs=request.logprobs,
+                deadline=self._deadline(context),
+                bypass_prefix_cache=request.bypass_prefix_cache,
+            )
+            log.info(
+                "generate.accepted", prompt_tokens=len(prompt), max_tokens=stopping.max_tokens,
+                input=which,
+            )
+            if self._opts.log_content:
+                log.info("generate.content", prompt=self._prompt_text(request, which))
+            async for response in self._stream(engine_request, request, tenant, log):
+                yield response
+        finally:
+            lease.release()
+
+    async def _stream(
+        self,
+        req: Request,
+        request: inference_pb2.GenerateRequest,
+        tenant: Tenant,
+        log: FilteringBoundLogger,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        label = self._metrics.label(tenant.name)
+        finished = False
+        self._active.add(req.request_id)
+        try:
+            try:
+                events = self._engine.submit(req)
+            except QueueFull as exc:
+                raise resource_exhausted("tenant_queue", str(exc), retry_after_s=1.0) from None
+            except RequestTooLarge as exc:
+                raise resource_exhausted("max_kv_pages", str(exc)) from None
+            except EngineStopped:
+                raise unavailable("engine is not running") from None
+            except EngineInvalidRequest as exc:
+                raise invalid_argument([("request", str(exc))]) from None
+            last = self._clock()
+            completion = 0
+            alerted = False
+            output: list[str] = []
+            async for event in events:
+                now = self._clock()
+                if isinstance(event, Admitted):
+                    yield inference_pb2.GenerateResponse(
+                        started=inference_pb2.Started(
+                            request_id=req.request_id,
+                            client_request_id=request.client_request_id,
+                            prompt_tokens=event.prompt_tokens,
+                            cached_prompt_tokens=event.cached_tokens,
+                            model=self._prompts.model.name,
+                        )
+                    )
+                elif isinstance(event, Delta):
+                    if completion:
+                        self._metrics.inter_token.labels(label).observe(now - last)
+                    last = now
+                    completion += len(event.token_ids)
+                    if self._opts.log_content:
+                        output.append(event.text)
+                    alerted = alerted or self._check_request_pages(
+                        len(req.prompt_ids) + completion, tenant, log
+                    )
+                    yield inference_pb2.GenerateResponse(chunk=self._chunk(event))
+                else:
+                    finished = True
+                    yield self._finish(event, tenant, log, "".join(output))
+        finally:
+            self._active.discard(req.request_id)
+            if not finished:
+                # Cancelled, past its deadline, or the stream broke: free the pages now.
+                self._engine.abort(req.request_id)
+
+    def _finish(
+        self, event: Finished, tenant: Tenant, log: FilteringBoundLogger, output: str
+    ) -> inference_pb2.GenerateResponse:
+        label = self._metrics.label(tenant.name)
+        self._metrics.prompt_tokens.labels(label).inc(event.prompt_tokens)
+        self._metrics.completion_tokens.labels(label).inc(event.completion_tokens)
+        if event.ttft_s is not None:
+            self._metrics.ttft.labels(label).observe(event.ttft_s)
+        log.info(
+            "generate.finished", reason=event.reason, prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens, cached_tokens=event.cached_tokens,
+            queue_s=round(event.queue_s, 6), ttft_s=event.ttft_s, total_s=round(event.total_s, 6),
+            error=type(event.error).__name__ if event.error else None,
+        )
+        if self._opts.log_content:
+            log.info("generate.content", output=output)
+        if event.reason not in _FINISH_REASONS:
+            raise finish_error(event, self._is_draining())
+        return inference_pb2.GenerateResponse(
+            finished=inference_pb2.Finished(
+                reason=_FINISH_REASONS[event.reason],
+                usage=inference_pb2.Usage(
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                    cached_prompt_tokens=event.cached_tokens,
+                ),
+                timings=inference_pb2.Timings(
+                    queue_seconds=event.queue_s,
+                    ttft_seconds=event.ttft_s or 0.0,
+                    total_seconds=event.total_s,
+                ),
+            )
+        )
+
+    def _chunk(self, event: Delta) -> inference_pb2.Chunk:
+        chunk = inference_pb2.Chunk(token_ids=event.token_ids, text=event.text)
+        for lp in event.logprobs:
+            chunk.logprobs.append(
+                inference_pb2.TokenLogprobs(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top=[
+                        inference_pb2.TopLogprob(
+                            token_id=t, logprob=p, token=self._prompts.token_text(t)
+                        )
+                        for t, p in lp.top
+                    ],
+                )
+            )
+        return chunk
+
+    def _check_request_pages(self, tokens: int, tenant: Tenant, log: FilteringBoundLogger) -> bool:
+        threshold = self._opts.alert_request_kv_pages
+        pages = math.ceil(tokens / self._opts.page_size)
+        if threshold <= 0 or pages <= threshold:
+            return False
+        log.warning("kv.alert.request_pages", pages=pages, threshold=threshold)
+        self._metrics.kv_alerts.labels(self._metrics.label(tenant.name), "request").inc()
+        return True
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
+        remaining: float | None = context.time_remaining()
+        if remaining is None or not math.isfinite(remaining):
+            return None
+        return self._clock() + max(0.0, remaining)
+
+    def _prompt_text(self, request: inference_pb2.GenerateRequest, which: str) -> str:
+        if which == "text":
+            return request.text
+        if which == "chat":
+            return "\n".join(f"{m.role}: {m.content}" for m in request.chat.messages)
+        return " ".join(map(str, request.token_ids.ids))
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        tenant = current_tenant()
+        code = "OK"
+        try:
+            limit = prompt_token_limit(self._prompts.model, tenant.quotas.max_prompt_tokens)
+            which = request.WhichOneof("input")
+            out: Violations = []
+            self._prompts.check_input(which, request, limit, out)
+            raise_if(out)
+            assert which is not None
+            ids = await self._prompts.prompt_ids(which, request, limit, request.add_special_tokens)
+            return inference_pb2.TokenizeResponse(
+                token_ids=ids, tokens=[self._prompts.token_text(t) for t in ids]
+            )
+        except ServiceError as err:
+            code = err.code.name
+            await abort(context, err)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self._metrics.requests.labels(self._metrics.label(tenant.name), "Tokenize", code).inc()
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        tenant = current_tenant()
+        self._metrics.requests.labels(self._metrics.label(tenant.name), "ListModels", "OK").inc()
+        models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
+        return inference_pb2.ListModelsResponse(models=models)

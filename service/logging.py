@@ -1,0 +1,48 @@
+"""Structured logs: one JSON object per line (console rendering on a TTY).
+
+No global structlog configuration: ``make_logger`` returns a logger bound to its own stream
+and processors, which the server passes to whatever logs. Prompt and output text are never
+logged unless the server runs with ``--log-content``; callers bind ``tenant``,
+``request_id``, ``peer`` and timings instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal, TextIO
+
+import structlog
+from structlog.typing import FilteringBoundLogger, Processor
+
+LogFormat = Literal["json", "console", "auto"]
+
+
+def make_logger(
+    fmt: LogFormat = "auto", stream: TextIO | None = None, level: int = logging.INFO
+) -> FilteringBoundLogger:
+    """A structlog logger writing to ``stream`` (stderr by default).
+
+    ``auto`` picks the console renderer when ``stream`` is a TTY and JSON otherwise.
+    """
+    out = stream if stream is not None else sys.stderr
+    if fmt == "auto":
+        fmt = "console" if out.isatty() else "json"
+    renderer: Processor = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
+    )
+    processors: list[Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        renderer,
+    ]
+    logger: FilteringBoundLogger = structlog.wrap_logger(
+        structlog.PrintLogger(file=out),
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        cache_logger_on_first_use=False,
+    )
+    return logger.bind(service="kvfence")

@@ -1,0 +1,80 @@
+"""Chat templates: the model's own Jinja template, rendered in a sandbox as transformers does."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template is invalid, or it refused the conversation (``raise_exception``)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None,
+    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson HTML-escapes; templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` (used for training masks) as a no-op."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja's Extension API
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_passthrough"), [], [], body).set_lineno(lineno)
+
+    def _passthrough(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """Renders a conversation into the prompt text the model was trained on."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"invalid chat template: {e}") from None
+        self.source = source
+        self._special = dict(special_tokens or {})
+
+    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self._special,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from None

@@ -1,0 +1,106 @@
+"""``load_model``: a .gguf file or a Hugging Face directory -> a ready-to-run model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from service.model.chat_template import ChatTemplate, ChatTemplateError
+from service.model.errors import ModelLoadError
+from service.model.gguf_loader import GGUFCheckpoint, read_gguf
+from service.model.hf_loader import HFCheckpoint, read_hf_dir
+from service.model.llama import LlamaModel
+from service.model.progress import Progress
+from service.model.tokenizer import Tokenizer
+from service.model.weights import build_weights, tensor_names
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    name: str
+    path: Path
+    dtype: torch.dtype
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has native bf16 matmul (AVX512-BF16 or AMX)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """``auto`` is bf16 on CUDA or a bf16-capable CPU, else fp32."""
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    if device.startswith("cuda") or cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(
+    path: str | Path, *, dtype: str = "auto", device: str = "cpu", progress: bool = True
+) -> LoadedModel:
+    """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line."""
+    p = Path(path).expanduser()
+    torch_dtype = resolve_dtype(dtype, device)
+    started = time.monotonic()
+    try:
+        checkpoint = _read(p)
+        bar = Progress(f"loading {p.name}", len(tensor_names(checkpoint.config)), enabled=progress)
+        try:
+            weights = build_weights(checkpoint.config, checkpoint.get, torch_dtype, device, bar)
+        finally:
+            bar.close()
+        template = None
+        if checkpoint.chat_template:
+            template = ChatTemplate(checkpoint.chat_template, checkpoint.special_tokens)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{p}: {e}") from None
+    except ChatTemplateError as e:
+        raise ModelLoadError(f"{p}: {e}") from None
+    factors = checkpoint.rope_freq_factors if isinstance(checkpoint, GGUFCheckpoint) else None
+    model = LlamaModel(checkpoint.config, weights, rope_freq_factors=factors).eval()
+    name = p.name if p.is_file() else p.resolve().name
+    log.info(
+        "model_loaded", name=name, arch=checkpoint.config.arch, dtype=str(torch_dtype),
+        device=device, seconds=round(time.monotonic() - started, 2),
+    )
+    return LoadedModel(
+        model=model, tokenizer=checkpoint.tokenizer, chat_template=template,
+        name=name, path=p, dtype=torch_dtype,
+    )
+
+
+def _read(p: Path) -> GGUFCheckpoint | HFCheckpoint:
+    if p.is_dir():
+        return read_hf_dir(p)
+    if not p.exists():
+        raise ModelLoadError("no such file or directory")
+    with p.open("rb") as f:
+        magic = f.read(4)
+    if magic == _GGUF_MAGIC:
+        return read_gguf(p)
+    if p.suffix == ".gguf":
+        raise ModelLoadError("not a valid GGUF file (bad magic)")
+    raise ModelLoadError("unsupported model format (expected a .gguf file or a Hugging Face directory)")

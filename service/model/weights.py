@@ -1,0 +1,101 @@
+"""Turn a checkpoint's per-tensor weights (HF names) into the fused, stacked layout
+:class:`~service.model.llama.LlamaModel` runs on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from service.model.config import ModelConfig
+from service.model.errors import ModelLoadError
+from service.model.llama import DecoderWeights
+from service.model.progress import Progress
+
+# name -> tensor; raises ModelLoadError when the checkpoint lacks it.
+TensorGetter = Callable[[str], torch.Tensor]
+
+
+def tensor_names(config: ModelConfig) -> list[str]:
+    """Every HF-style tensor name the model needs, in load order."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(f"{p}self_attn.{proj}.weight")
+        if config.attention_bias:
+            names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += [f"{p}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+class _Stacker:
+    """Copies per-layer tensors into one preallocated [L, ...] tensor, checking shapes."""
+
+    def __init__(self, get: TensorGetter, dtype: torch.dtype, device: str, progress: Progress) -> None:
+        self._get = get
+        self._dtype = dtype
+        self._device = device
+        self._progress = progress
+
+    def one(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self._get(name)
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        self._progress.advance()
+        return t.to(device=self._device, dtype=self._dtype)
+
+    def stacked(self, layers: int, parts: list[tuple[str, tuple[int, ...]]]) -> torch.Tensor:
+        """``parts``: name templates with ``{i}`` and the shape of each; concatenated on dim 0."""
+        rows = sum(shape[0] for _, shape in parts)
+        out = torch.empty((layers, rows, *parts[0][1][1:]), dtype=self._dtype, device=self._device)
+        for i in range(layers):
+            start = 0
+            for template, shape in parts:
+                out[i, start : start + shape[0]] = self.one(template.format(i=i), shape)
+                start += shape[0]
+        return out
+
+
+def build_weights(
+    config: ModelConfig, get: TensorGetter, dtype: torch.dtype, device: str, progress: Progress
+) -> DecoderWeights:
+    c = config
+    s = _Stacker(get, dtype, device, progress)
+    h, q, kv, d, n = c.hidden_size, c.q_size, c.kv_size, c.head_dim, c.num_layers
+    attn = "model.layers.{i}.self_attn."
+    mlp = "model.layers.{i}.mlp."
+    embed = s.one("model.embed_tokens.weight", (c.vocab_size, h))
+    lm_head = None if c.tie_word_embeddings else s.one("lm_head.weight", (c.vocab_size, h))
+    final_norm = s.one("model.norm.weight", (h,))
+    attn_norm = s.stacked(n, [("model.layers.{i}.input_layernorm.weight", (h,))])
+    qkv = s.stacked(
+        n, [(attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h))]
+    )
+    qkv_bias = None
+    if c.attention_bias:
+        qkv_bias = s.stacked(
+            n, [(attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,))]
+        )
+    qk_norm = None
+    if c.qk_norm:
+        norms = s.stacked(n, [(attn + "q_norm.weight", (d,)), (attn + "k_norm.weight", (d,))]).view(n, 2, d)
+        # One weight row per head so q and k heads are normalized in a single op.
+        qk_norm = torch.cat(
+            [norms[:, 0:1].expand(n, c.num_heads, d), norms[:, 1:2].expand(n, c.num_kv_heads, d)], dim=1
+        ).contiguous()
+    o = s.stacked(n, [(attn + "o_proj.weight", (h, q))])
+    mlp_norm = s.stacked(n, [("model.layers.{i}.post_attention_layernorm.weight", (h,))])
+    inter = c.intermediate_size
+    gate_up = s.stacked(n, [(mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))])
+    down = s.stacked(n, [(mlp + "down_proj.weight", (h, inter))])
+    return DecoderWeights(
+        embed=embed, lm_head=lm_head, final_norm=final_norm,
+        attn_norm=attn_norm.view(n, h), qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm,
+        o=o, mlp_norm=mlp_norm.view(n, h), gate_up=gate_up, down=down,
+    )

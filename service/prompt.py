@@ -1,0 +1,104 @@
+"""Turn a request's input (text, token ids or chat messages) into prompt token ids.
+
+Sizes are checked before the tokenizer runs (see ``validation``); tokenization runs in a
+worker thread so a long prompt never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from protos.kvfence.v1 import inference_pb2
+from service.errors import invalid_argument
+from service.validation import (
+    ModelLimits,
+    Violations,
+    check_chat,
+    check_prompt_ids,
+    check_prompt_length,
+    check_text,
+    raise_if,
+)
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def id_to_token_bytes(self, token_id: int) -> bytes: ...
+
+
+class ChatTemplateLike(Protocol):
+    def render(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+def wants_generation_prompt(chat: inference_pb2.ChatMessages) -> bool:
+    """``add_generation_prompt`` is true when set, and also when left unset (proto3 false)
+    unless the last message is the assistant's, which asks to continue that message."""
+    return chat.add_generation_prompt or chat.messages[-1].role != "assistant"
+
+
+class PromptBuilder:
+    """Tokenizes inputs for one model."""
+
+    def __init__(
+        self, tokenizer: TokenizerLike, chat_template: ChatTemplateLike | None, model: ModelLimits
+    ) -> None:
+        self._tok = tokenizer
+        self._template = chat_template
+        self.model = model
+
+    def check_input(
+        self,
+        which: str | None,
+        req: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
+        token_limit: int,
+        out: Violations,
+    ) -> None:
+        """Size checks that need no tokenizer; ``which`` is the set ``input`` oneof field."""
+        if which is None:
+            out.append(("input", "one of text, token_ids or chat is required"))
+        elif which == "text":
+            check_text(req.text, "text", token_limit, out)
+        elif which == "token_ids":
+            assert isinstance(req, inference_pb2.GenerateRequest)
+            check_prompt_ids(req.token_ids.ids, "token_ids.ids", token_limit, self.model.vocab_size, out)
+        elif which == "chat":
+            check_chat(req.chat, "chat", token_limit, out)
+            if self._template is None:
+                out.append(("chat", "the model has no chat template; send text or token_ids"))
+
+    async def prompt_ids(
+        self,
+        which: str,
+        req: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
+        token_limit: int,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
+        """Token ids of an input that passed ``check_input``; raises INVALID_ARGUMENT if the
+        tokenized prompt is empty or over ``token_limit``."""
+        if which == "token_ids":
+            assert isinstance(req, inference_pb2.GenerateRequest)
+            return list(req.token_ids.ids)
+        if which == "text":
+            ids = await asyncio.to_thread(self._tok.encode, req.text, add_special_tokens)
+        else:
+            assert self._template is not None
+            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            try:
+                text = self._template.render(messages, wants_generation_prompt(req.chat))
+            except ValueError as exc:  # ChatTemplateError: the template's own complaint
+                raise invalid_argument([("chat", f"chat template refused the messages: {exc}")]) from None
+            # The rendered template already spells out its special tokens.
+            ids = await asyncio.to_thread(self._tok.encode, text, False)
+        out: Violations = []
+        check_prompt_length(len(ids), which, token_limit, out)
+        raise_if(out)
+        return ids
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token_bytes(token_id).decode("utf-8", "replace")

@@ -1,0 +1,304 @@
+"""The gRPC server: servicers, auth, health, reflection, metrics, reload and drain.
+
+``KVFenceServer`` is handed a started engine and its cache; it owns neither. Lifecycle::
+
+    server = KVFenceServer(...); await server.start()   # health SERVING
+    server.reload_tenants()                              # SIGHUP
+    await server.drain()                                 # SIGTERM: see ``drain``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from structlog.typing import FilteringBoundLogger
+
+from kvcache.config import TenantCachePolicy
+from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
+from service.auth import Authenticator, AuthInterceptor
+from service.cache_access import CacheAccess
+from service.cache_servicer import CacheServicer
+from service.engine.types import TenantSchedPolicy
+from service.inference_servicer import InferenceOptions, InferenceServicer
+from service.limits import TenantLimiter
+from service.metrics import EngineGauges, Metrics, MetricsServer
+from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
+from service.protocols import CacheLike, EngineLike
+from service.tenants import TenantRegistry, TenantsFileError, load_tenants
+from service.validation import ModelLimits
+
+MiB = 1024 * 1024
+SERVICE_NAMES = (
+    inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+    cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None  # set = mTLS: client certificates are required
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0
+    tls: TlsFiles | None = None
+    # NOTE: large enough that a prompt far over any context length (~700k token ids, or its
+    # text) still arrives and gets INVALID_ARGUMENT from validation; bigger messages are
+    # refused by gRPC with RESOURCE_EXHAUSTED before they are parsed.
+    max_message_bytes: int = 8 * MiB
+    grace_s: float = 10.0
+    reflection: bool = False
+    log_content: bool = False
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None = no metrics endpoint; 0 = any free port
+    alert_tenant_kv_pages: int = 0  # 0 = off
+    alert_request_kv_pages: int = 0
+    stats_interval_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the server needs to know about the loaded model."""
+
+    name: str
+    architecture: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: TokenizerLike
+    chat_template: ChatTemplateLike | None
+    default_ttl_s: float
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Keepalive without a max connection age: long streams are never cut.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class KVFenceServer:
+    def __init__(
+        self,
+        *,
+        engine: EngineLike,
+        cache: CacheAccess,
+        model: ServedModel,
+        registry: TenantRegistry,
+        options: ServerOptions,
+        log: FilteringBoundLogger,
+        tenants_path: Path | None = None,
+        set_engine_policy: Callable[[str, TenantSchedPolicy], None] | None = None,
+        set_cache_policy: Callable[[str, TenantCachePolicy], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._cache = cache
+        self._model = model
+        self._options = options
+        self._log = log
+        self._tenants_path = tenants_path
+        self._set_engine_policy = set_engine_policy
+        self._set_cache_policy = set_cache_policy
+        self._clock = clock
+        self._draining = False
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._stats_task: asyncio.Task[None] | None = None
+        self._alerted: set[str] = set()
+        self.metrics = Metrics(registry.names())
+        self.metrics_server: MetricsServer | None = None
+        self.authenticator = Authenticator(registry)
+        self.limiter = TenantLimiter(clock)
+        self.port = 0
+        self._apply(registry)
+        limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
+        self.inference = InferenceServicer(
+            engine,
+            PromptBuilder(model.tokenizer, model.chat_template, limits),
+            self.limiter,
+            self.metrics,
+            log,
+            InferenceOptions(
+                model_info=inference_pb2.ModelInfo(
+                    name=model.name, architecture=model.architecture,
+                    max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+                    dtype=model.dtype,
+                ),
+                page_size=cache.page_size,
+                log_content=options.log_content,
+                alert_request_kv_pages=options.alert_request_kv_pages,
+            ),
+            lambda: self._draining,
+            clock,
+        )
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def start(self) -> int:
+        """Bind, start serving and mark health SERVING. Returns the bound port."""
+        opts = self._options
+        interceptor = AuthInterceptor(
+            self.authenticator, lambda: self._draining, self._log,
+            on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
+        )
+        server = grpc.aio.server(
+            interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
+        )
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, server)
+        cache_pb2_grpc.add_CacheServicer_to_server(
+            CacheServicer(
+                self._cache.usage, self._cache.purge, self._cache.page_size,
+                self._model.default_ttl_s, self.limiter, self.metrics,
+            ),
+            server,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if opts.reflection:
+            names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, server)
+        address = f"{opts.host}:{opts.port}"
+        if opts.tls is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, _credentials(opts.tls))
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if opts.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.metrics, opts.metrics_host, opts.metrics_port)
+        await self.refresh_stats()
+        self._stats_task = asyncio.create_task(self._stats_loop())
+        return self.port
+
+    def reload_tenants(self) -> bool:
+        """Re-read the tenants file (SIGHUP). In-flight streams continue; a revoked key is
+        refused from the next call. A broken file is logged and the old one kept."""
+        if self._tenants_path is None:
+            return False
+        try:
+            registry = load_tenants(self._tenants_path)
+        except TenantsFileError as err:
+            self._log.error("tenants.reload_failed", error=str(err))
+            return False
+        self._apply(registry)
+        self.authenticator.replace(registry)
+        self.metrics.set_tenants(registry.names())
+        self._log.info("tenants.reloaded", tenants=len(registry.tenants))
+        return True
+
+    def _apply(self, registry: TenantRegistry) -> None:
+        for tenant in registry.tenants.values():
+            q = tenant.quotas
+            self.limiter.configure(tenant.name, q)
+            if self._set_engine_policy is not None:
+                self._set_engine_policy(
+                    tenant.name,
+                    TenantSchedPolicy(
+                        weight=tenant.weight,
+                        max_running=q.max_concurrent_streams,
+                        max_waiting=q.max_concurrent_streams,
+                    ),
+                )
+            if self._set_cache_policy is not None:
+                self._set_cache_policy(
+                    tenant.name,
+                    TenantCachePolicy(
+                        max_pages=q.max_kv_pages or None, ttl_s=tenant.prefix_cache_ttl_seconds
+                    ),
+                )
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """SIGTERM: health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight streams
+        get ``grace_s`` to finish; the rest are aborted in the engine (pages freed) and end
+        with UNAVAILABLE; then the server stops."""
+        grace = self._options.grace_s if grace_s is None else grace_s
+        self._draining = True
+        await self._health.enter_graceful_shutdown()
+        self._log.info("server.draining", in_flight=self.limiter.total_active(), grace_s=grace)
+        await self._wait_idle(grace)
+        aborted = self.inference.abort_all()
+        await self._wait_idle(5.0)
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        await self.close()
+        self._log.info("server.stopped", aborted=aborted)
+
+    async def close(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
+            self._stats_task = None
+        if self._server is not None:
+            await self._server.stop(grace=None)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def _wait_idle(self, timeout_s: float) -> None:
+        deadline = self._clock() + timeout_s
+        while self.limiter.total_active() > 0 and self._clock() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._options.stats_interval_s)
+            try:
+                await self.refresh_stats()
+            except Exception as err:  # a scrape snapshot must never take the server down
+                self._log.warning("metrics.refresh_failed", error=type(err).__name__)
+
+    async def refresh_stats(self) -> None:
+        """Snapshot cache and engine gauges for /metrics and check the tenant KV alert."""
+        stats = await self._cache.stats()
+        gauges = EngineGauges(self._engine.num_waiting(), self._engine.num_running())
+        self.metrics.observe_cache(stats, gauges)
+        threshold = self._options.alert_tenant_kv_pages
+        if threshold <= 0:
+            return
+        for name, usage in stats.tenants.items():
+            pages = usage.pages_in_use + usage.pages_cached
+            if pages > threshold and name not in self._alerted:
+                self._alerted.add(name)
+                self._log.warning("kv.alert.tenant_pages", tenant=name, pages=pages, threshold=threshold)
+                self.metrics.kv_alerts.labels(self.metrics.label(name), "tenant").inc()
+            elif pages <= threshold:
+                self._alerted.discard(name)
+
+
+def _credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    key, cert = tls.key.read_bytes(), tls.cert.read_bytes()
+    client_ca = tls.client_ca.read_bytes() if tls.client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+__all__ = ["CacheLike", "KVFenceServer", "ServedModel", "ServerOptions", "TlsFiles"]

@@ -1,0 +1,233 @@
+"""The tenants file: who may call the server, with which credential, under which quotas.
+
+Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optional)::
+
+    [tenants.acme]
+    api_key_sha256 = ["9f86d081884c7d65..."]   # hex sha256 of each valid API key
+    mtls_identities = ["spiffe://acme/worker"] # client-certificate SAN strings (mTLS)
+    weight = 2.0                               # weighted-fair-queueing share
+    max_concurrent_streams = 8                 # running + queued Generate streams
+    max_kv_pages = 4096                        # running + cached KV pages; 0 = unlimited
+    max_prompt_tokens = 2048                   # 0 = the model's context length
+    tokens_per_minute = 60000                  # prompt + max_tokens; 0 = unlimited
+    prefix_cache_ttl_seconds = 600             # 0 = no prefix caching for this tenant
+    models = ["SmolLM2-135M-Instruct"]         # models the tenant may use; absent = all
+    allow_reflection = false                   # may call server reflection (--reflection)
+
+Only hashes are stored; ``kvfence tenants add`` prints the plaintext key once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+KEY_PREFIX = "kvf_"
+_KNOWN_KEYS = frozenset(
+    {
+        "api_key_sha256",
+        "mtls_identities",
+        "weight",
+        "max_concurrent_streams",
+        "max_kv_pages",
+        "max_prompt_tokens",
+        "tokens_per_minute",
+        "prefix_cache_ttl_seconds",
+        "models",
+        "allow_reflection",
+    }
+)
+
+
+class TenantsFileError(Exception):
+    """The tenants file is missing or malformed; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas:
+    """Per-tenant limits. 0 means unlimited (``max_prompt_tokens``: the model's context)."""
+
+    max_concurrent_streams: int = 16
+    max_kv_pages: int = 0
+    max_prompt_tokens: int = 0
+    tokens_per_minute: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """One tenant. ``key_hashes`` are raw sha256 digests of its API keys."""
+
+    name: str
+    key_hashes: tuple[bytes, ...] = ()
+    mtls_identities: tuple[str, ...] = ()
+    weight: float = 1.0
+    quotas: Quotas = Quotas()
+    prefix_cache_ttl_seconds: float | None = None  # None = server default
+    models: tuple[str, ...] | None = None  # None = every served model
+    allow_reflection: bool = False
+
+    def may_use_model(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+def hash_key(key: str) -> bytes:
+    """The stored form of an API key: its raw sha256 digest."""
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRegistry:
+    """An immutable snapshot of the tenants file. Reloading builds a new one."""
+
+    tenants: Mapping[str, Tenant]
+
+    def by_key(self, key: str) -> Tenant | None:
+        """The tenant owning ``key``; compares every stored digest in constant time."""
+        digest = hash_key(key)
+        found: Tenant | None = None
+        # NOTE: no early exit, so the time taken does not depend on which tenant matched.
+        for tenant in self.tenants.values():
+            for stored in tenant.key_hashes:
+                if hmac.compare_digest(stored, digest):
+                    found = tenant
+        return found
+
+    def by_identity(self, identities: tuple[str, ...]) -> Tenant | None:
+        """The tenant one of the client-certificate SANs is mapped to."""
+        for tenant in self.tenants.values():
+            if any(ident in tenant.mtls_identities for ident in identities):
+                return tenant
+        return None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.tenants)
+
+
+def load_tenants(path: str | Path) -> TenantRegistry:
+    """Parse and check the tenants file. Raises ``TenantsFileError``."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TenantsFileError(f"{path}: tenants file not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise TenantsFileError(f"{path}: cannot read tenants file: {exc}") from None
+    return parse_tenants(data, source=str(path))
+
+
+def parse_tenants(data: Mapping[str, Any], source: str = "<tenants>") -> TenantRegistry:
+    section = data.get("tenants", {})
+    if not isinstance(section, dict):
+        raise TenantsFileError(f"{source}: [tenants] must be a table")
+    tenants: dict[str, Tenant] = {}
+    identities: dict[str, str] = {}
+    for name, raw in section.items():
+        tenant = _parse_tenant(name, raw, source)
+        for ident in tenant.mtls_identities:
+            if ident in identities:
+                raise TenantsFileError(
+                    f"{source}: mTLS identity {ident!r} is mapped to both "
+                    f"{identities[ident]!r} and {name!r}"
+                )
+            identities[ident] = name
+        tenants[name] = tenant
+    return TenantRegistry(tenants=tenants)
+
+
+def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
+    where = f"{source}: tenant {name!r}"
+    if not _NAME_RE.match(name) or name.startswith("__"):
+        raise TenantsFileError(f"{where}: invalid name (letters, digits, '_', '.', '-')")
+    if not isinstance(raw, dict):
+        raise TenantsFileError(f"{where}: must be a table")
+    unknown = sorted(set(raw) - _KNOWN_KEYS)
+    if unknown:
+        raise TenantsFileError(f"{where}: unknown keys {unknown}")
+    hashes = _str_list(raw, "api_key_sha256", where)
+    for h in hashes:
+        if not _HEX64_RE.match(h):
+            raise TenantsFileError(f"{where}: api_key_sha256 entries must be 64 lowercase hex")
+    idents = _str_list(raw, "mtls_identities", where)
+    if not hashes and not idents:
+        raise TenantsFileError(f"{where}: needs api_key_sha256 or mtls_identities")
+    weight = raw.get("weight", 1.0)
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight <= 1e6:
+        raise TenantsFileError(f"{where}: weight must be a number in (0, 1e6]")
+    ttl = raw.get("prefix_cache_ttl_seconds")
+    if ttl is not None and (not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl < 0):
+        raise TenantsFileError(f"{where}: prefix_cache_ttl_seconds must be >= 0")
+    models = _str_list(raw, "models", where) if "models" in raw else None
+    reflection = raw.get("allow_reflection", False)
+    if not isinstance(reflection, bool):
+        raise TenantsFileError(f"{where}: allow_reflection must be true or false")
+    quotas = Quotas(
+        max_concurrent_streams=_int(raw, "max_concurrent_streams", 16, where, minimum=1),
+        max_kv_pages=_int(raw, "max_kv_pages", 0, where),
+        max_prompt_tokens=_int(raw, "max_prompt_tokens", 0, where),
+        tokens_per_minute=_int(raw, "tokens_per_minute", 0, where),
+    )
+    return Tenant(
+        name=name,
+        key_hashes=tuple(bytes.fromhex(h) for h in hashes),
+        mtls_identities=tuple(idents),
+        weight=float(weight),
+        quotas=quotas,
+        prefix_cache_ttl_seconds=None if ttl is None else float(ttl),
+        models=None if models is None else tuple(models),
+        allow_reflection=reflection,
+    )
+
+
+def _str_list(raw: Mapping[str, Any], key: str, where: str) -> list[str]:
+    value = raw.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TenantsFileError(f"{where}: {key} must be a list of strings")
+    return value
+
+
+def _int(raw: Mapping[str, Any], key: str, default: int, where: str, minimum: int = 0) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TenantsFileError(f"{where}: {key} must be an integer >= {minimum}")
+    return value
+
+
+def add_tenant(path: str | Path, name: str) -> str:
+    """Append a new tenant with a fresh API key to ``path`` (created if absent).
+
+    Returns the plaintext key; only its sha256 is written. Existing content and comments are
+    kept. Raises ``TenantsFileError`` if the name is invalid or already present.
+    """
+    path = Path(path)
+    if not _NAME_RE.match(name) or name.startswith("__"):
+        raise TenantsFileError(f"invalid tenant name {name!r} (letters, digits, '_', '.', '-')")
+    existing = ""
+    if path.exists():
+        existing = path.read_text(encoding="utf-8")
+        if name in load_tenants(path).tenants:
+            raise TenantsFileError(f"{path}: tenant {name!r} already exists")
+    key = new_api_key()
+    block = (
+        f'[tenants."{name}"]\n'
+        f'api_key_sha256 = ["{hash_key(key).hex()}"]\n'
+        "weight = 1.0\n"
+        "max_concurrent_streams = 16\n"
+    )
+    sep = "" if not existing or existing.endswith("\n\n") else ("\n" if existing.endswith("\n") else "\n\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(existing + sep + block, encoding="utf-8")
+    load_tenants(path)  # the file we wrote must parse
+    return key

@@ -1,0 +1,188 @@
+"""Request checks that run before any tokenization work is unbounded and before any KV page
+is allocated. Every failure is INVALID_ARGUMENT with one BadRequest field violation per
+problem found.
+
+Text is bounded by bytes before it is tokenized: a byte-level BPE token covers at least one
+byte, so ``TEXT_BYTES_PER_TOKEN`` bytes per allowed prompt token is generous for any real
+text and keeps the tokenizer's work bounded whatever a client sends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protos.kvfence.v1 import inference_pb2
+from service.engine.types import SamplingParams, StoppingParams
+from service.errors import invalid_argument
+
+TEXT_BYTES_PER_TOKEN = 32
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_CHAT_MESSAGES = 512
+MAX_LOGPROBS = 20
+MAX_CLIENT_REQUEST_ID = 128
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_MAX_TEMPERATURE = 100.0
+_MAX_REPETITION_PENALTY = 100.0
+
+Violations = list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the served model allows."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+
+
+def prompt_token_limit(model: ModelLimits, tenant_max_prompt_tokens: int) -> int:
+    """Most prompt tokens a tenant may send (one position is kept for the first output)."""
+    limit = model.max_model_len - 1
+    return min(limit, tenant_max_prompt_tokens) if tenant_max_prompt_tokens > 0 else limit
+
+
+def raise_if(violations: Violations) -> None:
+    if violations:
+        raise invalid_argument(violations)
+
+
+def check_text(text: str, field: str, token_limit: int, out: Violations) -> None:
+    """Bound the text's size before tokenizing (``len`` first: chars <= bytes)."""
+    max_bytes = token_limit * TEXT_BYTES_PER_TOKEN
+    if not text:
+        out.append((field, "must not be empty"))
+    elif len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:
+        out.append((field, f"text is longer than {max_bytes} bytes"))
+
+
+def check_chat(chat: inference_pb2.ChatMessages, field: str, token_limit: int, out: Violations) -> None:
+    messages = chat.messages
+    max_bytes = token_limit * TEXT_BYTES_PER_TOKEN
+    if not messages:
+        out.append((f"{field}.messages", "must not be empty"))
+        return
+    if len(messages) > MAX_CHAT_MESSAGES:
+        out.append((f"{field}.messages", f"at most {MAX_CHAT_MESSAGES} messages"))
+        return
+    total = 0
+    for i, msg in enumerate(messages):
+        if msg.role not in CHAT_ROLES:
+            out.append((f"{field}.messages[{i}].role", f"must be one of {sorted(CHAT_ROLES)}"))
+        total += len(msg.content)
+        if total > max_bytes or len(msg.content.encode("utf-8")) > max_bytes:
+            out.append((f"{field}.messages[{i}].content", f"chat is longer than {max_bytes} bytes"))
+            return
+
+
+def check_prompt_ids(
+    ids: Sequence[int], field: str, token_limit: int, vocab_size: int, out: Violations
+) -> None:
+    """Length first (O(1)), so an enormous id list is refused without scanning it."""
+    if not ids:
+        out.append((field, "must not be empty"))
+    elif len(ids) > token_limit:
+        out.append((field, f"prompt has {len(ids)} tokens; the limit is {token_limit}"))
+    else:
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            out.append((f"{field}[{bad}]", f"token id {ids[bad]} is outside [0, {vocab_size})"))
+
+
+def check_prompt_length(n: int, field: str, token_limit: int, out: Violations) -> None:
+    if n == 0:
+        out.append((field, "prompt is empty after tokenization"))
+    elif n > token_limit:
+        out.append((field, f"prompt has {n} tokens; the limit is {token_limit}"))
+
+
+def _number(
+    value: float, field: str, lo: float, hi: float, out: Violations, *, open_lo: bool = False
+) -> None:
+    ok = math.isfinite(value) and (lo < value if open_lo else lo <= value) and value <= hi
+    if not ok:
+        bracket = "(" if open_lo else "["
+        out.append((field, f"must be a finite number in {bracket}{lo:g}, {hi:g}]"))
+
+
+def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> SamplingParams:
+    d = SamplingParams()
+    s = SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
+        top_k=msg.top_k if msg.HasField("top_k") else d.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else d.top_p,
+        min_p=msg.min_p if msg.HasField("min_p") else d.min_p,
+        repetition_penalty=(
+            msg.repetition_penalty if msg.HasField("repetition_penalty") else d.repetition_penalty
+        ),
+        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
+        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+    _number(s.temperature, "sampling.temperature", 0.0, _MAX_TEMPERATURE, out)
+    if s.top_k < 0:
+        out.append(("sampling.top_k", "must be >= 0"))
+    _number(s.top_p, "sampling.top_p", 0.0, 1.0, out, open_lo=True)
+    _number(s.min_p, "sampling.min_p", 0.0, 1.0, out)
+    _number(
+        s.repetition_penalty, "sampling.repetition_penalty", 0.0, _MAX_REPETITION_PENALTY, out,
+        open_lo=True,
+    )
+    _number(s.presence_penalty, "sampling.presence_penalty", -2.0, 2.0, out)
+    _number(s.frequency_penalty, "sampling.frequency_penalty", -2.0, 2.0, out)
+    return s
+
+
+def parse_stopping(
+    msg: inference_pb2.StoppingParams, vocab_size: int, out: Violations
+) -> StoppingParams:
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else StoppingParams().max_tokens
+    if max_tokens <= 0:
+        out.append(("stopping.max_tokens", "must be >= 1"))
+    if not 0 <= msg.min_tokens <= max(max_tokens, 0):
+        out.append(("stopping.min_tokens", "must be in [0, max_tokens]"))
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        out.append(("stopping.stop", f"at most {MAX_STOP_STRINGS} stop strings"))
+    else:
+        for i, stop in enumerate(msg.stop):
+            if not stop or len(stop.encode("utf-8")) > MAX_STOP_BYTES:
+                out.append((f"stopping.stop[{i}]", f"must be 1 to {MAX_STOP_BYTES} bytes"))
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        out.append(("stopping.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"))
+    else:
+        for i, t in enumerate(msg.stop_token_ids):
+            if not 0 <= t < vocab_size:
+                out.append((f"stopping.stop_token_ids[{i}]", f"must be in [0, {vocab_size})"))
+    return StoppingParams(
+        max_tokens=max_tokens,
+        min_tokens=msg.min_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def check_request_fields(
+    req: inference_pb2.GenerateRequest, model: ModelLimits, out: Violations
+) -> None:
+    if not 0 <= req.logprobs <= MAX_LOGPROBS:
+        out.append(("logprobs", f"must be in [0, {MAX_LOGPROBS}]"))
+    if len(req.client_request_id) > MAX_CLIENT_REQUEST_ID:
+        out.append(("client_request_id", f"at most {MAX_CLIENT_REQUEST_ID} characters"))
+    if req.model and req.model != model.name:
+        out.append(("model", "is not served here (see ListModels)"))
+
+
+def check_context(prompt_len: int, max_tokens: int, model: ModelLimits, out: Violations) -> None:
+    if max_tokens > 0 and prompt_len + max_tokens > model.max_model_len:
+        out.append(
+            (
+                "stopping.max_tokens",
+                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context "
+                f"length {model.max_model_len}",
+            )
+        )

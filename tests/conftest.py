@@ -1,0 +1,53 @@
+"""Session-wide fixtures shared by every test package.
+
+Expensive things (the default model, the transformers oracle) load once per session.
+Imports of torch/transformers stay inside the fixtures so suites that need neither stay fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from service.model import LoadedModel
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``cuda`` on machines without a CUDA GPU."""
+    if not any("cuda" in item.keywords for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default GGUF, pulled (and sha256-verified) if absent."""
+    from service.model.default import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path: Path) -> LoadedModel:
+    """The default model loaded by our runtime, fp32 on CPU."""
+    from service.model import load_model
+
+    return load_model(default_model_path, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(default_model_path: Path) -> tuple[Any, Any]:
+    """(transformers model, transformers tokenizer) for the default GGUF, fp32 on CPU."""
+    from tests.fixtures.parity import load_hf_oracle
+
+    return load_hf_oracle(default_model_path)

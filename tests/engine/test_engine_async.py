@@ -1,0 +1,129 @@
+"""The threaded Engine and its asyncio bridge (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvcache import CacheConfig
+from service.engine import (
+    Admitted,
+    Delta,
+    Engine,
+    EngineConfig,
+    EngineStopped,
+    Finished,
+    QueueFull,
+    TenantSchedPolicy,
+    build_engine,
+)
+from service.engine.types import WARMUP_TENANT, EngineEvent
+from service.model import LoadedModel
+from tests.engine.conftest import Recorder, assert_at_baseline, make_core, prompt_ids, req, run_all
+
+V = 384
+
+
+def started(tiny: LoadedModel, **config: object) -> Engine:
+    engine = build_engine(
+        tiny,
+        EngineConfig(**{"warmup": False, **config}),  # type: ignore[arg-type]
+        CacheConfig(page_size=16),
+        kv_pages=256,
+    )
+    engine.start()
+    return engine
+
+
+async def collect(stream) -> list[EngineEvent]:  # type: ignore[no-untyped-def]
+    return [event async for event in stream]
+
+
+def test_warmup_runs_before_start_returns_and_leaves_pool_at_baseline(tiny: LoadedModel) -> None:
+    engine = build_engine(tiny, EngineConfig(max_num_batched_tokens=64), CacheConfig(), kv_pages=64)
+    engine.start()
+    try:
+        core = engine.core
+        assert core.num_steps >= 1 + 5 * 3  # one prefill + 5 decode batch sizes x 3 tokens
+        assert engine.core.cache.num_free_pages() == 64
+        usage = core.cache.usage(WARMUP_TENANT)
+        assert usage.pages_in_use == 0 and usage.pages_cached == 0 and usage.cached_prefixes == 0
+        assert_at_baseline(core)
+    finally:
+        engine.shutdown()
+
+
+def test_streams_match_the_core_and_events_are_ordered(tiny: LoadedModel) -> None:
+    requests = [req(f"r{i}", prompt_ids(i, 5 + 20 * i, V), max_tokens=4 + i) for i in range(6)]
+    reference = Recorder()
+    run_all(make_core(tiny), reference, requests)
+    engine = started(tiny)
+    try:
+
+        async def main() -> list[list[EngineEvent]]:
+            return await asyncio.gather(*(collect(engine.submit(r)) for r in requests))
+
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for r, events in zip(requests, results, strict=True):
+        assert isinstance(events[0], Admitted) and isinstance(events[-1], Finished)
+        assert all(isinstance(e, Delta) for e in events[1:-1])
+        tokens = [t for e in events[1:-1] for t in e.token_ids]  # type: ignore[union-attr]
+        assert tokens == reference.tokens(r.request_id)
+        assert events[-1].completion_tokens == len(tokens)
+    assert_at_baseline(engine.core)
+
+
+def test_abort_and_closing_the_stream_free_the_request(tiny: LoadedModel) -> None:
+    engine = started(tiny)
+    try:
+
+        async def main() -> tuple[list[EngineEvent], int]:
+            long = req("long", prompt_ids(1, 10, V), max_tokens=500, ignore_eos=True)
+            gone = req("gone", prompt_ids(2, 10, V), max_tokens=500, ignore_eos=True)
+            events: list[EngineEvent] = []
+            stream = engine.submit(long)
+            closed = engine.submit(gone)
+            async for event in stream:
+                events.append(event)
+                if len(events) == 3:
+                    engine.abort("long")
+            first = [await closed.__anext__() for _ in range(3)]
+            await closed.aclose()  # the client went away
+            return events, len(first)
+
+        events, _ = asyncio.run(main())
+        fin = events[-1]
+        assert isinstance(fin, Finished) and fin.reason == "abort"
+        assert 2 <= fin.completion_tokens < 500
+        deadline = time.monotonic() + 5
+        while engine.core.num_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert_at_baseline(engine.core)
+    finally:
+        engine.shutdown()
+
+
+def test_queue_full_raises_from_submit_and_shutdown_aborts(tiny: LoadedModel) -> None:
+    engine = started(tiny, max_num_seqs=1)
+    engine.set_tenant_policy("t1", TenantSchedPolicy(max_waiting=1))
+
+    async def main() -> list[EngineEvent]:
+        busy = engine.submit(req("busy", prompt_ids(1, 10, V), max_tokens=10_000, ignore_eos=True))
+        await busy.__anext__()  # admitted: the queue is empty again
+        waiting = engine.submit(req("w", [5], max_tokens=1))
+        with pytest.raises(QueueFull):
+            engine.submit(req("x", [5], max_tokens=1))
+        engine.shutdown()
+        rest = await collect(busy)
+        assert (await collect(waiting))[-1].reason == "abort"  # type: ignore[union-attr]
+        with pytest.raises(EngineStopped):
+            engine.submit(req("y", [5]))
+        return rest
+
+    rest = asyncio.run(main())
+    assert isinstance(rest[-1], Finished) and rest[-1].reason == "abort"
+    assert_at_baseline(engine.core)

@@ -1,0 +1,146 @@
+"""Batched sampler: each option against a direct reference computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from service.engine.sampler import Sampler, SampleRow
+from service.engine.types import SamplingParams
+
+V = 8
+
+
+def row(
+    params: SamplingParams,
+    seed: int | None = None,
+    prompt: tuple[int, ...] = (0,),
+    output: tuple[int, ...] = (),
+    banned: tuple[int, ...] = (),
+    logprobs: int = 0,
+) -> SampleRow:
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    return SampleRow(params, gen, prompt, output, banned, logprobs)
+
+
+def logits_of(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+BASE = [0.5, 2.0, -1.0, 1.5, 0.0, 3.0, -2.0, 1.0]  # argmax 5, then 1, 3, 7
+
+
+def test_greedy_is_argmax_and_banned_tokens_are_never_chosen() -> None:
+    s = Sampler(seed=0)
+    greedy = SamplingParams(temperature=0.0)
+    out = s.sample(logits_of(BASE, BASE), [row(greedy), row(greedy, banned=(5,))])
+    assert out.token_ids == [5, 1]
+    assert out.logprobs == [None, None]
+
+
+def test_penalties_match_reference() -> None:
+    logits = torch.tensor(BASE)
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
+    )
+    prompt, output = (1, 2), (5, 5, 3)
+    expected = logits.clone()
+    for t in {1, 2, 5, 3}:  # repetition: prompt and output tokens
+        expected[t] = expected[t] / 2.0 if expected[t] > 0 else expected[t] * 2.0
+    for t, n in {5: 2, 3: 1}.items():  # presence and frequency: output tokens only
+        expected[t] -= 0.5 + 0.25 * n
+    s = Sampler(seed=0)
+    out = s.sample(logits[None].clone(), [row(params, prompt=prompt, output=output, logprobs=3)])
+    assert out.token_ids == [int(expected.argmax())]
+    lp = out.logprobs[0]
+    assert lp is not None
+    ref = expected.log_softmax(-1)
+    assert lp.logprob == pytest.approx(float(ref.max()), abs=1e-5)
+    assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_logprobs_are_of_the_temperature_scaled_untruncated_distribution() -> None:
+    params = SamplingParams(temperature=0.5, top_k=2, seed=1)
+    s = Sampler(seed=0)
+    out = s.sample(logits_of(BASE), [row(params, seed=1, logprobs=4)])
+    lp = out.logprobs[0]
+    assert lp is not None
+    ref = (torch.tensor(BASE) / 0.5).log_softmax(-1)
+    assert lp.token_id == out.token_ids[0]
+    assert lp.logprob == pytest.approx(float(ref[lp.token_id]), abs=1e-5)
+    assert len(lp.top) == 4
+    for token, value in lp.top:
+        assert value == pytest.approx(float(ref[token]), abs=1e-5)
+    assert [t for t, _ in lp.top] == [5, 1, 3, 7]
+
+
+def empirical(params: SamplingParams, logits: list[float], n: int = 6000) -> torch.Tensor:
+    s = Sampler(seed=123)
+    out = s.sample(logits_of(*([logits] * n)), [row(params)] * n)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
+
+
+def assert_close_to(freq: torch.Tensor, probs: torch.Tensor) -> None:
+    for f, p in zip(freq.tolist(), probs.tolist(), strict=True):
+        assert abs(f - p) <= 4 * math.sqrt(max(p * (1 - p), 1e-9) / 6000) + 1e-9, (freq, probs)
+
+
+def test_temperature_sampling_follows_softmax() -> None:
+    probs = (torch.tensor(BASE) / 0.7).softmax(-1)
+    assert_close_to(empirical(SamplingParams(temperature=0.7), BASE), probs)
+
+
+def test_top_k_top_p_min_p_truncate_then_renormalise() -> None:
+    base = torch.tensor(BASE)
+    p = base.softmax(-1)
+
+    def renorm(keep: list[int]) -> torch.Tensor:
+        out = torch.zeros(V)
+        out[keep] = p[keep] / p[keep].sum()
+        return out
+
+    assert_close_to(empirical(SamplingParams(top_k=3), BASE), renorm([5, 1, 3]))
+    # top_p: sorted probs 5, 1, 3, ...; keep until the mass ahead of a token exceeds top_p.
+    ahead = float(p[5] + p[1])
+    assert_close_to(empirical(SamplingParams(top_p=ahead + 1e-3), BASE), renorm([5, 1, 3]))
+    assert_close_to(empirical(SamplingParams(top_p=ahead - 1e-3), BASE), renorm([5, 1]))
+    floor = float(p[5]) * 0.3
+    keep = [i for i in range(V) if float(p[i]) >= floor]
+    assert_close_to(empirical(SamplingParams(min_p=0.3), BASE), renorm(keep))
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
+    torch.manual_seed(0)
+    steps = [torch.randn(V) for _ in range(6)]
+    params = SamplingParams(temperature=1.0, seed=42)
+
+    def run(batch_size: int, position: int, sampler_seed: int) -> list[int]:
+        s = Sampler(seed=sampler_seed)
+        target = row(params, seed=42)
+        others = [row(SamplingParams(temperature=1.3)) for _ in range(batch_size - 1)]
+        tokens = []
+        for logits in steps:
+            rows = others[:position] + [target] + others[position:]
+            batch = torch.randn(batch_size, V)
+            batch[position] = logits
+            tokens.append(s.sample(batch, rows).token_ids[position])
+        return tokens
+
+    alone = run(1, 0, 0)
+    assert run(5, 3, 1) == alone
+    assert run(9, 0, 2) == alone
+    different_seed = Sampler(seed=0)
+    other = row(SamplingParams(temperature=1.0, seed=43), seed=43)
+    assert [different_seed.sample(x[None], [other]).token_ids[0] for x in steps] != alone
+
+
+def test_mixed_batch_greedy_rows_stay_greedy() -> None:
+    s = Sampler(seed=0)
+    rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=5.0))] * 50
+    out = s.sample(logits_of(*([BASE] * 100)), rows)
+    assert out.token_ids[0::2] == [5] * 50
+    assert len(set(out.token_ids[1::2])) > 1

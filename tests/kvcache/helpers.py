@@ -1,0 +1,76 @@
+"""Shared builders for the kvcache tests (small tensors, injected clock)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
+from kvcache.config import ScrubPolicy
+from kvcache.prefix_cache import KeyFn, chain_key
+
+SECRET = b"test-secret-0123456789abcdef0123"
+
+
+@dataclass(slots=True)
+class FakeClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_manager(
+    *,
+    num_pages: int = 16,
+    page_size: int = 4,
+    num_layers: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 4,
+    scrub_policy: ScrubPolicy = "reassign",
+    ttl: float = 600.0,
+    clock: FakeClock | None = None,
+    key_fn: KeyFn = chain_key,
+) -> tuple[KVCacheManager, FakeClock]:
+    clock = clock or FakeClock()
+    pool = PagePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, torch.float32, "cpu")
+    config = CacheConfig(
+        page_size=page_size, scrub_policy=scrub_policy, default_ttl_s=ttl, secret=SECRET
+    )
+    return KVCacheManager(pool, config, clock, key_fn=key_fn), clock
+
+
+def prefill(
+    mgr: KVCacheManager,
+    seq_id: str,
+    tenant: str,
+    tokens: Sequence[int],
+    *,
+    fill: float = 1.0,
+    use_prefix_cache: bool = True,
+) -> int:
+    """Open, allocate, run one step that writes ``fill`` as K and V in every layer, commit.
+    Returns the cached token count."""
+    cached = mgr.open(seq_id, tenant, tokens, use_prefix_cache=use_prefix_cache)
+    run_tokens(mgr, seq_id, cached, len(tokens) - cached, fill)
+    return cached
+
+
+def run_tokens(mgr: KVCacheManager, seq_id: str, start: int, n: int, fill: float) -> None:
+    mgr.allocate_slots(seq_id, n)
+    step = mgr.begin_step([StepEntry(seq_id, start, n)])
+    pool = mgr.pool
+    kv = torch.full((n, pool.num_kv_heads, pool.head_dim), fill)
+    for layer in range(pool.num_layers):
+        step(layer, kv.clone(), kv, kv)
+    mgr.commit(seq_id, start + n)
+
+
+def page_data(mgr: KVCacheManager, page_id: int) -> torch.Tensor:
+    """All layers' K/V of one page."""
+    return mgr.pool.kv[:, page_id]

@@ -1,0 +1,147 @@
+"""Paged torch attention == dense reference, for scattered page layouts, GQA, mixed steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry, write_kv
+from kvcache.dense import DenseAttention, causal_attention
+
+from .helpers import SECRET, FakeClock
+
+HEAD_DIM = 8
+
+
+def _scatter_free_list(mgr: KVCacheManager, rng: random.Random) -> None:
+    """Allocate and free filler sequences so later pages come from a shuffled free list."""
+    ids = [f"filler{i}" for i in range(6)]
+    for i, sid in enumerate(ids):
+        mgr.open(sid, "filler", [1], use_prefix_cache=False)
+        mgr.allocate_slots(sid, rng.randint(1, 3) * mgr.page_size + i)
+    rng.shuffle(ids)
+    for sid in ids:
+        mgr.free(sid)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (6, 2), (9, 3), (4, 1)])
+def test_paged_matches_dense_for_mixed_batches(page_size: int, hq: int, hkv: int) -> None:
+    rng = random.Random(page_size * 100 + hq * 10 + hkv)
+    torch.manual_seed(rng.randint(0, 10**6))
+    num_layers = 2
+    pool = PagePool(num_layers, 160 if page_size == 16 else 400, page_size, hkv, HEAD_DIM)
+    mgr = KVCacheManager(pool, CacheConfig(page_size=page_size, secret=SECRET), FakeClock())
+    _scatter_free_list(mgr, rng)
+
+    lengths = {"s0": 37, "s1": 21, "s2": 5, "s3": 50}
+    q = {s: torch.randn(num_layers, n, hq, HEAD_DIM) for s, n in lengths.items()}
+    k = {s: torch.randn(num_layers, n, hkv, HEAD_DIM) for s, n in lengths.items()}
+    v = {s: torch.randn(num_layers, n, hkv, HEAD_DIM) for s, n in lengths.items()}
+    for s, n in lengths.items():
+        mgr.open(s, f"tenant-{s}", list(range(n)), use_prefix_cache=False)
+    done = dict.fromkeys(lengths, 0)
+    # Each step mixes prefill chunks of varied sizes with one-token decodes.
+    chunk_plan = {"s0": [7, 13, 1, 1, 15], "s1": [20, 1], "s2": [1, 1, 3], "s3": [16, 16, 1, 17]}
+    worst = 0.0
+    while any(chunk_plan.values()):
+        entries = []
+        for s in rng.sample(sorted(lengths), len(lengths)):
+            if chunk_plan[s]:
+                n = chunk_plan[s].pop(0)
+                mgr.allocate_slots(s, n)
+                entries.append(StepEntry(s, done[s], n))
+        step = mgr.begin_step(entries)
+        for layer in range(num_layers):
+            qs = torch.cat(
+                [q[e.seq_id][layer, e.num_computed : e.num_computed + e.num_new] for e in entries]
+            )
+            ks = torch.cat(
+                [k[e.seq_id][layer, e.num_computed : e.num_computed + e.num_new] for e in entries]
+            )
+            vs = torch.cat(
+                [v[e.seq_id][layer, e.num_computed : e.num_computed + e.num_new] for e in entries]
+            )
+            out = step(layer, qs, ks, vs)
+            row = 0
+            for e in entries:
+                end = e.num_computed + e.num_new
+                ref = causal_attention(
+                    q[e.seq_id][layer, e.num_computed : end],
+                    k[e.seq_id][layer, :end],
+                    v[e.seq_id][layer, :end],
+                    e.num_computed,
+                )
+                got = out[row : row + e.num_new]
+                worst = max(worst, (got - ref).abs().max().item())
+                row += e.num_new
+        for e in entries:
+            done[e.seq_id] += e.num_new
+            mgr.commit(e.seq_id, done[e.seq_id])
+    assert done == {"s0": 37, "s1": 21, "s2": 5, "s3": 50}
+    assert worst <= 1e-5
+
+
+def test_decode_only_batch_matches_dense() -> None:
+    torch.manual_seed(0)
+    pool = PagePool(1, 64, 4, 2, HEAD_DIM)
+    mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
+    dense = {s: DenseAttention(1) for s in ("a", "b", "c")}
+    lens = {"a": 9, "b": 2, "c": 17}
+    for s, n in lens.items():
+        mgr.open(s, "t", list(range(n + 3)), use_prefix_cache=False)
+        mgr.allocate_slots(s, n)
+        qkv = [torch.randn(n, h, HEAD_DIM) for h in (4, 2, 2)]
+        mgr.begin_step([StepEntry(s, 0, n)])(0, *qkv)
+        dense[s](0, *qkv)
+        mgr.commit(s, n)
+    for _ in range(3):
+        entries = []
+        for s in ("c", "a", "b"):
+            mgr.allocate_slots(s, 1)
+            entries.append(StepEntry(s, lens[s], 1))
+        q, k, v = (
+            torch.randn(3, 4, HEAD_DIM),
+            torch.randn(3, 2, HEAD_DIM),
+            torch.randn(3, 2, HEAD_DIM),
+        )
+        out = mgr.begin_step(entries)(0, q, k, v)
+        for i, e in enumerate(entries):
+            ref = dense[e.seq_id](0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
+            torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=0)
+            lens[e.seq_id] += 1
+            mgr.commit(e.seq_id, lens[e.seq_id])
+
+
+def test_attention_reads_only_own_pages() -> None:
+    """Poisoning every page outside a sequence's table does not change its output."""
+    torch.manual_seed(1)
+    pool = PagePool(1, 32, 4, 1, HEAD_DIM)
+    mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
+    mgr.open("mine", "a", list(range(10)), use_prefix_cache=False)
+    mgr.open("other", "b", list(range(10)), use_prefix_cache=False)
+    for s in ("mine", "other"):
+        mgr.allocate_slots(s, 6)
+        mgr.begin_step([StepEntry(s, 0, 6)])(0, *[torch.randn(6, 1, HEAD_DIM) for _ in range(3)])
+        mgr.commit(s, 6)
+    own = {r.page_id for r in mgr.sequence_pages("mine")}
+    q, k, v = (torch.randn(1, 1, HEAD_DIM) for _ in range(3))
+    mgr.allocate_slots("mine", 1)
+    before = mgr.begin_step([StepEntry("mine", 6, 1)])(0, q, k, v)
+    for page in range(32):
+        if page not in own:
+            pool.kv[0, page] = float("nan")
+    after = mgr.begin_step([StepEntry("mine", 6, 1)])(0, q, k, v)
+    assert torch.isfinite(after).all()
+    assert torch.equal(before, after)
+
+
+def test_write_kv_places_tokens_in_slots() -> None:
+    kv = torch.zeros(3, 2, 4, 1, 2)
+    k = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]]])
+    write_kv(kv, k, -k, torch.tensor([5, 8]))
+    assert torch.equal(kv[1, 0, 1], k[0]) and torch.equal(kv[1, 1, 1], -k[0])
+    assert torch.equal(kv[2, 0, 0], k[1]) and torch.equal(kv[2, 1, 0], -k[1])
+    assert int((kv != 0).sum()) == 8

@@ -1,0 +1,123 @@
+"""INVALID_ARGUMENT: every malformed request is refused with a BadRequest field violation,
+before the engine or the KV cache sees it (the tenant's prefix lookups do not move)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from protos.kvfence.v1 import inference_pb2
+from tests.serverutil import ServerHandle
+from tests.service.rpc import details, generate, request, usage, violations
+
+Case = Callable[[], inference_pb2.GenerateRequest]
+
+
+def _with(**kw: object) -> Case:
+    def make() -> inference_pb2.GenerateRequest:
+        req = request("Hello world")
+        for path, value in kw.items():
+            msg_name, field = path.split("__")
+            msg = getattr(req, msg_name)
+            if isinstance(value, list):
+                getattr(msg, field).extend(value)
+            else:
+                setattr(msg, field, value)
+        return req
+
+    return make
+
+
+def _chat(messages: list[tuple[str, str]]) -> Case:
+    def make() -> inference_pb2.GenerateRequest:
+        req = request(None)
+        req.chat.SetInParent()
+        for role, content in messages:
+            req.chat.messages.add(role=role, content=content)
+        return req
+
+    return make
+
+
+CASES: list[tuple[str, Case, str]] = [
+    ("empty text", lambda: request(""), "text"),
+    ("no input", lambda: request(None), "input"),
+    ("token id too big", lambda: request(ids=[1, 2, 10**6]), "token_ids.ids[2]"),
+    ("negative token id", lambda: request(ids=[-1]), "token_ids.ids[0]"),
+    ("empty ids", lambda: request(ids=[]), "token_ids.ids"),
+    ("temperature NaN", _with(sampling__temperature=math.nan), "sampling.temperature"),
+    ("temperature inf", _with(sampling__temperature=math.inf), "sampling.temperature"),
+    ("temperature < 0", _with(sampling__temperature=-0.5), "sampling.temperature"),
+    ("top_p 0", _with(sampling__top_p=0.0), "sampling.top_p"),
+    ("top_p > 1", _with(sampling__top_p=1.5), "sampling.top_p"),
+    ("min_p < 0", _with(sampling__min_p=-0.1), "sampling.min_p"),
+    ("top_k < 0", _with(sampling__top_k=-1), "sampling.top_k"),
+    ("repetition 0", _with(sampling__repetition_penalty=0.0), "sampling.repetition_penalty"),
+    ("presence 3", _with(sampling__presence_penalty=3.0), "sampling.presence_penalty"),
+    ("frequency NaN", _with(sampling__frequency_penalty=math.nan), "sampling.frequency_penalty"),
+    ("max_tokens 0", _with(stopping__max_tokens=0), "stopping.max_tokens"),
+    ("max_tokens < 0", _with(stopping__max_tokens=-5), "stopping.max_tokens"),
+    ("over context", _with(stopping__max_tokens=510), "stopping.max_tokens"),
+    ("min > max", _with(stopping__min_tokens=9), "stopping.min_tokens"),
+    ("17 stop strings", _with(stopping__stop=[f"s{i}" for i in range(17)]), "stopping.stop"),
+    ("long stop string", _with(stopping__stop=["x" * 257]), "stopping.stop[0]"),
+    ("empty stop string", _with(stopping__stop=[""]), "stopping.stop[0]"),
+    ("bad stop token", _with(stopping__stop_token_ids=[10**6]), "stopping.stop_token_ids[0]"),
+    ("logprobs 21", lambda: request("hi", logprobs=21), "logprobs"),
+    ("unknown model", lambda: request("hi", model="nope"), "model"),
+    ("long client id", lambda: request("hi", client_request_id="x" * 129), "client_request_id"),
+    ("ids over context", lambda: request(ids=[5] * 600), "token_ids.ids"),
+    ("text over bytes", lambda: request("a" * (511 * 32 + 1)), "text"),
+    ("empty chat", _chat([]), "chat.messages"),
+    ("bad chat role", _chat([("wizard", "hi")]), "chat.messages[0].role"),
+    ("huge chat message", _chat([("user", "y" * 20_000)]), "chat.messages[0].content"),
+    ("too many chat messages", _chat([("user", "hi")] * 513), "chat.messages"),
+]
+
+
+@pytest.mark.parametrize(("make", "field"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_malformed_request_is_invalid_argument_before_any_kv(
+    srv: ServerHandle, make: Case, field: str
+) -> None:
+    before = usage(srv, "globex")
+    with pytest.raises(grpc.RpcError) as info:
+        generate(srv, "globex", make())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in violations(info.value)
+    after = usage(srv, "globex")
+    assert after.prefix_miss_tokens == before.prefix_miss_tokens  # no sequence was opened
+    assert after.pages_in_use == 0
+
+
+def test_tenant_max_prompt_tokens_is_checked_after_tokenizing(srv: ServerHandle) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        generate(srv, "short", request("Hello world, how are you today? I'm fine, thanks."))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations(info.value) == ["text"]
+    assert "the limit is 8" in details(info.value)["BadRequest"].field_violations[0].description
+    assert len(generate(srv, "short", request(ids=[5] * 8, max_tokens=1))) == 3
+
+
+@pytest.mark.parametrize("as_text", [False, True], ids=["ids", "text"])
+def test_681280_token_prompt_is_refused_quickly(srv: ServerHandle, as_text: bool) -> None:
+    n = 681_280
+    req = request("abcd" * n) if as_text else request(ids=[7] * n)
+    misses = usage(srv, "globex").prefix_miss_tokens
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        generate(srv, "globex", req)
+    elapsed = time.monotonic() - started
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations(info.value) == ["text" if as_text else "token_ids.ids"]
+    assert elapsed < 5.0
+    assert usage(srv, "globex").prefix_miss_tokens == misses
+
+
+def test_message_over_the_receive_limit_is_resource_exhausted_by_grpc(srv: ServerHandle) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        generate(srv, "globex", request("z" * (9 * 1024 * 1024)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
