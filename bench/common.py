@@ -45,7 +45,7 @@ class Target:
     @property
     def margin(self) -> float:
         d = self.value - self.threshold
-        return d if self.higher_is_better else -d
+        return (d if self.higher_is_better else -d) + 0.0  # + 0.0 turns -0.0 into 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed, "margin": self.margin}
@@ -121,7 +121,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "cpu_model": model,
         "cpu_flags": {f: f in flags for f in CPU_FLAGS},
         "cpu_count": os.cpu_count(),
-        "usable_cores": bench_threads(),
+        "usable_cores": len(os.sched_getaffinity(0)),
         "threads": threads,
         "torch_threads": torch_threads,
         "python": platform.python_version(),
@@ -172,12 +172,18 @@ def targets_table(targets: Sequence[Target]) -> str:
     return md_table(("target", "measured", "goal", "result", "margin"), rows)
 
 
-def write_suite(suite: str, data: Mapping[str, Any], markdown: str) -> Path:
-    """Write results/<suite>.json and results/<suite>.md; returns the JSON path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{suite}.json"
+def results_dir(quick: bool) -> Path:
+    """Full runs write bench/results/; --quick smoke runs write bench/results/quick/ so they
+    never overwrite the real numbers."""
+    return RESULTS_DIR / "quick" if quick else RESULTS_DIR
+
+
+def write_suite(out: Path, suite: str, data: Mapping[str, Any], markdown: str) -> Path:
+    """Write <out>/<suite>.json and <out>/<suite>.md; returns the JSON path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{suite}.json"
     path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    (RESULTS_DIR / f"{suite}.md").write_text(markdown.rstrip() + "\n")
+    (out / f"{suite}.md").write_text(markdown.rstrip() + "\n")
     return path
 
 
@@ -191,8 +197,8 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
-def bar_plot(name: str, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str) -> str:
-    """Save results/<name>.png; returns the file name for markdown links."""
+def bar_plot(out: Path, name: str, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str) -> str:
+    """Save <out>/<name>.png; returns the file name for markdown links."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
     bars = ax.bar(range(len(values)), values, color="#4c72b0")
@@ -200,11 +206,11 @@ def bar_plot(name: str, labels: Sequence[str], values: Sequence[float], title: s
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
-    return _save(fig, name)
+    return _save(fig, out, name)
 
 
 def line_plot(
-    name: str, x: Sequence[float], series: Mapping[str, Sequence[float]], title: str, xlabel: str,
+    out: Path, name: str, x: Sequence[float], series: Mapping[str, Sequence[float]], title: str, xlabel: str,
     ylabel: str,
 ) -> str:
     plt = _pyplot()
@@ -216,7 +222,7 @@ def line_plot(
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, name)
+    return _save(fig, out, name)
 
 
 def _pyplot() -> Any:
@@ -228,10 +234,10 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, name: str) -> str:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def _save(fig: Any, out: Path, name: str) -> str:
+    out.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=110)
+    fig.savefig(out / f"{name}.png", dpi=110)
     _pyplot().close(fig)
     return f"{name}.png"
 

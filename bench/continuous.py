@@ -27,6 +27,7 @@ from bench.common import (
     machine_info,
     md_table,
     percentile,
+    results_dir,
     set_torch_threads,
     write_suite,
 )
@@ -117,6 +118,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     from bench.kvfence_runner import Sizing, load_kvfence
 
     threads = bench_threads()
+    out = results_dir(quick)
     set_torch_threads(threads)
     loaded = load_kvfence(default_model_file())
     work = workload(quick, loaded.model.config.vocab_size)
@@ -129,7 +131,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                       "p99 latency s"),
                      [(r["mode"], r["output_tok_s"], r["wall_s"], r["decode_positions"],
                        r["latency_mean_s"], r["latency_p99_s"]) for r in rows])
-    plot = bar_plot(f"{SUITE}_throughput", [r["mode"] for r in rows],
+    plot = bar_plot(out, f"{SUITE}_throughput", [r["mode"] for r in rows],
                     [r["output_tok_s"] for r in rows], "Continuous vs static batching",
                     "output tok/s")
     md = "\n\n".join([
@@ -141,5 +143,5 @@ def run(quick: bool = False) -> dict[str, Any]:
     ])
     data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "max_batch": MAX_BATCH,
             "rows": rows, "speedup": speedup, "targets": []}
-    write_suite(SUITE, data, md)
+    write_suite(out, SUITE, data, md)
     return data

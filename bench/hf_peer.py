@@ -22,7 +22,7 @@ def load_hf_model(gguf: Path, dtype: torch.dtype) -> Any:
     (as kvfence does), so both run the same dense matmuls rather than GGUF block kernels."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
         quantization_config=GgufConfig(dequantize=True),
     )

@@ -8,9 +8,9 @@ Arrival times and a concurrency cap are optional, as in vLLM `bench serve`.
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 import uuid
-import io
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -50,6 +50,7 @@ class Sizing:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     kv_bytes: int = 1 << 30
+    kv_pages: int | None = None  # set: the in-process engine's pool has exactly this many pages
     scrub_policy: ScrubPolicy = "reassign"
     prefix_ttl_s: float = 600.0
 
@@ -78,7 +79,8 @@ def load_kvfence(path: object) -> LoadedModel:
 def started_engine(loaded: LoadedModel, sizing: Sizing = Sizing()) -> Iterator[Engine]:
     """A started engine (its warm-up included) that is shut down on exit."""
     engine = build_engine(
-        loaded, sizing.engine_config(), sizing.cache_config(), kv_bytes=sizing.kv_bytes,
+        loaded, sizing.engine_config(), sizing.cache_config(),
+        kv_pages=sizing.kv_pages, kv_bytes=None if sizing.kv_pages else sizing.kv_bytes,
         sampler_seed=0,
     )
     engine.start()
@@ -178,7 +180,8 @@ async def run_grpc(
 ) -> tuple[float, list[RequestTrace]]:
     """The same as run_engine, through clients.AsyncClient (one channel per tenant)."""
     from clients.aio import AsyncClient
-    from clients.types import Chunk, Finished as WireFinished, Started
+    from clients.types import Chunk, Started
+    from clients.types import Finished as WireFinished
 
     clients = {t: AsyncClient(target, api_key=api_keys[t], retries=0) for t in tenants}
 

@@ -32,13 +32,14 @@ class _Slot:
     last: int = 0           # last sampled token, fed on the next step
 
 
-def _quiet_logs(llama_cpp: Any) -> Any:
-    @llama_cpp.llama_log_callback
-    def _drop(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        return None
+def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    return None
 
-    llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
-    return _drop  # the caller keeps a reference so ctypes does not free the callback
+
+def _quiet_logs(llama_cpp: Any) -> Any:
+    callback = llama_cpp.llama_log_callback(_drop_log)
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    return callback  # the caller keeps a reference so ctypes does not free the callback
 
 
 class LlamaCppRunner:

@@ -26,6 +26,7 @@ from bench.common import (
     machine_info,
     md_table,
     random_work,
+    results_dir,
     set_torch_threads,
     targets_table,
     throughput,
@@ -61,7 +62,13 @@ def _attempt(name: str, fn: Callable[[], Throughput], runs: list[Throughput],
 
 def _kvfence_runs(loaded: Any, work: list[Work], warm: list[Work], runs: list[Throughput],
                   errors: dict[str, str]) -> None:
-    from bench.kvfence_runner import check_complete, grpc_server, run_engine, run_grpc, started_engine
+    from bench.kvfence_runner import (
+        check_complete,
+        grpc_server,
+        run_engine,
+        run_grpc,
+        started_engine,
+    )
 
     def in_process() -> Throughput:
         with started_engine(loaded) as engine:
@@ -91,7 +98,10 @@ def _peer_runs(dtype: torch.dtype, work: list[Work], warm: list[Work], threads: 
         model = load_hf_model(gguf, dtype)
         generate_batch(model, warm)
         for b in HF_BATCHES:
-            _attempt(f"transformers b={b}", lambda b=b: run_static(model, work, b), runs, errors)
+            def static(b: int = b, m: Any = model) -> Throughput:
+                return run_static(m, work, b)
+
+            _attempt(f"transformers b={b}", static, runs, errors)
         del model
     except Exception as err:
         errors["transformers"] = f"{type(err).__name__}: {err}"
@@ -136,6 +146,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads: int,
            dtype: torch.dtype, work: list[Work]) -> dict[str, Any]:
+    out = results_dir(quick)
     kv = _best(runs, "kvfence engine")
     grpc = _best(runs, "kvfence gRPC")
     peers = {"llama.cpp best": _best(runs, "llama.cpp"), "transformers best": _best(runs, "transformers")}
@@ -153,7 +164,7 @@ def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads:
                                   grpc.output_tok_s / kv.output_tok_s, 0.95))
     rows = [(r.system, r.output_tok_s, r.total_tok_s, r.wall_s,
              f"{ratios[r.system]:.2f}" if r.system in ratios else "-", r.notes) for r in runs]
-    plot = bar_plot(f"{SUITE}_throughput", [r.system for r in runs],
+    plot = bar_plot(out, f"{SUITE}_throughput", [r.system for r in runs],
                     [r.output_tok_s for r in runs], "Offline output throughput", "output tok/s")
     md = "\n\n".join([
         f"# Offline throughput{' (quick)' if quick else ''}",
@@ -170,5 +181,5 @@ def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads:
         "dtype": str(dtype), "runs": [r.as_dict() for r in runs], "ratios_kvfence_over": ratios,
         "targets": targets, "errors": errors,
     }
-    write_suite(SUITE, data, md)
+    write_suite(out, SUITE, data, md)
     return data

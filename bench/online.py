@@ -22,6 +22,7 @@ from bench.common import (
     machine_info,
     md_table,
     random_work,
+    results_dir,
     set_torch_threads,
     write_suite,
 )
@@ -71,6 +72,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     from bench.kvfence_runner import load_kvfence
 
     threads = bench_threads()
+    out = results_dir(quick)
     set_torch_threads(threads)
     loaded = load_kvfence(default_model_file())
     results = asyncio.run(_runs(loaded, quick))
@@ -86,10 +88,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     ordered = sorted(results, key=lambda r: r["overall"]["req_s"])
     x = [r["overall"]["req_s"] for r in ordered]
     plots = [
-        line_plot(f"{SUITE}_ttft", x, {q: [r["overall"][f"ttft_{q}_ms"] for r in ordered]
+        line_plot(out, f"{SUITE}_ttft", x, {q: [r["overall"][f"ttft_{q}_ms"] for r in ordered]
                                        for q in ("p50", "p99")},
                   "TTFT vs request rate", "achieved req/s", "TTFT ms"),
-        line_plot(f"{SUITE}_itl", x, {q: [r["overall"][f"itl_{q}_ms"] for r in ordered]
+        line_plot(out, f"{SUITE}_itl", x, {q: [r["overall"][f"itl_{q}_ms"] for r in ordered]
                                       for q in ("p50", "p99")},
                   "ITL vs request rate", "achieved req/s", "ITL ms"),
     ]
@@ -104,5 +106,5 @@ def run(quick: bool = False) -> dict[str, Any]:
     ])
     data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "runs": results,
             "targets": []}
-    write_suite(SUITE, data, md)
+    write_suite(out, SUITE, data, md)
     return data

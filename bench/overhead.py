@@ -16,6 +16,7 @@ from bench.common import (
     default_model_file,
     machine_info,
     md_table,
+    results_dir,
     set_torch_threads,
     targets_table,
     write_suite,
@@ -29,6 +30,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     from service.engine.profile import measure_step_overhead
 
     threads = bench_threads()
+    out = results_dir(quick)
     set_torch_threads(threads)
     loaded = load_kvfence(default_model_file())
     batches, contexts, repeats = ((1, 4), (32,), 3) if quick else ((1, 8, 32), (128, 512), 15)
@@ -45,7 +47,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                       worst["ratio_raw_over_engine"], 0.9)]
     rows = [(p["batch"], p["context"], p["engine_step_ms"], p["raw_forward_ms"],
              f"{p['ratio_raw_over_engine']:.3f}") for p in points]
-    plot = bar_plot(f"{SUITE}_ratio", [f"B={p['batch']} ctx={p['context']}" for p in points],
+    plot = bar_plot(out, f"{SUITE}_ratio", [f"B={p['batch']} ctx={p['context']}" for p in points],
                     [100 * p["ratio_raw_over_engine"] for p in points],
                     "Raw forward time as % of engine step", "% (100 = no overhead)")
     md = "\n\n".join([
@@ -58,5 +60,5 @@ def run(quick: bool = False) -> dict[str, Any]:
     ])
     data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "repeats": repeats,
             "dtype": str(loaded.dtype), "points": points, "targets": targets}
-    write_suite(SUITE, data, md)
+    write_suite(out, SUITE, data, md)
     return data

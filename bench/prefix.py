@@ -22,6 +22,7 @@ from bench.common import (
     default_model_file,
     machine_info,
     md_table,
+    results_dir,
     set_torch_threads,
     targets_table,
     write_suite,
@@ -81,6 +82,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     from bench.kvfence_runner import load_kvfence
 
     threads = bench_threads()
+    out = results_dir(quick)
     set_torch_threads(threads)
     loaded = load_kvfence(default_model_file())
     system_len, reps = (256, 2) if quick else (1024, 5)
@@ -94,7 +96,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     ]
     rows = [(k, 1000 * med[k], med[k] / med["cold"], cached[k],
              ", ".join(f"{1000 * t:.0f}" for t, _ in v)) for k, v in samples.items()]
-    plot = bar_plot(f"{SUITE}_ttft", list(med), [1000 * v for v in med.values()],
+    plot = bar_plot(out, f"{SUITE}_ttft", list(med), [1000 * v for v in med.values()],
                     f"TTFT with a {system_len}-token system prompt", "median TTFT ms")
     md = "\n\n".join([
         f"# Prefix cache{' (quick)' if quick else ''}",
@@ -106,5 +108,5 @@ def run(quick: bool = False) -> dict[str, Any]:
     data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads),
             "system_prompt_tokens": system_len, "samples": samples, "median_ttft_s": med,
             "cached_tokens": cached, "targets": targets}
-    write_suite(SUITE, data, md)
+    write_suite(out, SUITE, data, md)
     return data

@@ -137,7 +137,8 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         if not structlog.is_configured():
             # structlog's default prints to stdout, which carries the command's output. Route
-            # retry notices through stdlib logging instead, which writes to the current stderr.
+            # logs through stdlib logging instead: stderr, warnings and up, so the info-level
+            # retry notices stay quiet and an error is the single line printed below.
             structlog.configure(
                 processors=[structlog.processors.add_log_level,
                             structlog.dev.ConsoleRenderer(colors=False)],

@@ -14,6 +14,7 @@ The rule, shared by both clients:
   RetryInfo.retry_delay.
 - A retry happens only if its wait ends before the call's deadline (`timeout=`) and the policy's
   attempt count is not spent; otherwise the last error is raised.
+Each retry is logged at info level as `kvfence.retry` (method, attempt, code, wait; no text).
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def _settings(policy: RetryPolicy, method: str, deadline: float | None,
 
     def log_retry(state: tenacity.RetryCallState) -> None:
         error = _error(state)
-        _log.warning("kvfence.retry", method=method, attempt=state.attempt_number,
-                     code=error.code.name, wait_s=round(state.upcoming_sleep, 3))
+        _log.info("kvfence.retry", method=method, attempt=state.attempt_number,
+                  code=error.code.name, wait_s=round(state.upcoming_sleep, 3))
 
     return {
         "retry": tenacity.retry_if_exception(is_retryable),

@@ -130,7 +130,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 # One event per denial; the reason is in ErrorInfo, never the key itself.
                 reason = err.details[0].reason if err.details else ""  # type: ignore[attr-defined]
                 self._log.warning(
-                    "auth.denied", method=method, peer=context.peer(), code=err.code.name,
+                    "auth.denied",
+                    method=method,
+                    peer=context.peer(),
+                    code=err.code.name,
                     reason=reason,
                 )
                 self._on_denied(err.code.name)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import grpc
 
@@ -13,12 +12,6 @@ from service.auth import current_tenant
 from service.limits import TenantLimiter
 from service.metrics import Metrics
 from service.tenants import Tenant
-
-T = TypeVar("T")
-
-#: Runs a function against the KV cache on the engine thread (the manager is not
-#: thread-safe) and returns its result.
-CacheCall = Callable[[Callable[[], T]], Awaitable[T]]
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):

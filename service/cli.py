@@ -67,8 +67,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--grace-seconds", 10.0, "on SIGTERM, time in-flight streams get to finish", type=float)
     _add_switch(p, "--reflection", "enable gRPC server reflection (authenticated)")
     _add_switch(p, "--log-content", "DEBUG ONLY: log prompt and output text")
-    _add(p, "--log-format", "auto", "json, console, or auto (console on a TTY)",
-         choices=["json", "console", "auto"])
+    _add(
+        p,
+        "--log-format",
+        "auto",
+        "json, console, or auto (console on a TTY)",
+        choices=["json", "console", "auto"],
+    )
     _add(p, "--kv-memory", "512MiB", "KV pool size: bytes (512MiB, 2GB) or a fraction (0.5)")
     _add(p, "--max-num-seqs", 64, "most sequences in one batch", type=int)
     _add(p, "--max-num-batched-tokens", 512, "token budget of one engine step", type=int)
@@ -76,12 +81,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--page-size", 16, "tokens per KV page", type=int)
     _add(p, "--dtype", "auto", "auto, float32, bfloat16 or float16")
     _add(p, "--device", "cpu", "torch device (cpu, cuda, cuda:1)")
-    _add(p, "--scrub-policy", "reassign", "when KV pages are zeroed",
-         choices=["reassign", "always", "off"])
+    _add(
+        p,
+        "--scrub-policy",
+        "reassign",
+        "when KV pages are zeroed",
+        choices=["reassign", "always", "off"],
+    )
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
     _add(p, "--alert-tenant-kv-pages", 0, "warn when a tenant holds more pages (0 = off)", type=int)
-    _add(p, "--alert-request-kv-pages", 0, "warn when one request holds more pages (0 = off)",
-         type=int)
+    _add(
+        p,
+        "--alert-request-kv-pages",
+        0,
+        "warn when one request holds more pages (0 = off)",
+        type=int,
+    )
     p.set_defaults(func=_serve)
 
 
@@ -97,27 +112,41 @@ def _serve(args: argparse.Namespace) -> int:
     tls = None
     if args.tls_cert is not None:
         tls = TlsFiles(
-            Path(args.tls_cert), Path(args.tls_key),
+            Path(args.tls_cert),
+            Path(args.tls_key),
             Path(args.tls_client_ca) if args.tls_client_ca else None,
         )
         for f in (tls.cert, tls.key, tls.client_ca):
             if f is not None and not f.is_file():
                 raise UsageError(f"{f}: TLS file not found")
     options = ServerOptions(
-        host=args.host, port=args.port, tls=tls, grace_s=args.grace_seconds,
-        reflection=args.reflection, log_content=args.log_content,
-        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        host=args.host,
+        port=args.port,
+        tls=tls,
+        grace_s=args.grace_seconds,
+        reflection=args.reflection,
+        log_content=args.log_content,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
     )
     sizing = EngineSizing(
-        kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        page_size=args.page_size, dtype=args.dtype, device=args.device,
-        scrub_policy=args.scrub_policy, prefix_ttl_s=args.prefix_ttl,
+        kv_memory=args.kv_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        dtype=args.dtype,
+        device=args.device,
+        scrub_policy=args.scrub_policy,
+        prefix_ttl_s=args.prefix_ttl,
     )
     config = ServeConfig(
-        model=args.model, tenants=Path(args.tenants), options=options, sizing=sizing,
+        model=args.model,
+        tenants=Path(args.tenants),
+        options=options,
+        sizing=sizing,
         log_format=args.log_format,
     )
     log = make_logger(args.log_format)

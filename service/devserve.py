@@ -51,8 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"dev tenant key is in {tenants.parent / KEY_FILE}. Try:", flush=True)
     print(f'  {kvfence} generate --target {target} --api-key {key} "Hello"', flush=True)
     return cli.main(
-        ["serve", "--tenants", str(tenants), "--host", known.host,
-         "--port", str(known.port), *rest]
+        ["serve", "--tenants", str(tenants), "--host", known.host, "--port", str(known.port), *rest]
     )
 
 

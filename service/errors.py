@@ -76,7 +76,9 @@ def _error_info(reason: str, **metadata: str) -> error_details_pb2.ErrorInfo:
 def _retry_info(seconds: float) -> error_details_pb2.RetryInfo:
     whole = math.floor(seconds)
     nanos = min(int((seconds - whole) * 1e9), 999_999_999)
-    return error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=whole, nanos=nanos))
+    return error_details_pb2.RetryInfo(
+        retry_delay=duration_pb2.Duration(seconds=whole, nanos=nanos)
+    )
 
 
 def unauthenticated(message: str, reason: str = "UNAUTHENTICATED") -> ServiceError:

@@ -1,15 +1,24 @@
-"""How an engine ``Finished`` event that is not a normal stop maps to a service error."""
+"""How engine outcomes other than a normal stop map to service errors: a refused
+``submit`` and a ``Finished`` event with reason abort, deadline or error."""
 
 from __future__ import annotations
 
 from kvcache.errors import FenceViolation, OutOfPages, QuotaExceeded
-from service.engine.types import EngineStopped, Finished, RequestTooLarge
+from service.engine.types import (
+    EngineError,
+    EngineStopped,
+    Finished,
+    InvalidRequest,
+    QueueFull,
+    RequestTooLarge,
+)
 from service.errors import (
     ServiceError,
     cancelled,
     deadline_exceeded,
     fence_violation,
     internal,
+    invalid_argument,
     resource_exhausted,
     unavailable,
 )
@@ -36,4 +45,17 @@ def finish_error(event: Finished, draining: bool) -> ServiceError:
         return resource_exhausted("kv_pages", str(error))
     if isinstance(error, EngineStopped):
         return unavailable("engine stopped")
+    return internal()
+
+
+def submit_error(exc: EngineError) -> ServiceError:
+    """The status for an engine that refuses a request at ``submit``."""
+    if isinstance(exc, QueueFull):
+        return resource_exhausted("tenant_queue", str(exc), retry_after_s=1.0)
+    if isinstance(exc, RequestTooLarge):
+        return resource_exhausted("max_kv_pages", str(exc))
+    if isinstance(exc, EngineStopped):
+        return unavailable("engine is not running")
+    if isinstance(exc, InvalidRequest):
+        return invalid_argument([("request", str(exc))])
     return internal()

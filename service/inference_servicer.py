@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -12,26 +13,11 @@ import grpc
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+from service import responses
 from service.auth import current_tenant
-from service.engine.types import (
-    Admitted,
-    Delta,
-    EngineStopped,
-    Finished,
-    QueueFull,
-    Request,
-    RequestTooLarge,
-)
-from service.engine.types import InvalidRequest as EngineInvalidRequest
-from service.errors import (
-    ServiceError,
-    abort,
-    invalid_argument,
-    permission_denied,
-    resource_exhausted,
-    unavailable,
-)
-from service.finish import finish_error
+from service.engine.types import Admitted, Delta, EngineError, Finished, Request
+from service.errors import ServiceError, abort, internal, permission_denied
+from service.finish import finish_error, submit_error
 from service.limits import TenantLimiter
 from service.metrics import Metrics
 from service.prompt import PromptBuilder
@@ -46,11 +32,6 @@ from service.validation import (
     prompt_token_limit,
     raise_if,
 )
-
-_FINISH_REASONS = {
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +88,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             code = err.code.name
             log.info("generate.error", code=code, message=err.message)
             await abort(context, err)
+        except Exception as exc:  # a bug: INTERNAL, and nothing of the request in the log
+            code = "INTERNAL"
+            log.error("generate.failed", **_where(exc))
+            await abort(context, internal("SERVER"))
         finally:
-            self._metrics.requests.labels(self._metrics.label(tenant.name), "Generate", code).inc()
             if code == "CANCELLED":
-                log.info("generate.cancelled")
+                # gRPC cancels the handler both for a client cancel and a passed deadline.
+                remaining = context.time_remaining()
+                code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else code
+                log.info("generate.cancelled", code=code)
+            self._metrics.requests.labels(self._metrics.label(tenant.name), "Generate", code).inc()
 
     async def _generate(
         self,
@@ -149,7 +137,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 bypass_prefix_cache=request.bypass_prefix_cache,
             )
             log.info(
-                "generate.accepted", prompt_tokens=len(prompt), max_tokens=stopping.max_tokens,
+                "generate.accepted",
+                prompt_tokens=len(prompt),
+                max_tokens=stopping.max_tokens,
                 input=which,
             )
             if self._opts.log_content:
@@ -172,14 +162,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             try:
                 events = self._engine.submit(req)
-            except QueueFull as exc:
-                raise resource_exhausted("tenant_queue", str(exc), retry_after_s=1.0) from None
-            except RequestTooLarge as exc:
-                raise resource_exhausted("max_kv_pages", str(exc)) from None
-            except EngineStopped:
-                raise unavailable("engine is not running") from None
-            except EngineInvalidRequest as exc:
-                raise invalid_argument([("request", str(exc))]) from None
+            except EngineError as exc:
+                raise submit_error(exc) from None
             last = self._clock()
             completion = 0
             alerted = False
@@ -187,14 +171,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for event in events:
                 now = self._clock()
                 if isinstance(event, Admitted):
-                    yield inference_pb2.GenerateResponse(
-                        started=inference_pb2.Started(
-                            request_id=req.request_id,
-                            client_request_id=request.client_request_id,
-                            prompt_tokens=event.prompt_tokens,
-                            cached_prompt_tokens=event.cached_tokens,
-                            model=self._prompts.model.name,
-                        )
+                    yield responses.started(
+                        event, req.request_id, request.client_request_id, self._prompts.model.name
                     )
                 elif isinstance(event, Delta):
                     if completion:
@@ -206,7 +184,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     alerted = alerted or self._check_request_pages(
                         len(req.prompt_ids) + completion, tenant, log
                     )
-                    yield inference_pb2.GenerateResponse(chunk=self._chunk(event))
+                    yield responses.chunk(event, self._prompts.token_text)
                 else:
                     finished = True
                     yield self._finish(event, tenant, log, "".join(output))
@@ -225,47 +203,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if event.ttft_s is not None:
             self._metrics.ttft.labels(label).observe(event.ttft_s)
         log.info(
-            "generate.finished", reason=event.reason, prompt_tokens=event.prompt_tokens,
-            completion_tokens=event.completion_tokens, cached_tokens=event.cached_tokens,
-            queue_s=round(event.queue_s, 6), ttft_s=event.ttft_s, total_s=round(event.total_s, 6),
+            "generate.finished",
+            reason=event.reason,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            cached_tokens=event.cached_tokens,
+            queue_s=round(event.queue_s, 6),
+            ttft_s=event.ttft_s,
+            total_s=round(event.total_s, 6),
             error=type(event.error).__name__ if event.error else None,
         )
         if self._opts.log_content:
             log.info("generate.content", output=output)
-        if event.reason not in _FINISH_REASONS:
+        if event.reason not in responses.FINISH_REASONS:
             raise finish_error(event, self._is_draining())
-        return inference_pb2.GenerateResponse(
-            finished=inference_pb2.Finished(
-                reason=_FINISH_REASONS[event.reason],
-                usage=inference_pb2.Usage(
-                    prompt_tokens=event.prompt_tokens,
-                    completion_tokens=event.completion_tokens,
-                    cached_prompt_tokens=event.cached_tokens,
-                ),
-                timings=inference_pb2.Timings(
-                    queue_seconds=event.queue_s,
-                    ttft_seconds=event.ttft_s or 0.0,
-                    total_seconds=event.total_s,
-                ),
-            )
-        )
-
-    def _chunk(self, event: Delta) -> inference_pb2.Chunk:
-        chunk = inference_pb2.Chunk(token_ids=event.token_ids, text=event.text)
-        for lp in event.logprobs:
-            chunk.logprobs.append(
-                inference_pb2.TokenLogprobs(
-                    token_id=lp.token_id,
-                    logprob=lp.logprob,
-                    top=[
-                        inference_pb2.TopLogprob(
-                            token_id=t, logprob=p, token=self._prompts.token_text(t)
-                        )
-                        for t, p in lp.top
-                    ],
-                )
-            )
-        return chunk
+        return responses.finished(event)
 
     def _check_request_pages(self, tokens: int, tenant: Tenant, log: FilteringBoundLogger) -> bool:
         threshold = self._opts.alert_request_kv_pages
@@ -308,6 +260,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except ServiceError as err:
             code = err.code.name
             await abort(context, err)
+        except Exception as exc:
+            code = "INTERNAL"
+            self._log.error("tokenize.failed", tenant=tenant.name, **_where(exc))
+            await abort(context, internal("SERVER"))
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -321,3 +277,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._metrics.requests.labels(self._metrics.label(tenant.name), "ListModels", "OK").inc()
         models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
         return inference_pb2.ListModelsResponse(models=models)
+
+
+def _where(exc: BaseException) -> dict[str, str]:
+    """The exception type and the innermost frame, without the message (it may quote input)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return {"error": type(exc).__name__, "at": last}

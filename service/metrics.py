@@ -51,7 +51,8 @@ class _CacheCollector(Collector):
             "kvfence_kv_pages_cached", "Unreferenced cached prefix pages", labels=["tenant"]
         )
         hits = CounterMetricFamily(
-            "kvfence_prefix_hit_tokens", "Prompt tokens served from the prefix cache",
+            "kvfence_prefix_hit_tokens",
+            "Prompt tokens served from the prefix cache",
             labels=["tenant"],
         )
         for name in self._metrics.tenants:
@@ -70,7 +71,8 @@ class _CacheCollector(Collector):
         yield evictions
         yield CounterMetricFamily("kvfence_kv_scrubs", "KV pages zeroed", value=stats.scrubs)
         yield CounterMetricFamily(
-            "kvfence_kv_fence_violations", "Fence checks that refused a page",
+            "kvfence_kv_fence_violations",
+            "Fence checks that refused a page",
             value=stats.fence_violations,
         )
         free = GaugeMetricFamily("kvfence_kv_pages_free", "Free KV pages", value=stats.free_pages)
@@ -89,8 +91,10 @@ class Metrics:
         self._engine: EngineGauges | None = None
         r = self.registry
         self.requests = Counter(
-            "kvfence_requests", "RPCs by tenant, method and status code",
-            ["tenant", "method", "code"], registry=r,
+            "kvfence_requests",
+            "RPCs by tenant, method and status code",
+            ["tenant", "method", "code"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "kvfence_prompt_tokens", "Prompt tokens processed", ["tenant"], registry=r
@@ -99,12 +103,18 @@ class Metrics:
             "kvfence_completion_tokens", "Tokens generated", ["tenant"], registry=r
         )
         self.ttft = Histogram(
-            "kvfence_ttft_seconds", "Time to first token", ["tenant"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "kvfence_ttft_seconds",
+            "Time to first token",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inter_token = Histogram(
-            "kvfence_inter_token_seconds", "Time between streamed chunks", ["tenant"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "kvfence_inter_token_seconds",
+            "Time between streamed chunks",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.auth_denials = Counter(
             "kvfence_auth_denials", "Refused credentials by status code", ["code"], registry=r

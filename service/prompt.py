@@ -66,7 +66,9 @@ class PromptBuilder:
             check_text(req.text, "text", token_limit, out)
         elif which == "token_ids":
             assert isinstance(req, inference_pb2.GenerateRequest)
-            check_prompt_ids(req.token_ids.ids, "token_ids.ids", token_limit, self.model.vocab_size, out)
+            check_prompt_ids(
+                req.token_ids.ids, "token_ids.ids", token_limit, self.model.vocab_size, out
+            )
         elif which == "chat":
             check_chat(req.chat, "chat", token_limit, out)
             if self._template is None:
@@ -92,7 +94,9 @@ class PromptBuilder:
             try:
                 text = self._template.render(messages, wants_generation_prompt(req.chat))
             except ValueError as exc:  # ChatTemplateError: the template's own complaint
-                raise invalid_argument([("chat", f"chat template refused the messages: {exc}")]) from None
+                raise invalid_argument(
+                    [("chat", f"chat template refused the messages: {exc}")]
+                ) from None
             # The rendered template already spells out its special tokens.
             ids = await asyncio.to_thread(self._tok.encode, text, False)
         out: Violations = []

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -29,8 +29,18 @@ if TYPE_CHECKING:
     from service.model.loader import LoadedModel
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KI": 2**10,
+    "MI": 2**20,
+    "GI": 2**30,
+    "TI": 2**40,
+}
 
 
 class ConfigError(ValueError):
@@ -80,7 +90,6 @@ class Stack:
     engine: Engine
     server: KVFenceServer
     model: LoadedModel
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 def build_server(
@@ -103,7 +112,8 @@ def build_server(
     max_model_len = min(sizing.max_model_len, model_len) if sizing.max_model_len > 0 else model_len
     try:
         cache_config = CacheConfig(
-            page_size=sizing.page_size, scrub_policy=sizing.scrub_policy,
+            page_size=sizing.page_size,
+            scrub_policy=sizing.scrub_policy,
             default_ttl_s=sizing.prefix_ttl_s,
         )
         engine_config = EngineConfig(
@@ -120,16 +130,25 @@ def build_server(
     kv_bytes = None
     if kind == "fraction":
         kv_pages = pages_for_fraction(
-            amount, num_layers=cfg.num_layers, page_size=sizing.page_size,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=param.dtype,
+            amount,
+            num_layers=cfg.num_layers,
+            page_size=sizing.page_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=param.dtype,
             device=param.device,
         )
     else:
         kv_bytes = int(amount)
     try:
         engine = build_engine(
-            loaded, engine_config, cache_config, kv_pages=kv_pages, kv_bytes=kv_bytes,
-            clock=clock, sampler_seed=sizing.sampler_seed,
+            loaded,
+            engine_config,
+            cache_config,
+            kv_pages=kv_pages,
+            kv_bytes=kv_bytes,
+            clock=clock,
+            sampler_seed=sizing.sampler_seed,
         )
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None
@@ -148,8 +167,14 @@ def build_server(
         default_ttl_s=sizing.prefix_ttl_s,
     )
     server = KVFenceServer(
-        engine=engine, cache=access, model=served, registry=registry, options=options,
-        log=log, tenants_path=tenants_path, set_engine_policy=engine.set_tenant_policy,
+        engine=engine,
+        cache=access,
+        model=served,
+        registry=registry,
+        options=options,
+        log=log,
+        tenants_path=tenants_path,
+        set_engine_policy=engine.set_tenant_policy,
         set_cache_policy=cache.set_tenant_policy,  # type: ignore[attr-defined]
         clock=clock,
     )
@@ -165,7 +190,9 @@ class ServeConfig:
     log_format: Literal["json", "console", "auto"] = "auto"
 
 
-def load_for_serving(config: ServeConfig, log: FilteringBoundLogger) -> tuple[LoadedModel, TenantRegistry]:
+def load_for_serving(
+    config: ServeConfig, log: FilteringBoundLogger
+) -> tuple[LoadedModel, TenantRegistry]:
     from service.model import load_model
     from service.model.default import ensure_default_model
 
@@ -175,35 +202,52 @@ def load_for_serving(config: ServeConfig, log: FilteringBoundLogger) -> tuple[Lo
         raise ConfigError(f"--model: {path} does not exist")
     model_path = path if path is not None else ensure_default_model()
     log.info("model.loading", path=str(model_path))
-    loaded = load_model(model_path, dtype=config.sizing.dtype, device=config.sizing.device,
-                        progress=sys.stderr.isatty())
+    loaded = load_model(
+        model_path,
+        dtype=config.sizing.dtype,
+        device=config.sizing.device,
+        progress=sys.stderr.isatty(),
+    )
     return loaded, registry
 
 
 async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
-    """Run until SIGTERM/SIGINT, then drain. Returns the exit status."""
-    loaded, registry = await asyncio.to_thread(load_for_serving, config, log)
-    stack = await asyncio.to_thread(
-        build_server, loaded, config.sizing, registry, config.options, log,
-        tenants_path=config.tenants,
-    )
-    server = stack.server
+    """Run until SIGTERM/SIGINT, then drain. Returns the exit status.
+
+    Signal handlers go in first: a SIGTERM while the model loads exits 0 without serving,
+    and a SIGHUP before the server exists is ignored (the file is read at start anyway).
+    """
     stop = asyncio.Event()
+    servers: list[KVFenceServer] = []
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, server.reload_tenants)
+    loop.add_signal_handler(signal.SIGHUP, lambda: [s.reload_tenants() for s in servers])
+    loaded, registry = await asyncio.to_thread(load_for_serving, config, log)
+    stack = await asyncio.to_thread(
+        build_server,
+        loaded,
+        config.sizing,
+        registry,
+        config.options,
+        log,
+        tenants_path=config.tenants,
+    )
+    server = stack.server
+    servers.append(server)
     try:
+        if stop.is_set():
+            return 0
         port = await server.start()
         opts = config.options
+        tls = "mtls" if opts.tls and opts.tls.client_ca else "on" if opts.tls else "off"
         metrics = server.metrics_server.port if server.metrics_server is not None else "off"
         print(
             f"kvfence: serving {loaded.name} on {opts.host}:{port} "
-            f"(tls={'mtls' if opts.tls and opts.tls.client_ca else 'on' if opts.tls else 'off'}, "
-            f"tenants={len(registry.tenants)}, metrics={metrics})",
+            f"(tls={tls}, tenants={len(registry.tenants)}, metrics={metrics})",
             flush=True,
         )
-        log.info("server.serving", model=loaded.name, host=opts.host, port=port)
+        log.info("server.serving", model=loaded.name, host=opts.host, port=port, tls=tls)
         await stop.wait()
         await server.drain()
     finally:

@@ -140,8 +140,10 @@ class KVFenceServer:
             log,
             InferenceOptions(
                 model_info=inference_pb2.ModelInfo(
-                    name=model.name, architecture=model.architecture,
-                    max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+                    name=model.name,
+                    architecture=model.architecture,
+                    max_model_len=model.max_model_len,
+                    vocab_size=model.vocab_size,
                     dtype=model.dtype,
                 ),
                 page_size=cache.page_size,
@@ -160,7 +162,9 @@ class KVFenceServer:
         """Bind, start serving and mark health SERVING. Returns the bound port."""
         opts = self._options
         interceptor = AuthInterceptor(
-            self.authenticator, lambda: self._draining, self._log,
+            self.authenticator,
+            lambda: self._draining,
+            self._log,
             on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
         )
         server = grpc.aio.server(
@@ -169,8 +173,12 @@ class KVFenceServer:
         inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, server)
         cache_pb2_grpc.add_CacheServicer_to_server(
             CacheServicer(
-                self._cache.usage, self._cache.purge, self._cache.page_size,
-                self._model.default_ttl_s, self.limiter, self.metrics,
+                self._cache.usage,
+                self._cache.purge,
+                self._cache.page_size,
+                self._model.default_ttl_s,
+                self.limiter,
+                self.metrics,
             ),
             server,
         )
@@ -287,7 +295,9 @@ class KVFenceServer:
             pages = usage.pages_in_use + usage.pages_cached
             if pages > threshold and name not in self._alerted:
                 self._alerted.add(name)
-                self._log.warning("kv.alert.tenant_pages", tenant=name, pages=pages, threshold=threshold)
+                self._log.warning(
+                    "kv.alert.tenant_pages", tenant=name, pages=pages, threshold=threshold
+                )
                 self.metrics.kv_alerts.labels(self.metrics.label(name), "tenant").inc()
             elif pages <= threshold:
                 self._alerted.discard(name)

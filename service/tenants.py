@@ -226,7 +226,11 @@ def add_tenant(path: str | Path, name: str) -> str:
         "weight = 1.0\n"
         "max_concurrent_streams = 16\n"
     )
-    sep = "" if not existing or existing.endswith("\n\n") else ("\n" if existing.endswith("\n") else "\n\n")
+    sep = (
+        ""
+        if not existing or existing.endswith("\n\n")
+        else ("\n" if existing.endswith("\n") else "\n\n")
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(existing + sep + block, encoding="utf-8")
     load_tenants(path)  # the file we wrote must parse

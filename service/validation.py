@@ -60,7 +60,9 @@ def check_text(text: str, field: str, token_limit: int, out: Violations) -> None
         out.append((field, f"text is longer than {max_bytes} bytes"))
 
 
-def check_chat(chat: inference_pb2.ChatMessages, field: str, token_limit: int, out: Violations) -> None:
+def check_chat(
+    chat: inference_pb2.ChatMessages, field: str, token_limit: int, out: Violations
+) -> None:
     messages = chat.messages
     max_bytes = token_limit * TEXT_BYTES_PER_TOKEN
     if not messages:
@@ -129,7 +131,11 @@ def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> Sampli
     _number(s.top_p, "sampling.top_p", 0.0, 1.0, out, open_lo=True)
     _number(s.min_p, "sampling.min_p", 0.0, 1.0, out)
     _number(
-        s.repetition_penalty, "sampling.repetition_penalty", 0.0, _MAX_REPETITION_PENALTY, out,
+        s.repetition_penalty,
+        "sampling.repetition_penalty",
+        0.0,
+        _MAX_REPETITION_PENALTY,
+        out,
         open_lo=True,
     )
     _number(s.presence_penalty, "sampling.presence_penalty", -2.0, 2.0, out)

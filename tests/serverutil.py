@@ -37,10 +37,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,6 @@ class ServerHandle:
     log_stream: io.StringIO | None
     loop: asyncio.AbstractEventLoop
     metrics_port: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def server(self) -> KVFenceServer:
@@ -180,24 +180,37 @@ async def running_server_async(
 ) -> AsyncIterator[ServerHandle]:
     """A started server in the running loop; closed (engine shut down) on exit."""
     loaded = await asyncio.to_thread(_load, model, sizing)
-    tenants_path, keys = _tenants(tenants, tenants_dir)
-    opts = replace(options or ServerOptions(), host="127.0.0.1", port=0)
-    log = make_logger("json", log_stream if log_stream is not None else io.StringIO())
-    stack = await asyncio.to_thread(
-        build_server, loaded, sizing, load_tenants(tenants_path), opts, log,
-        tenants_path=tenants_path,
-    )
-    try:
-        port = await stack.server.start()
-        metrics = stack.server.metrics_server
-        yield ServerHandle(
-            target=f"127.0.0.1:{port}", port=port, keys=keys, stack=stack,
-            tenants_path=tenants_path, log_stream=log_stream, loop=asyncio.get_running_loop(),
-            metrics_port=metrics.port if metrics is not None else None,
+    with contextlib.ExitStack() as cleanup:
+        if tenants_dir is None and not isinstance(tenants, Path):
+            tenants_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory()))
+        tenants_path, keys = _tenants(tenants, tenants_dir)
+        opts = replace(options or ServerOptions(), host="127.0.0.1", port=0)
+        log = make_logger("json", log_stream if log_stream is not None else io.StringIO())
+        stack = await asyncio.to_thread(
+            build_server,
+            loaded,
+            sizing,
+            load_tenants(tenants_path),
+            opts,
+            log,
+            tenants_path=tenants_path,
         )
-    finally:
-        await stack.server.close()
-        await asyncio.to_thread(stack.engine.shutdown)
+        try:
+            port = await stack.server.start()
+            metrics = stack.server.metrics_server
+            yield ServerHandle(
+                target=f"127.0.0.1:{port}",
+                port=port,
+                keys=keys,
+                stack=stack,
+                tenants_path=tenants_path,
+                log_stream=log_stream,
+                loop=asyncio.get_running_loop(),
+                metrics_port=metrics.port if metrics is not None else None,
+            )
+        finally:
+            await stack.server.close()
+            await asyncio.to_thread(stack.engine.shutdown)
 
 
 def _tenants(
@@ -205,10 +218,8 @@ def _tenants(
 ) -> tuple[Path, dict[str, str]]:
     if isinstance(tenants, Path):
         return tenants, {}
-    import tempfile
-
-    directory = tenants_dir or Path(tempfile.mkdtemp(prefix="kvfence-tenants-"))
-    path = directory / "tenants.toml"
+    assert tenants_dir is not None
+    path = tenants_dir / "tenants.toml"
     return path, write_tenants_file(path, tenants)
 
 
@@ -264,15 +275,37 @@ def start_server_process(
     """``python -m service.cli serve`` on 127.0.0.1:0; returns once it prints its serving
     line. stdout is read on a thread into ``output``; logs (stderr) go to ``output`` too."""
     args = [
-        sys.executable, "-m", "service.cli", "serve", "--model", str(model_path),
-        "--tenants", str(tenants_path), "--host", "127.0.0.1", "--port", "0",
-        "--log-format", "json", "--kv-memory", "8MiB", "--max-model-len", "512",
-        "--dtype", "float32", *extra_args,
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--model",
+        str(model_path),
+        "--tenants",
+        str(tenants_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--log-format",
+        "json",
+        "--kv-memory",
+        "8MiB",
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "float32",
+        *extra_args,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     popen = subprocess.Popen(
-        args, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, bufsize=1,
+        args,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     output: list[str] = []
     ready = threading.Event()

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import structlog
 import torch
@@ -75,7 +75,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request) -> AsyncIterator[EngineEvent]:
+    def submit(self, request: Request) -> AsyncGenerator[EngineEvent, None]:
         """Queue ``request`` and return its event stream: Admitted, Delta..., Finished.
 
         Raises QueueFull, InvalidRequest or RequestTooLarge at once. Closing the iterator
@@ -97,7 +97,7 @@ class Engine:
 
     async def _stream(
         self, request_id: str, queue: asyncio.Queue[EngineEvent]
-    ) -> AsyncIterator[EngineEvent]:
+    ) -> AsyncGenerator[EngineEvent, None]:
         finished = False
         try:
             while True:

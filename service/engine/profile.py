@@ -3,7 +3,7 @@
 ``measure_step_overhead(loaded, batch=8, context=256)`` fills a fresh engine with ``batch``
 greedy sequences of ``context`` prompt tokens, lets them reach steady decoding, then times
 ``EngineCore.step()`` (schedule, fence, inputs, forward, sample, detokenize, stream) and the
-bare ``model(...)`` call on the same batch. Both are medians over ``repeats`` runs.
+bare ``model(...)`` call on the same batch, alternately; both are medians over ``repeats``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from service.engine.types import EngineConfig, Request, SamplingParams, Stopping
 from service.model.loader import LoadedModel
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _time(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def measure_step_overhead(
@@ -62,13 +59,17 @@ def measure_step_overhead(
     with torch.inference_mode():
         while any(s.num_output < 2 for s in core.scheduler.running) or core.num_waiting():
             core.step()
-        engine_step_s = _median_time(core.step, repeats)
-        entries = [ScheduledSeq(s, 1) for s in core.scheduler.running]
-        for e in entries:
-            core.cache.allocate_slots(e.seq.seq_id, 1)
-        attn = fence(core.cache, entries).attn
-        assert attn is not None
-        inputs = build_inputs(entries, core.runner.device)
-        raw_forward_s = _median_time(lambda: core.runner.forward(inputs, attn), repeats)
+        engine_times: list[float] = []
+        raw_times: list[float] = []
+        # NOTE: alternate the two measurements so machine load drifts hit both alike.
+        for _ in range(repeats):
+            engine_times.append(_time(core.step))
+            entries = [ScheduledSeq(s, 1) for s in core.scheduler.running]
+            for e in entries:
+                core.cache.allocate_slots(e.seq.seq_id, 1)
+            attn = fence(core.cache, entries).attn
+            assert attn is not None
+            inputs = build_inputs(entries, core.runner.device)
+            raw_times.append(_time(lambda: core.runner.forward(inputs, attn)))  # noqa: B023
     core.finish_all("abort")
-    return engine_step_s, raw_forward_s
+    return statistics.median(engine_times), statistics.median(raw_times)

@@ -23,11 +23,16 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     # Jinja's own tojson HTML-escapes; templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -42,7 +47,9 @@ class _GenerationTag(jinja2.ext.Extension):
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_passthrough"), [], [], body).set_lineno(lineno)
+        return jinja2.nodes.CallBlock(self.call_method("_passthrough"), [], [], body).set_lineno(
+            lineno
+        )
 
     def _passthrough(self, caller: Any) -> str:
         return str(caller())
@@ -69,7 +76,9 @@ class ChatTemplate:
         self.source = source
         self._special = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],

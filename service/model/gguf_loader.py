@@ -61,7 +61,11 @@ def hf_name(gguf_name: str) -> str | None:
 def _inverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # llama.cpp's converter interleaves the two rotary halves of each head's rows for llama
     # models (its "normal" RoPE); the HF layout we run keeps them as halves.
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 @dataclass(slots=True)
@@ -117,12 +121,14 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     """Parse metadata and map tensors; weights are dequantized lazily by :meth:`GGUFCheckpoint.get`."""
     try:
         reader = GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - GGUFReader is a parser of untrusted bytes; any failure means a bad file
+    except Exception as e:  # GGUFReader parses untrusted bytes: any failure means a bad file
         raise ModelLoadError(f"not a valid GGUF file (corrupt or truncated: {e})") from None
     meta = _Meta(reader)
     arch = meta.need("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     raw = {t.name: t for t in reader.tensors}
     tensors = {name: t for gguf_name, t in raw.items() if (name := hf_name(gguf_name)) is not None}
     tokenizer, specials = _tokenizer(meta)
@@ -138,7 +144,9 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     )
 
 
-def _config(meta: _Meta, arch: str, tensors: dict[str, ReaderTensor], tok: Tokenizer) -> ModelConfig:
+def _config(
+    meta: _Meta, arch: str, tensors: dict[str, ReaderTensor], tok: Tokenizer
+) -> ModelConfig:
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
@@ -202,7 +210,8 @@ def _tokenizer(meta: _Meta) -> tuple[Tokenizer, dict[str, str]]:
         if (i := meta.get(f"tokenizer.ggml.{k}")) is not None and int(i) not in eos:
             eos.append(int(i))
     eos += [
-        i for i, (t, kind) in enumerate(zip(tokens, types, strict=False))
+        i
+        for i, (t, kind) in enumerate(zip(tokens, types, strict=False))
         if kind == 3 and t in _EOG_TEXTS and i not in eos
     ]
     specials = {name: tokens[i] for name, i in named.items()}

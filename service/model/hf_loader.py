@@ -67,9 +67,15 @@ class HFCheckpoint:
 
 def read_hf_dir(path: Path) -> HFCheckpoint:
     raw = _read_json(path / "config.json")
-    tok_config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
+    tok_config = (
+        _read_json(path / "tokenizer_config.json")
+        if (path / "tokenizer_config.json").exists()
+        else {}
+    )
     gen_config = (
-        _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+        _read_json(path / "generation_config.json")
+        if (path / "generation_config.json").exists()
+        else {}
     )
     backend = _load_tokenizer_json(path / "tokenizer.json")
     specials = {n: t for n in _SPECIAL_NAMES if (t := _token_text(tok_config.get(n))) is not None}
@@ -77,8 +83,12 @@ def read_hf_dir(path: Path) -> HFCheckpoint:
     for i in _ids(raw.get("eos_token_id")) + _ids(gen_config.get("eos_token_id")):
         if i not in eos:
             eos.append(i)
-    if "eos_token" in specials and (i := backend.token_to_id(specials["eos_token"])) is not None and i not in eos:
-        eos.append(i)
+    if (
+        "eos_token" in specials
+        and (eos_id := backend.token_to_id(specials["eos_token"])) is not None
+        and eos_id not in eos
+    ):
+        eos.append(eos_id)
     bos = raw.get("bos_token_id")
     if bos is None and "bos_token" in specials:
         bos = backend.token_to_id(specials["bos_token"])
@@ -155,7 +165,9 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def _config(raw: dict[str, Any], bos: int | None, eos: tuple[int, ...]) -> ModelConfig:
     arch = raw.get("model_type")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     if raw.get("mlp_bias") or raw.get("use_sliding_window"):
         raise ModelLoadError("unsupported config: mlp_bias / sliding window attention")
     if raw.get("hidden_act", "silu") != "silu":

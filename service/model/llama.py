@@ -26,7 +26,7 @@ class DecoderWeights:
     attn_norm: torch.Tensor  # [L, H]
     qkv: torch.Tensor  # [L, q + 2*kv, H]  (q, k, v rows concatenated)
     qkv_bias: torch.Tensor | None  # [L, q + 2*kv]
-    qk_norm: torch.Tensor | None  # [L, Hq + Hkv, D]  (q-norm weight per q head, then k-norm per kv head)
+    qk_norm: torch.Tensor | None  # [L, Hq + Hkv, D]: q-norm row per q head, k-norm per kv head
     o: torch.Tensor  # [L, H, q]
     mlp_norm: torch.Tensor  # [L, H]
     gate_up: torch.Tensor  # [L, 2*I, H]  (gate rows, then up rows)
@@ -40,6 +40,8 @@ def _param(t: torch.Tensor) -> torch.nn.Parameter:
 class LlamaModel(torch.nn.Module):
     """Decoder-only transformer over a flattened batch of tokens."""
 
+    rope: torch.Tensor  # [max_positions, 2, head_dim] cos/sin buffer, set in __init__
+
     def __init__(
         self,
         config: ModelConfig,
@@ -49,12 +51,18 @@ class LlamaModel(torch.nn.Module):
         super().__init__()
         self.config = config
         self.embed = _param(weights.embed)
-        self.lm_head = self.embed if weights.lm_head is None else _param(weights.lm_head)
+        self.lm_head: torch.nn.Parameter = (
+            self.embed if weights.lm_head is None else _param(weights.lm_head)
+        )
         self.final_norm = _param(weights.final_norm)
         self.attn_norm = _param(weights.attn_norm)
         self.qkv = _param(weights.qkv)
-        self.qkv_bias = None if weights.qkv_bias is None else _param(weights.qkv_bias)
-        self.qk_norm = None if weights.qk_norm is None else _param(weights.qk_norm)
+        self.qkv_bias: torch.nn.Parameter | None = (
+            None if weights.qkv_bias is None else _param(weights.qkv_bias)
+        )
+        self.qk_norm: torch.nn.Parameter | None = (
+            None if weights.qk_norm is None else _param(weights.qk_norm)
+        )
         self.o = _param(weights.o)
         self.mlp_norm = _param(weights.mlp_norm)
         self.gate_up = _param(weights.gate_up)

@@ -83,12 +83,20 @@ def load_model(
     model = LlamaModel(checkpoint.config, weights, rope_freq_factors=factors).eval()
     name = p.name if p.is_file() else p.resolve().name
     log.info(
-        "model_loaded", name=name, arch=checkpoint.config.arch, dtype=str(torch_dtype),
-        device=device, seconds=round(time.monotonic() - started, 2),
+        "model_loaded",
+        name=name,
+        arch=checkpoint.config.arch,
+        dtype=str(torch_dtype),
+        device=device,
+        seconds=round(time.monotonic() - started, 2),
     )
     return LoadedModel(
-        model=model, tokenizer=checkpoint.tokenizer, chat_template=template,
-        name=name, path=p, dtype=torch_dtype,
+        model=model,
+        tokenizer=checkpoint.tokenizer,
+        chat_template=template,
+        name=name,
+        path=p,
+        dtype=torch_dtype,
     )
 
 
@@ -103,4 +111,6 @@ def _read(p: Path) -> GGUFCheckpoint | HFCheckpoint:
         return read_gguf(p)
     if p.suffix == ".gguf":
         raise ModelLoadError("not a valid GGUF file (bad magic)")
-    raise ModelLoadError("unsupported model format (expected a .gguf file or a Hugging Face directory)")
+    raise ModelLoadError(
+        "unsupported model format (expected a .gguf file or a Hugging Face directory)"
+    )

@@ -9,7 +9,9 @@ from typing import TextIO
 class Progress:
     """Rewrites one stderr line as work advances; silent when disabled."""
 
-    def __init__(self, label: str, total: int, *, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, label: str, total: int, *, enabled: bool, stream: TextIO | None = None
+    ) -> None:
         self._label = label
         self._total = max(total, 1)
         self._enabled = enabled

@@ -37,7 +37,9 @@ def tensor_names(config: ModelConfig) -> list[str]:
 class _Stacker:
     """Copies per-layer tensors into one preallocated [L, ...] tensor, checking shapes."""
 
-    def __init__(self, get: TensorGetter, dtype: torch.dtype, device: str, progress: Progress) -> None:
+    def __init__(
+        self, get: TensorGetter, dtype: torch.dtype, device: str, progress: Progress
+    ) -> None:
         self._get = get
         self._dtype = dtype
         self._device = device
@@ -75,27 +77,50 @@ def build_weights(
     final_norm = s.one("model.norm.weight", (h,))
     attn_norm = s.stacked(n, [("model.layers.{i}.input_layernorm.weight", (h,))])
     qkv = s.stacked(
-        n, [(attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h))]
+        n,
+        [
+            (attn + "q_proj.weight", (q, h)),
+            (attn + "k_proj.weight", (kv, h)),
+            (attn + "v_proj.weight", (kv, h)),
+        ],
     )
     qkv_bias = None
     if c.attention_bias:
         qkv_bias = s.stacked(
-            n, [(attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,))]
+            n,
+            [
+                (attn + "q_proj.bias", (q,)),
+                (attn + "k_proj.bias", (kv,)),
+                (attn + "v_proj.bias", (kv,)),
+            ],
         )
     qk_norm = None
     if c.qk_norm:
-        norms = s.stacked(n, [(attn + "q_norm.weight", (d,)), (attn + "k_norm.weight", (d,))]).view(n, 2, d)
+        norms = s.stacked(n, [(attn + "q_norm.weight", (d,)), (attn + "k_norm.weight", (d,))]).view(
+            n, 2, d
+        )
         # One weight row per head so q and k heads are normalized in a single op.
         qk_norm = torch.cat(
-            [norms[:, 0:1].expand(n, c.num_heads, d), norms[:, 1:2].expand(n, c.num_kv_heads, d)], dim=1
+            [norms[:, 0:1].expand(n, c.num_heads, d), norms[:, 1:2].expand(n, c.num_kv_heads, d)],
+            dim=1,
         ).contiguous()
     o = s.stacked(n, [(attn + "o_proj.weight", (h, q))])
     mlp_norm = s.stacked(n, [("model.layers.{i}.post_attention_layernorm.weight", (h,))])
     inter = c.intermediate_size
-    gate_up = s.stacked(n, [(mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))])
+    gate_up = s.stacked(
+        n, [(mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
+    )
     down = s.stacked(n, [(mlp + "down_proj.weight", (h, inter))])
     return DecoderWeights(
-        embed=embed, lm_head=lm_head, final_norm=final_norm,
-        attn_norm=attn_norm.view(n, h), qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm,
-        o=o, mlp_norm=mlp_norm.view(n, h), gate_up=gate_up, down=down,
+        embed=embed,
+        lm_head=lm_head,
+        final_norm=final_norm,
+        attn_norm=attn_norm.view(n, h),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        o=o,
+        mlp_norm=mlp_norm.view(n, h),
+        gate_up=gate_up,
+        down=down,
     )

@@ -167,8 +167,13 @@ def test_register_plugs_into_a_foreign_parser() -> None:
 
 
 def test_retried_failures_still_print_exactly_one_line(
-        fake: FakeInference, target: str, capsys: pytest.CaptureFixture[str]) -> None:
+        fake: FakeInference, target: str) -> None:
+    # A real process: under pytest, log records are captured and would never reach stderr.
     fake.failures = [Fail(grpc.StatusCode.UNAVAILABLE, "draining")] * 4
-    code, out, err = run(["tokenize", "a", "--target", target, "--api-key", GOOD_KEY], capsys)
+    proc = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "tokenize", "a", "--target", target],
+        cwd=repo_root(), env={**os.environ, "KVFENCE_API_KEY": GOOD_KEY},
+        capture_output=True, text=True, timeout=60)
     assert len(fake.seen.requests) == 4  # the default policy: four attempts
-    assert (code, out, err) == (24, "", "kvfence: error: UNAVAILABLE: draining\n")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        24, "", "kvfence: error: UNAVAILABLE: draining\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcache import CacheConfig
+from kvcache import CacheConfig, KVCacheManager
 from service.engine.core import EngineCore
 from service.engine.factory import build_engine
 from service.engine.types import (
@@ -22,16 +22,61 @@ from service.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from service.model import LoadedModel, load_model
-from tests.fixtures.tiny_models import write_tiny_llama
+from service.model import LlamaModel, LoadedModel, ModelConfig, Tokenizer
+from service.model.llama import DecoderWeights
+from tests.fixtures.tiny_models import write_tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def tiny_llama(directory: Path, seed: int = 0, std: float = 0.15) -> LoadedModel:
+    """A 2-layer random Llama built in memory (no transformers import: that takes seconds)."""
+    tokenizer = Tokenizer(write_tiny_tokenizer(directory), bos_token_id=1, eos_token_ids=(2,))
+    v, h, i, layers, hq, hkv, d = tokenizer.vocab_size, 64, 128, 2, 4, 2, 16
+    config = ModelConfig(
+        arch="llama",
+        vocab_size=v,
+        hidden_size=h,
+        intermediate_size=i,
+        num_layers=layers,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, norm: bool = False) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std + (1.0 if norm else 0.0)
+
+    weights = DecoderWeights(
+        embed=rand(v, h),
+        lm_head=rand(v, h),
+        final_norm=rand(h, norm=True),
+        attn_norm=rand(layers, h, norm=True),
+        qkv=rand(layers, (hq + 2 * hkv) * d, h),
+        qkv_bias=None,
+        qk_norm=None,
+        o=rand(layers, h, hq * d),
+        mlp_norm=rand(layers, h, norm=True),
+        gate_up=rand(layers, 2 * i, h),
+        down=rand(layers, h, i),
+    )
+    model = LlamaModel(config, weights)
+    return LoadedModel(model, tokenizer, None, "tiny", directory, torch.float32)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    directory = write_tiny_llama(Path(tmp_path_factory.mktemp("engine_tiny")) / "llama")
-    return load_model(directory, dtype="float32", progress=False)
+    return tiny_llama(Path(tmp_path_factory.mktemp("engine_tiny")))
 
 
 class FakeClock:
@@ -106,7 +151,9 @@ def req(
     )
 
 
-def run_all(core: EngineCore, rec: Recorder, requests: Iterable[Request], max_steps: int = 10_000) -> int:
+def run_all(
+    core: EngineCore, rec: Recorder, requests: Iterable[Request], max_steps: int = 10_000
+) -> int:
     """Add every request, step until all finished; returns the number of steps."""
     for r in requests:
         core.add(r, rec.sink(r.request_id))
@@ -123,15 +170,20 @@ def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
 
+def kv(core: EngineCore) -> KVCacheManager:
+    assert isinstance(core.cache, KVCacheManager)
+    return core.cache
+
+
 def assert_at_baseline(core: EngineCore) -> None:
     """No request state, no referenced page: every page is free or cached-unreferenced."""
     assert core.num_requests() == 0
     assert core.num_running() == 0 and core.num_waiting() == 0
-    stats = core.cache.stats()  # type: ignore[attr-defined]
+    stats = kv(core).stats()
     assert all(u.pages_in_use == 0 for u in stats.tenants.values()), stats
     cached = sum(u.pages_cached for u in stats.tenants.values())
     assert stats.free_pages + cached == stats.total_pages
-    assert not core.cache._tables  # type: ignore[attr-defined]
+    assert not kv(core)._tables
 
 
 def with_logprobs(r: Request, n: int) -> Request:
@@ -177,7 +229,9 @@ def near_tie_divergences(
     tolerated = []
     for rid, expected in want.items():
         actual = got[rid]
-        k = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), None)
+        k = next(
+            (i for i, (a, b) in enumerate(zip(actual, expected, strict=False)) if a != b), None
+        )
         if k is None:
             assert len(actual) == len(expected), (rid, actual, expected)
             continue

@@ -21,7 +21,15 @@ from service.engine import (
 )
 from service.engine.types import WARMUP_TENANT, EngineEvent
 from service.model import LoadedModel
-from tests.engine.conftest import Recorder, assert_at_baseline, make_core, prompt_ids, req, run_all
+from tests.engine.conftest import (
+    Recorder,
+    assert_at_baseline,
+    kv,
+    make_core,
+    prompt_ids,
+    req,
+    run_all,
+)
 
 V = 384
 
@@ -48,7 +56,7 @@ def test_warmup_runs_before_start_returns_and_leaves_pool_at_baseline(tiny: Load
         core = engine.core
         assert core.num_steps >= 1 + 5 * 3  # one prefill + 5 decode batch sizes x 3 tokens
         assert engine.core.cache.num_free_pages() == 64
-        usage = core.cache.usage(WARMUP_TENANT)
+        usage = kv(core).usage(WARMUP_TENANT)
         assert usage.pages_in_use == 0 and usage.pages_cached == 0 and usage.cached_prefixes == 0
         assert_at_baseline(core)
     finally:

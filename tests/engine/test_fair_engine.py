@@ -30,7 +30,9 @@ class StepLog:
         return record
 
     def add(self, rid: str, tenant: str, max_tokens: int = 6) -> None:
-        r = req(rid, prompt_ids(len(rid), 4, V), tenant=tenant, max_tokens=max_tokens, ignore_eos=True)
+        r = req(
+            rid, prompt_ids(len(rid), 4, V), tenant=tenant, max_tokens=max_tokens, ignore_eos=True
+        )
         self.core.add(r, self.sink(rid, tenant))
 
 
@@ -67,7 +69,9 @@ def test_weights_three_to_one_split_tokens_under_saturation(tiny: LoadedModel) -
         log.add(f"b{i}", "B")
     for _ in range(150):
         core.step()
-    assert core.scheduler.waiting.num_waiting("A") > 0 and core.scheduler.waiting.num_waiting("B") > 0
+    assert (
+        core.scheduler.waiting.num_waiting("A") > 0 and core.scheduler.waiting.num_waiting("B") > 0
+    )
     ratio = log.tokens["A"] / log.tokens["B"]
     assert 2.7 <= ratio <= 3.3, (ratio, log.tokens)
     core.finish_all("abort")

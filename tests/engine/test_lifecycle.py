@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvcache import FenceViolation, PageRef
@@ -20,6 +22,7 @@ from tests.engine.conftest import (
     FakeClock,
     Recorder,
     assert_at_baseline,
+    kv,
     make_core,
     prompt_ids,
     req,
@@ -30,7 +33,7 @@ V = 384
 
 
 def pages_in_use(core: EngineCore, tenant: str = "t1") -> int:
-    return core.cache.usage(tenant).pages_in_use  # type: ignore[attr-defined, no-any-return]
+    return kv(core).usage(tenant).pages_in_use
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_pages_within_one_step(tiny: LoadedModel) -> None:
@@ -60,8 +63,8 @@ def test_deadline_running_and_waiting(tiny: LoadedModel) -> None:
     rec = Recorder()
     run = req("run", prompt_ids(1, 20, V), max_tokens=50, ignore_eos=True)
     wait = req("wait", prompt_ids(2, 20, V), max_tokens=5)
-    core.add(run.__class__(**{**_fields(run), "deadline": clock.now + 10}), rec.sink("run"))
-    core.add(wait.__class__(**{**_fields(wait), "deadline": clock.now + 5}), rec.sink("wait"))
+    core.add(dataclasses.replace(run, deadline=clock.now + 10), rec.sink("run"))
+    core.add(dataclasses.replace(wait, deadline=clock.now + 5), rec.sink("wait"))
     core.step()
     core.step()
     clock.now += 6
@@ -77,10 +80,6 @@ def test_deadline_running_and_waiting(tiny: LoadedModel) -> None:
     assert_at_baseline(core)
 
 
-def _fields(r: object) -> dict[str, object]:
-    return {name: getattr(r, name) for name in r.__slots__}  # type: ignore[attr-defined]
-
-
 def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> None:
     requests = [req(f"f{i}", prompt_ids(i, 30, V), max_tokens=6, ignore_eos=True) for i in range(3)]
     reference = Recorder()
@@ -91,7 +90,7 @@ def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> N
         core.add(r, rec.sink(r.request_id))
     core.step()
     core.step()
-    table = core.cache._tables["f1"]  # type: ignore[attr-defined]
+    table = kv(core)._tables["f1"]
     stale = table.pages[0]
     table.pages[0] = PageRef(stale.page_id, stale.generation + 1)  # a page that changed hands
     emitted = len(rec.tokens("f1"))
@@ -102,7 +101,7 @@ def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> N
     assert len(rec.tokens("f1")) == emitted == 2
     for rid in ("f0", "f2"):
         assert rec.tokens(rid) == reference.tokens(rid)
-    assert core.cache.stats().fence_violations >= 1  # type: ignore[attr-defined]
+    assert kv(core).stats().fence_violations >= 1
     # The engine released everything but the page kvcache refuses to free through a stale ref.
     assert pages_in_use(core) == 1 and core.num_requests() == 0
     again = Recorder()
@@ -127,7 +126,16 @@ def test_stop_token_min_tokens_and_ignore_eos(tiny: LoadedModel) -> None:
     run_all(
         core,
         rec,
-        [req("m", prompt, max_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_tokens=stop_at + 2)],
+        [
+            req(
+                "m",
+                prompt,
+                max_tokens=12,
+                ignore_eos=True,
+                stop_token_ids=(stop,),
+                min_tokens=stop_at + 2,
+            )
+        ],
     )
     got = rec.tokens("m")
     assert got[:stop_at] == toks[:stop_at] and got[stop_at] != stop
@@ -135,7 +143,9 @@ def test_stop_token_min_tokens_and_ignore_eos(tiny: LoadedModel) -> None:
     assert_at_baseline(core)
 
 
-def test_stop_string_across_tokens_is_trimmed_and_text_matches_full_decode(tiny: LoadedModel) -> None:
+def test_stop_string_across_tokens_is_trimmed_and_text_matches_full_decode(
+    tiny: LoadedModel,
+) -> None:
     tok = tiny.tokenizer
     prompt = prompt_ids(7, 16, V)
     base = Recorder()
@@ -146,9 +156,13 @@ def test_stop_string_across_tokens_is_trimmed_and_text_matches_full_decode(tiny:
     # A stop string that straddles a token boundary: end of token k + start of token k+1.
     pieces = [tok.decode([t], skip_special_tokens=True) for t in ids]
     k = next(
-        i for i in range(2, len(ids) - 1)
-        if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1]
-        and ids[i] not in tok.special_ids() and ids[i + 1] not in tok.special_ids()
+        i
+        for i in range(2, len(ids) - 1)
+        if pieces[i]
+        and pieces[i + 1]
+        and "\ufffd" not in pieces[i] + pieces[i + 1]
+        and ids[i] not in tok.special_ids()
+        and ids[i + 1] not in tok.special_ids()
     )
     stop = pieces[k][-1] + pieces[k + 1][0]
     cut = full.index(stop)
@@ -180,13 +194,20 @@ def test_seed_reproducible_across_batch_compositions(tiny: LoadedModel) -> None:
     alone = Recorder()
     run_all(make_core(tiny, sampler_seed=1), alone, [target])
     noise = SamplingParams(temperature=1.2)
-    crowd = [req(f"n{i}", prompt_ids(10 + i, 5 + 30 * i, V), max_tokens=9, sampling=noise) for i in range(5)]
+    crowd = [
+        req(f"n{i}", prompt_ids(10 + i, 5 + 30 * i, V), max_tokens=9, sampling=noise)
+        for i in range(5)
+    ]
     mixed = Recorder()
-    core = make_core(tiny, sampler_seed=2, config=EngineConfig(max_num_batched_tokens=40, warmup=False))
+    core = make_core(
+        tiny, sampler_seed=2, config=EngineConfig(max_num_batched_tokens=40, warmup=False)
+    )
     run_all(core, mixed, [*crowd[:3], target, *crowd[3:]])
     assert mixed.tokens("x") == alone.tokens("x")
     other = Recorder()
-    reseeded = req("x", target.prompt_ids, max_tokens=16, sampling=SamplingParams(seed=99), ignore_eos=True)
+    reseeded = req(
+        "x", target.prompt_ids, max_tokens=16, sampling=SamplingParams(seed=99), ignore_eos=True
+    )
     run_all(make_core(tiny), other, [reseeded])
     assert other.tokens("x") != alone.tokens("x")
 
@@ -219,7 +240,7 @@ def test_logprobs_in_deltas(tiny: LoadedModel) -> None:
     core = make_core(tiny)
     rec = Recorder()
     r = req("lp", prompt_ids(3, 9, V), max_tokens=4, ignore_eos=True)
-    core.add(r.__class__(**{**_fields(r), "logprobs": 3}), rec.sink("lp"))
+    core.add(dataclasses.replace(r, logprobs=3), rec.sink("lp"))
     while core.num_requests():
         core.step()
     deltas = [e for e in rec.events["lp"] if isinstance(e, Delta)]

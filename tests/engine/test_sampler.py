@@ -124,7 +124,7 @@ def test_seeded_rows_ignore_the_rest_of_the_batch() -> None:
         others = [row(SamplingParams(temperature=1.3)) for _ in range(batch_size - 1)]
         tokens = []
         for logits in steps:
-            rows = others[:position] + [target] + others[position:]
+            rows = [*others[:position], target, *others[position:]]
             batch = torch.randn(batch_size, V)
             batch[position] = logits
             tokens.append(s.sample(batch, rows).token_ids[position])

@@ -10,6 +10,7 @@ from service.model import LoadedModel
 from tests.engine.conftest import (
     Recorder,
     assert_at_baseline,
+    kv,
     make_core,
     near_tie_divergences,
     prompt_ids,
@@ -93,7 +94,9 @@ def test_batched_equals_one_at_a_time_with_chunks_and_preemption(tiny: LoadedMod
 
 
 def test_preempted_sequence_streams_each_token_once(tiny: LoadedModel) -> None:
-    requests = [req(f"p{i}", prompt_ids(i, 40, V), max_tokens=30, ignore_eos=True) for i in range(6)]
+    requests = [
+        req(f"p{i}", prompt_ids(i, 40, V), max_tokens=30, ignore_eos=True) for i in range(6)
+    ]
     alone, _ = run_one_at_a_time(make_core(tiny, ttl=0.0), requests)
     core = make_core(tiny, pages=12, ttl=0.0)  # 6 x 5 pages at the end: must preempt
     rec = Recorder()
@@ -127,7 +130,7 @@ def test_prefix_cache_hit_skips_cached_pages_within_tenant_only(tiny: LoadedMode
 
 def test_request_that_can_never_fit_fails_with_request_too_large(tiny: LoadedModel) -> None:
     core = make_core(tiny, pages=8)
-    core.cache.set_tenant_policy("small", TenantCachePolicy(max_pages=2))  # type: ignore[attr-defined]
+    kv(core).set_tenant_policy("small", TenantCachePolicy(max_pages=2))
     rec = Recorder()
     run_all(
         core,

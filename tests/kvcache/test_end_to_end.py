@@ -20,7 +20,7 @@ from .helpers import FakeClock
 NEW_TOKENS = 32
 PROMPTS = {
     "a": "The capital of France is Paris. The capital of Germany is",
-    "b": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "b": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
 }
 TENANTS = {"a": "tenant-a", "b": "tenant-b", "a2": "tenant-a"}
 
@@ -59,9 +59,7 @@ def paged_greedy(
                 sample_rows.append(len(ids) - 1)
                 sampled.append(s)
         attn = mgr.begin_step(entries)
-        logits = model(
-            torch.tensor(ids), torch.tensor(positions), attn, torch.tensor(sample_rows)
-        )
+        logits = model(torch.tensor(ids), torch.tensor(positions), attn, torch.tensor(sample_rows))
         for e in entries:
             computed[e.seq_id] += e.num_new
             mgr.commit(e.seq_id, computed[e.seq_id])

@@ -95,7 +95,7 @@ def test_purge_tenant_drops_only_that_tenant() -> None:
     mgr, _ = make_manager(num_pages=16)
     prefill(mgr, "a", "t", PROMPT)
     mgr.free("a")
-    prefill(mgr, "running", "t", PROMPT[:5] + [1, 2, 3, 4, 5])  # shares page 0
+    prefill(mgr, "running", "t", [*PROMPT[:5], 1, 2, 3, 4, 5])  # shares page 0
     prefill(mgr, "b", "u", PROMPT)
     mgr.free("b")
     assert mgr.purge_tenant("t") == 3  # two from "a" (one now referenced) + one new

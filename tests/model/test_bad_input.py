@@ -100,7 +100,9 @@ def test_unsupported_architecture_gguf(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type(tiny_dir: Path, tmp_path: Path) -> None:
-    path = write_gguf_from_hf(tiny_dir, tmp_path / "f64.gguf", overrides={"output_norm.weight": np.ones(64)})
+    path = write_gguf_from_hf(
+        tiny_dir, tmp_path / "f64.gguf", overrides={"output_norm.weight": np.ones(64)}
+    )
     message = _load_error(path)
     assert "f64.gguf" in message and "unsupported tensor type F64" in message
 

@@ -10,7 +10,9 @@ from service.model import ChatTemplate, ChatTemplateError
 
 
 def test_raise_exception_becomes_chat_template_error() -> None:
-    t = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}")
+    t = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="first must be user"):
         t.render([{"role": "assistant", "content": "x"}])
 
@@ -51,7 +53,9 @@ def test_generation_tag_and_loop_controls() -> None:
         "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
         "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
     )
-    assert t.render([{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]) == "one"
+    assert (
+        t.render([{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]) == "one"
+    )
 
 
 def test_invalid_template_is_rejected() -> None:

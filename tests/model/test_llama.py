@@ -15,7 +15,9 @@ from tests.fixtures.tiny_models import write_tiny_qwen3
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(write_tiny_qwen3(tmp_path_factory.mktemp("q3")), dtype="float32", progress=False)
+    return load_model(
+        write_tiny_qwen3(tmp_path_factory.mktemp("q3")), dtype="float32", progress=False
+    )
 
 
 def _ids(model: LoadedModel, n: int) -> list[int]:
@@ -47,9 +49,13 @@ class TwoSequenceAttention:
     def __init__(self, split: int) -> None:
         self.split = split
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         s = self.split
-        return torch.cat([causal_attention(q[:s], k[:s], v[:s], 0), causal_attention(q[s:], k[s:], v[s:], 0)])
+        return torch.cat(
+            [causal_attention(q[:s], k[:s], v[:s], 0), causal_attention(q[s:], k[s:], v[s:], 0)]
+        )
 
 
 def test_flattened_batch_matches_separate_runs(tiny: LoadedModel) -> None:
@@ -70,7 +76,10 @@ def test_attention_receives_rope_applied_qkv_shapes(tiny: LoadedModel) -> None:
         return dense(layer, q, k, v)
 
     tiny.model(torch.tensor(_ids(tiny, 5)), torch.arange(5), spy)
-    assert seen == [(0, (5, 4, 32), (5, 2, 32), (5, 2, 32)), (1, (5, 4, 32), (5, 2, 32), (5, 2, 32))]
+    assert seen == [
+        (0, (5, 4, 32), (5, 2, 32), (5, 2, 32)),
+        (1, (5, 4, 32), (5, 2, 32), (5, 2, 32)),
+    ]
 
 
 def test_bfloat16_weights_give_close_float32_logits(tmp_path: Path) -> None:

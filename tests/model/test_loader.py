@@ -33,7 +33,9 @@ def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_dtype("int8", "cpu")
 
 
-def test_progress_goes_to_stderr_only_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_goes_to_stderr_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write_tiny_qwen2(tmp_path / "q2")
     capsys.readouterr()
     loaded = load_model(path, dtype="float32", progress=True)

@@ -33,7 +33,9 @@ def test_greedy_continuation_identical(
     assert ours == parity.greedy_hf(hf_oracle[0], ids, parity.GREEDY_TOKENS)
 
 
-def test_tokenizer_matches_transformers(default_model: LoadedModel, hf_oracle: tuple[Any, Any]) -> None:
+def test_tokenizer_matches_transformers(
+    default_model: LoadedModel, hf_oracle: tuple[Any, Any]
+) -> None:
     corpus = tokenizer_corpus()
     assert len(corpus) >= 200
     assert parity.tokenizer_mismatches(default_model.tokenizer, hf_oracle[1], corpus) == []
@@ -47,7 +49,9 @@ def test_special_token_text_encodes_as_one_special_token(default_model: LoadedMo
     assert tok.decode([1, 2], skip_special_tokens=True) == ""
 
 
-def test_chat_template_matches_transformers(default_model: LoadedModel, hf_oracle: tuple[Any, Any]) -> None:
+def test_chat_template_matches_transformers(
+    default_model: LoadedModel, hf_oracle: tuple[Any, Any]
+) -> None:
     assert default_model.chat_template is not None
     assert any(c[0]["role"] == "system" for c in CONVERSATIONS)
     assert any(c[0]["role"] != "system" for c in CONVERSATIONS)
@@ -57,7 +61,12 @@ def test_chat_template_matches_transformers(default_model: LoadedModel, hf_oracl
 def test_default_config_and_special_ids(default_model: LoadedModel) -> None:
     c = default_model.model.config
     assert (c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        "llama", 30, 576, 9, 3, 64,
+        "llama",
+        30,
+        576,
+        9,
+        3,
+        64,
     )
     assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (49152, 100000.0, True)
     assert default_model.tokenizer.bos_token_id == 1

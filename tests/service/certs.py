@@ -31,7 +31,9 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def make_ca(cn: str = "kvfence test CA") -> tuple[Pem, ec.EllipticCurvePrivateKey, x509.Certificate]:
+def make_ca(
+    cn: str = "kvfence test CA",
+) -> tuple[Pem, ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
     cert = (
@@ -72,7 +74,9 @@ def issue(
 
 def server_cert(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate) -> Pem:
     return issue(
-        ca_key, ca_cert, "localhost",
+        ca_key,
+        ca_cert,
+        "localhost",
         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
     )
 

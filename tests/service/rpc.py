@@ -37,22 +37,26 @@ def stubs(srv: ServerHandle) -> tuple[inference_pb2_grpc.InferenceStub, cache_pb
     return inference_pb2_grpc.InferenceStub(channel), cache_pb2_grpc.CacheStub(channel)
 
 
-def generate(srv: ServerHandle, tenant: str, req: inference_pb2.GenerateRequest,
-             **kw: Any) -> list[inference_pb2.GenerateResponse]:
+def generate(
+    srv: ServerHandle, tenant: str, req: inference_pb2.GenerateRequest, **kw: Any
+) -> list[inference_pb2.GenerateResponse]:
     inference, _ = stubs(srv)
     return list(inference.Generate(req, metadata=srv.auth(tenant), **kw))
 
 
 def usage(srv: ServerHandle, tenant: str) -> cache_pb2.GetUsageResponse:
     _, cache = stubs(srv)
-    return cache.GetUsage(cache_pb2.GetUsageRequest(), metadata=srv.auth(tenant))
+    resp: cache_pb2.GetUsageResponse = cache.GetUsage(
+        cache_pb2.GetUsageRequest(), metadata=srv.auth(tenant)
+    )
+    return resp
 
 
 def details(err: grpc.RpcError) -> dict[str, Any]:
     """{type name: unpacked detail} of the status carried by ``err``."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    status = rpc_status.from_call(err)
     assert status is not None, "no google.rpc.Status in the trailers"
-    assert status.code == err.code().value[0]  # type: ignore[attr-defined]
+    assert status.code == err.code().value[0]
     out: dict[str, Any] = {}
     for kind in (
         error_details_pb2.BadRequest,

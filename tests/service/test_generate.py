@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from protos.kvfence.v1 import inference_pb2
+from protos.kvfence.v1 import cache_pb2, inference_pb2
 from tests.serverutil import ServerHandle
-from tests.service.rpc import generate, request, stubs
+from tests.service.rpc import generate, request, stubs, usage
 
 PREFIX_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -57,12 +57,16 @@ def test_chat_input_is_rendered_with_the_chat_template(srv: ServerHandle) -> Non
             inference_pb2.ChatMessage(role="user", content="Hello there"),
         ]
     )
-    rendered = srv.stack.model.chat_template.render(
+    template = srv.stack.model.chat_template
+    assert template is not None
+    rendered = template.render(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
         True,
     )
     expected = srv.stack.model.tokenizer.encode(rendered, False)
-    tokenized = inference.Tokenize(inference_pb2.TokenizeRequest(chat=chat), metadata=srv.auth("acme"))
+    tokenized = inference.Tokenize(
+        inference_pb2.TokenizeRequest(chat=chat), metadata=srv.auth("acme")
+    )
     assert list(tokenized.token_ids) == expected
     req = request(None, max_tokens=3)
     req.chat.CopyFrom(chat)
@@ -102,17 +106,51 @@ def test_logprobs_carry_top_n_with_token_text(srv: ServerHandle) -> None:
 
 def test_tokenize_returns_ids_and_token_strings(srv: ServerHandle) -> None:
     inference, _ = stubs(srv)
-    resp = inference.Tokenize(inference_pb2.TokenizeRequest(text="Hello world"), metadata=srv.auth("acme"))
+    resp = inference.Tokenize(
+        inference_pb2.TokenizeRequest(text="Hello world"), metadata=srv.auth("acme")
+    )
     assert list(resp.token_ids) == srv.stack.model.tokenizer.encode("Hello world", False)
     assert "".join(resp.tokens) == "Hello world"
 
 
 def test_list_models_respects_the_tenant_model_list(srv: ServerHandle) -> None:
     inference, _ = stubs(srv)
-    (info,) = inference.ListModels(inference_pb2.ListModelsRequest(), metadata=srv.auth("acme")).models
+    (info,) = inference.ListModels(
+        inference_pb2.ListModelsRequest(), metadata=srv.auth("acme")
+    ).models
     cfg = srv.stack.model.model.config
     assert (info.name, info.architecture, info.max_model_len, info.vocab_size, info.dtype) == (
-        srv.stack.model.name, "llama", 512, cfg.vocab_size, "float32",
+        srv.stack.model.name,
+        "llama",
+        512,
+        cfg.vocab_size,
+        "float32",
     )
-    hidden = inference.ListModels(inference_pb2.ListModelsRequest(), metadata=srv.auth("other_model"))
+    hidden = inference.ListModels(
+        inference_pb2.ListModelsRequest(), metadata=srv.auth("other_model")
+    )
     assert list(hidden.models) == []
+
+
+def test_get_usage_and_purge_touch_only_the_callers_namespace(srv: ServerHandle) -> None:
+    text = "Tenants share one server but never each other's cache. " * 3
+    generate(srv, "acme", request(text, max_tokens=1))
+    generate(srv, "acme", request(text, max_tokens=1))
+    generate(srv, "globex", request(text, max_tokens=1))
+    acme, globex = usage(srv, "acme"), usage(srv, "globex")
+    assert acme.pages_in_use == 0 and acme.pages_cached >= 2 and acme.cached_prefixes >= 2
+    assert acme.prefix_hit_tokens > 0
+    assert acme.hit_rate == acme.prefix_hit_tokens / (
+        acme.prefix_hit_tokens + acme.prefix_miss_tokens
+    )
+    assert (acme.page_size, acme.running_requests) == (16, 0)
+    assert (acme.quotas.max_concurrent_streams, acme.quotas.prefix_cache_ttl_seconds) == (16, 600.0)
+    _, cache = stubs(srv)
+    purged = cache.Purge(cache_pb2.PurgeRequest(), metadata=srv.auth("acme"))
+    assert purged.pages_purged == acme.pages_cached
+    assert usage(srv, "acme").pages_cached == 0
+    assert usage(srv, "globex").pages_cached == globex.pages_cached  # untouched
+    again = generate(srv, "acme", request(text, max_tokens=1))
+    assert again[0].started.cached_prompt_tokens == 0
+    quota = usage(srv, "two_pages").quotas
+    assert (quota.max_kv_pages, quota.tokens_per_minute) == (2, 0)

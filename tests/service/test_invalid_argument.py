@@ -79,7 +79,9 @@ CASES: list[tuple[str, Case, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("make", "field"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("make", "field"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_malformed_request_is_invalid_argument_before_any_kv(
     srv: ServerHandle, make: Case, field: str
 ) -> None:

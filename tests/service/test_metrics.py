@@ -9,8 +9,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.conftest import TENANTS
 from tests.serverutil import ServerHandle
+from tests.service.conftest import TENANTS
 from tests.service.rpc import generate, request, stubs
 
 
@@ -50,8 +50,17 @@ def test_scrape_shows_each_tenants_tokens_and_requests(srv: ServerHandle) -> Non
     assert m["kvfence_kv_pages_total"][()] == stats.total_pages
     assert m["kvfence_kv_scrubs_total"][()] == stats.scrubs
     assert m["kvfence_kv_fence_violations_total"][()] == stats.fence_violations == 0
-    assert {dict(k)["reason"] for k in m["kvfence_kv_evictions_total"]} == {"ttl", "lru", "quota", "purge"}
-    for name in ("kvfence_kv_pages_used", "kvfence_kv_pages_cached", "kvfence_prefix_hit_tokens_total"):
+    assert {dict(k)["reason"] for k in m["kvfence_kv_evictions_total"]} == {
+        "ttl",
+        "lru",
+        "quota",
+        "purge",
+    }
+    for name in (
+        "kvfence_kv_pages_used",
+        "kvfence_kv_pages_cached",
+        "kvfence_prefix_hit_tokens_total",
+    ):
         assert {dict(k)["tenant"] for k in m[name]} == set(TENANTS)
     assert m["kvfence_queue_depth"][()] == 0
     assert m["kvfence_running_sequences"][()] == 0
@@ -71,6 +80,8 @@ def test_tenant_label_is_bounded_by_the_tenants_file(srv: ServerHandle) -> None:
 def test_kv_anomaly_alerts_for_a_request_and_a_tenant(srv: ServerHandle) -> None:
     # alert_request_kv_pages=3: 6 prompt + 60 new tokens span 5 pages of 16.
     generate(srv, "acme", request("Hello world", max_tokens=60))
+    generate(srv, "acme", request("Hello world", max_tokens=2))  # 1 page: no alert
+    assert srv.server.metrics.kv_alerts.labels("acme", "request")._value.get() == 1
     # alert_tenant_kv_pages=4: a 100-token prompt leaves 6 full pages in acme's prefix cache.
     generate(srv, "acme", request(ids=[5] * 100, max_tokens=1))
     deadline = time.monotonic() + 5
@@ -81,8 +92,8 @@ def test_kv_anomaly_alerts_for_a_request_and_a_tenant(srv: ServerHandle) -> None
             break
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert alerts[(("kind", "request"), ("tenant", "acme"))] == 1  # once per request
+    assert alerts[(("kind", "request"), ("tenant", "acme"))] == 2  # once per large request
     assert alerts[(("kind", "tenant"), ("tenant", "acme"))] == 1  # once per crossing
     events = [line for line in srv.log_lines() if '"kv.alert.' in line]
-    assert len([e for e in events if "kv.alert.request_pages" in e]) == 1
+    assert len([e for e in events if "kv.alert.request_pages" in e]) == 2
     assert len([e for e in events if "kv.alert.tenant_pages" in e]) == 1

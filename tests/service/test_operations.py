@@ -17,11 +17,15 @@ from tests.serverutil import TenantSpec, running_server, write_tenants_file
 from tests.service.rpc import details, generate, request, stubs, usage
 
 
-def test_drain_refuses_new_rpcs_and_aborts_streams_past_the_grace(tiny_model: Any, tmp_path: Path) -> None:
+def test_drain_refuses_new_rpcs_and_aborts_streams_past_the_grace(
+    tiny_model: Any, tmp_path: Path
+) -> None:
     tenants = {"acme": TenantSpec()}
     with running_server(tiny_model, tenants, tenants_dir=tmp_path) as srv:
         inference, _ = stubs(srv)
-        stream = inference.Generate(request("Hello world", max_tokens=490), metadata=srv.auth("acme"))
+        stream = inference.Generate(
+            request("Hello world", max_tokens=490), metadata=srv.auth("acme")
+        )
         assert next(stream).WhichOneof("event") == "started"
         assert next(stream).WhichOneof("event") == "chunk"
         with srv.paused_engine():  # the stream cannot finish inside the grace period
@@ -50,7 +54,9 @@ def test_drain_refuses_new_rpcs_and_aborts_streams_past_the_grace(tiny_model: An
 def test_drain_lets_short_streams_finish_within_the_grace(tiny_model: Any, tmp_path: Path) -> None:
     with running_server(tiny_model, {"acme": TenantSpec()}, tenants_dir=tmp_path) as srv:
         inference, _ = stubs(srv)
-        stream = inference.Generate(request("Hello world", max_tokens=40), metadata=srv.auth("acme"))
+        stream = inference.Generate(
+            request("Hello world", max_tokens=40), metadata=srv.auth("acme")
+        )
         assert next(stream).WhichOneof("event") == "started"
         with srv.paused_engine():  # the stream is provably still running when the drain starts
             drained = asyncio.run_coroutine_threadsafe(srv.server.drain(grace_s=10.0), srv.loop)
@@ -81,7 +87,11 @@ def test_reflection_needs_a_credential_with_permission(tiny_model: Any, tmp_path
         assert details(denied.value)["ErrorInfo"].reason == "REFLECTION"
         stub = reflection_pb2_grpc.ServerReflectionStub(srv.channel())
         with pytest.raises(grpc.RpcError) as anonymous:
-            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            list(
+                stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+            )
         assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -89,11 +99,14 @@ def test_reload_revokes_a_key_without_dropping_streams(tiny_model: Any, tmp_path
     tenants = {"acme": TenantSpec(), "globex": TenantSpec()}
     with running_server(tiny_model, tenants, tenants_dir=tmp_path) as srv:
         inference, _ = stubs(srv)
-        stream = inference.Generate(request("Hello world", max_tokens=490), metadata=srv.auth("globex"))
+        stream = inference.Generate(
+            request("Hello world", max_tokens=490), metadata=srv.auth("globex")
+        )
         assert next(stream).WhichOneof("event") == "started"
         with srv.paused_engine():
             keys = write_tenants_file(
-                srv.tenants_path, {"acme": TenantSpec(api_key=srv.keys["acme"], max_prompt_tokens=4)}
+                srv.tenants_path,
+                {"acme": TenantSpec(api_key=srv.keys["acme"], max_prompt_tokens=4)},
             )
             reloaded = asyncio.run_coroutine_threadsafe(
                 asyncio.to_thread(srv.server.reload_tenants), srv.loop

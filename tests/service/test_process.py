@@ -17,10 +17,14 @@ from tests.service.rpc import request
 
 
 @pytest.fixture(scope="module")
-def proc(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, str], Path]]:
+def proc(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, dict[str, str], Path]]:
     tenants = tmp_path_factory.mktemp("proc") / "tenants.toml"
     keys = write_tenants_file(tenants, {"acme": TenantSpec(), "globex": TenantSpec()})
-    p = start_server_process(tiny_llama_dir, tenants, ["--metrics-port", "0", "--grace-seconds", "20"])
+    p = start_server_process(
+        tiny_llama_dir, tenants, ["--metrics-port", "0", "--grace-seconds", "20"]
+    )
     try:
         yield p, keys, tenants
     finally:
@@ -45,7 +49,9 @@ def test_sighup_reload_then_sigterm_drain(proc: tuple[ServerProcess, dict[str, s
     channel = grpc.insecure_channel(p.target)
     inference = inference_pb2_grpc.InferenceStub(channel)
     cache = cache_pb2_grpc.CacheStub(channel)
-    assert cache.GetUsage(cache_pb2.GetUsageRequest(), metadata=_auth(keys["globex"])).page_size == 16
+    assert (
+        cache.GetUsage(cache_pb2.GetUsageRequest(), metadata=_auth(keys["globex"])).page_size == 16
+    )
 
     # SIGHUP: globex's key is revoked from the next call on.
     write_tenants_file(tenants, {"acme": TenantSpec(api_key=keys["acme"])})
@@ -62,7 +68,9 @@ def test_sighup_reload_then_sigterm_drain(proc: tuple[ServerProcess, dict[str, s
     assert cache.GetUsage(cache_pb2.GetUsageRequest(), metadata=_auth(keys["acme"])).page_size == 16
 
     # SIGTERM with a stream in flight: it completes inside the grace period, exit status 0.
-    stream = inference.Generate(request("Hello world", max_tokens=490), metadata=_auth(keys["acme"]))
+    stream = inference.Generate(
+        request("Hello world", max_tokens=490), metadata=_auth(keys["acme"])
+    )
     assert next(stream).WhichOneof("event") == "started"
     p.popen.send_signal(signal.SIGTERM)
     rest = list(stream)

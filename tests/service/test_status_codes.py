@@ -22,9 +22,13 @@ def _wait_for(check: object, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def _open_stream(srv: ServerHandle, tenant: str, max_tokens: int = LONG) -> Iterator[inference_pb2.GenerateResponse]:
+def _open_stream(
+    srv: ServerHandle, tenant: str, max_tokens: int = LONG
+) -> Iterator[inference_pb2.GenerateResponse]:
     inference, _ = stubs(srv)
-    stream = inference.Generate(request("Hello world", max_tokens=max_tokens), metadata=srv.auth(tenant))
+    stream: Iterator[inference_pb2.GenerateResponse] = inference.Generate(
+        request("Hello world", max_tokens=max_tokens), metadata=srv.auth(tenant)
+    )
     assert next(stream).WhichOneof("event") == "started"
     return stream
 
@@ -131,6 +135,9 @@ def test_client_deadline_is_deadline_exceeded_and_frees_pages(srv: ServerHandle)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_for(lambda: usage(srv, "globex").pages_in_use == 0)
     _wait_for(lambda: srv.usage("globex").pages_in_use == 0)
+    labels = {"tenant": "globex", "method": "Generate", "code": "DEADLINE_EXCEEDED"}
+    registry = srv.server.metrics.registry
+    _wait_for(lambda: registry.get_sample_value("kvfence_requests_total", labels) == 1)
 
 
 def test_mid_stream_cancel_frees_the_pages_within_a_step(srv: ServerHandle) -> None:

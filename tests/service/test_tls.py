@@ -10,9 +10,9 @@ import pytest
 
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.server import ServerOptions, TlsFiles
+from tests.serverutil import TenantSpec, running_server
 from tests.service import certs
 from tests.service.rpc import details, request
-from tests.serverutil import TenantSpec, running_server
 
 ACME_URI = "spiffe://kvfence.test/acme/worker"
 
@@ -24,7 +24,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (d / "ca.crt").write_bytes(ca.cert)
     server = certs.server_cert(ca_key, ca_cert)
     server_paths = certs.write(d, "server", server)
-    other_ca, other_key, other_cert = certs.make_ca("someone else's CA")
+    _other_ca, other_key, other_cert = certs.make_ca("someone else's CA")
     return {
         "dir": d,
         "ca": ca.cert,
@@ -47,7 +47,9 @@ def _channel(target: str, ca: bytes, client: certs.Pem | None = None) -> grpc.Ch
 def test_tls_with_api_key(tiny_model: Any, pki: dict[str, Any], tmp_path: Path) -> None:
     cert, key = pki["server"]
     options = ServerOptions(tls=TlsFiles(cert, key))
-    with running_server(tiny_model, {"acme": TenantSpec()}, options=options, tenants_dir=tmp_path) as srv:
+    with running_server(
+        tiny_model, {"acme": TenantSpec()}, options=options, tenants_dir=tmp_path
+    ) as srv:
         stub = inference_pb2_grpc.InferenceStub(_channel(srv.target, pki["ca"]))
         out = list(stub.Generate(request("Hello", max_tokens=2), metadata=srv.auth("acme")))
         assert out[-1].finished.usage.completion_tokens == 2
@@ -58,7 +60,9 @@ def test_tls_with_api_key(tiny_model: Any, pki: dict[str, Any], tmp_path: Path) 
         assert plain.value.code() == grpc.StatusCode.UNAVAILABLE  # no plaintext on a TLS port
 
 
-def test_mtls_client_certificate_names_the_tenant(tiny_model: Any, pki: dict[str, Any], tmp_path: Path) -> None:
+def test_mtls_client_certificate_names_the_tenant(
+    tiny_model: Any, pki: dict[str, Any], tmp_path: Path
+) -> None:
     cert, key = pki["server"]
     options = ServerOptions(tls=TlsFiles(cert, key, pki["dir"] / "ca.crt"))
     tenants = {
@@ -82,7 +86,9 @@ def test_mtls_client_certificate_names_the_tenant(tiny_model: Any, pki: dict[str
 
         # acme's certificate with globex's key: the credentials disagree.
         with pytest.raises(grpc.RpcError) as mixed:
-            cache_pb2_grpc.CacheStub(acme).GetUsage(cache_pb2.GetUsageRequest(), metadata=srv.auth("globex"))
+            cache_pb2_grpc.CacheStub(acme).GetUsage(
+                cache_pb2.GetUsageRequest(), metadata=srv.auth("globex")
+            )
         assert mixed.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert details(mixed.value)["ErrorInfo"].reason == "MISMATCH"
 
@@ -95,5 +101,7 @@ def test_mtls_client_certificate_names_the_tenant(tiny_model: Any, pki: dict[str
         # No client certificate at all: refused by the handshake.
         anonymous = _channel(srv.target, pki["ca"])
         with pytest.raises(grpc.RpcError) as no_cert:
-            cache_pb2_grpc.CacheStub(anonymous).GetUsage(cache_pb2.GetUsageRequest(), metadata=srv.auth("globex"), timeout=5)
+            cache_pb2_grpc.CacheStub(anonymous).GetUsage(
+                cache_pb2.GetUsageRequest(), metadata=srv.auth("globex"), timeout=5
+            )
         assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,55 @@
+"""Run every benchmark suite one after another: `python -m bench.run_all [--quick] [--only S]`.
+
+Full-run sizing targets about 25 minutes on 2 cores (see bench/results/README.md for what
+each suite runs). Systems never run concurrently; each suite reports its own targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench import continuous, isolation_cost, offline, online, overhead, prefix
+from bench.common import results_dir
+from bench.summary import SUITE_ORDER, write_summary
+
+SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "offline": offline.run,
+    "overhead": overhead.run,
+    "continuous": continuous.run,
+    "online": online.run,
+    "prefix": prefix.run,
+    "isolation_cost": isolation_cost.run,
+}
+assert tuple(SUITES) == SUITE_ORDER
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke-sized run (results/quick/)")
+    parser.add_argument("--only", action="append", choices=list(SUITES), metavar="SUITE",
+                        help=f"run only this suite (repeatable): {', '.join(SUITES)}")
+    args = parser.parse_args(argv)
+    chosen = args.only or list(SUITES)
+    failures: dict[str, str] = {}
+    started = time.perf_counter()
+    for name in chosen:
+        t0 = time.perf_counter()
+        print(f"== {name} ==", flush=True)
+        try:
+            SUITES[name](args.quick)
+        except Exception as err:  # keep going: one failed suite must not hide the others
+            failures[name] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        print(f"== {name}: {time.perf_counter() - t0:.0f}s ==", flush=True)
+    out = results_dir(args.quick)
+    print(write_summary(out, failures))
+    print(f"total {time.perf_counter() - started:.0f}s; results in {out}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Collects every suite's results/<suite>.json into summary.md and README.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import md_table
+
+SUITE_ORDER = ("offline", "overhead", "continuous", "online", "prefix", "isolation_cost")
+
+README_HEAD = """# Benchmark results
+
+Produced by `make bench` (`python -m bench.run_all`; `--quick` writes a smoke-sized run to
+`quick/`, `--only SUITE` reruns one suite). Each suite writes `<suite>.json` (all numbers plus
+the machine: CPU model and flags, cores, library versions, thread counts), `<suite>.md` and
+PNG plots. Every system uses the same model (SmolLM2-135M-Instruct, the default Q4_1 GGUF),
+all cores as threads, and runs alone after its own warm-up pass.
+
+| suite | what it measures |
+|---|---|
+| [offline](offline.md) | 64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, ignore_eos: kvfence engine in process, kvfence over gRPC, transformers `generate()` in static left-padded batches of 8 and 32 (dense weights in kvfence's dtype), llama.cpp batched `llama_decode` with n_seq in {1, 8, 16, 32}. transformers batches run to their longest member; only each request's own output counts. |
+| [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512} (median of 15 steps) |
+| [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward |
+| [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity |
+| [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions |
+| [isolation_cost](isolation_cost.md) | engine throughput: scrub reassign vs off, prefix cache on vs off; 3 tenants, 48 requests, 3 interleaved rounds |
+"""
+
+
+def load_results(out: Path) -> dict[str, dict[str, Any]]:
+    found = {}
+    for suite in SUITE_ORDER:
+        path = out / f"{suite}.json"
+        if path.exists():
+            found[suite] = json.loads(path.read_text())
+    return found
+
+
+def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for suite, data in results.items():
+        for t in data.get("targets", []):
+            goal = ("≥ " if t["higher_is_better"] else "≤ ") + f"{t['threshold']:g}"
+            rows.append((suite, t["name"], f"{t['value']:.3f}", goal,
+                         "pass" if t["passed"] else "MISS", f"{t['margin']:+.3f}"))
+    parts = ["## Targets", md_table(("suite", "target", "measured", "goal", "result", "margin"), rows)]
+    offline = results.get("offline")
+    if offline:
+        parts += ["## Offline throughput (output tok/s)",
+                  md_table(("system", "output tok/s", "total tok/s"),
+                           [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]])]
+    cont = results.get("continuous")
+    if cont:
+        parts.append(f"Continuous batching is **{cont['speedup']:.2f}x** static batching "
+                     f"(max batch {cont['max_batch']}).")
+    online = results.get("online")
+    if online:
+        parts += ["## Online serving (gRPC)",
+                  md_table(("rate", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                            "ITL p99 ms"),
+                           [(r["rate"], r["overall"]["req_s"], r["overall"]["output_tok_s"],
+                             r["overall"]["ttft_p50_ms"], r["overall"]["ttft_p99_ms"],
+                             r["overall"]["itl_p50_ms"], r["overall"]["itl_p99_ms"])
+                            for r in online["runs"]])]
+    any_data = next(iter(results.values()), None)
+    if any_data:
+        m = any_data["machine"]
+        flags = ", ".join(f for f, on in m["cpu_flags"].items() if on)
+        versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
+        parts.append(f"Machine: {m['cpu_model']}, {m['usable_cores']} cores, {m['threads']} threads; "
+                     f"flags: {flags}; {versions}.")
+    errors = [f"- {s}: {k}: {v}" for s, d in results.items() for k, v in d.get("errors", {}).items()]
+    if errors:
+        parts += ["## Errors", "\n".join(errors)]
+    return "\n\n".join(parts)
+
+
+def write_summary(out: Path, failures: dict[str, str]) -> str:
+    results = load_results(out)
+    text = summary_markdown(results)
+    if failures:
+        text += "\n\n## Suites that failed in the last run\n\n" + "\n".join(
+            f"- {s}: {msg}" for s, msg in failures.items())
+    (out / "summary.md").write_text(text + "\n")
+    (out / "README.md").write_text(README_HEAD + "\n" + text + "\n")
+    return text

@@ -1,0 +1,105 @@
+"""`kvfence` CLI: tenants add, error exits, env-var flags, lazy imports, devserve setup."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service import cli, devserve
+from service.serve import ConfigError, parse_kv_memory
+from service.tenants import load_tenants
+from tests.serverutil import ROOT
+
+
+def test_client_verbs_do_not_import_torch_or_the_engine() -> None:
+    code = (
+        "import sys, service.cli as c; c.build_parser(); "
+        "print(sorted(m for m in ('torch', 'service.model', 'service.engine', 'kvcache') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_tenants_add_prints_the_key_once_and_stores_its_hash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "tenants.toml"
+    assert cli.main(["tenants", "add", "acme", "--file", str(path)]) == 0
+    out = capsys.readouterr().out
+    key = out.strip().splitlines()[-1].split()[-1]
+    assert key.startswith("kvf_") and key not in path.read_text()
+    assert load_tenants(path).by_key(key).name == "acme"  # type: ignore[union-attr]
+    assert cli.main(["tenants", "add", "acme", "--file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--model", "/nonexistent/model.gguf"], {}, "/nonexistent/model.gguf does not exist"),
+        (["--tenants", "/nonexistent/tenants.toml"], {}, "tenants file not found"),
+        (["--tls-cert", "a.pem"], {}, "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], {}, "--tls-client-ca needs"),
+        ([], {"KVFENCE_PORT": "http"}, "KVFENCE_PORT='http'"),
+        ([], {"KVFENCE_REFLECTION": "maybe"}, "KVFENCE_REFLECTION"),
+    ],
+)
+def test_bad_serve_input_is_one_line_and_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    env: dict[str, str],
+    message: str,
+) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.a]\nmtls_identities = ["x"]\n')
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    base = ["serve", "--tenants", str(tenants), "--model", str(tmp_path / "absent.gguf")]
+    assert cli.main([*base, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_every_serve_flag_reads_its_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFENCE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("KVFENCE_KV_MEMORY", "0.25")
+    monkeypatch.setenv("KVFENCE_LOG_CONTENT", "true")
+    monkeypatch.setenv("KVFENCE_TLS_CLIENT_CA", "/ca.pem")
+    args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "9"])
+    assert args.max_num_seqs == 9  # the flag wins
+    assert (args.kv_memory, args.log_content, args.tls_client_ca) == ("0.25", True, "/ca.pem")
+    serve = next(
+        a
+        for a in cli.build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+        if a.prog.endswith("serve")
+    )
+    for action in serve._actions:
+        if action.option_strings and action.dest != "help":
+            assert f"[env KVFENCE_{action.dest.upper()}]" in (action.help or "")
+
+
+def test_kv_memory_sizes() -> None:
+    assert parse_kv_memory("512MiB") == ("bytes", 512 * 2**20)
+    assert parse_kv_memory("2GB") == ("bytes", 2e9)
+    assert parse_kv_memory("1073741824") == ("bytes", 2**30)
+    assert parse_kv_memory("0.5") == ("fraction", 0.5)
+    for bad in ("lots", "-1GiB", "0"):
+        with pytest.raises(ConfigError):
+            parse_kv_memory(bad)
+
+
+def test_devserve_creates_a_dev_tenant_once(tmp_path: Path) -> None:
+    tenants = tmp_path / "dev" / "tenants.toml"
+    key = devserve.ensure_dev_tenant(tenants)
+    assert (tmp_path / "dev" / "dev-key.txt").read_text().strip() == key
+    assert load_tenants(tenants).by_key(key).name == "dev"  # type: ignore[union-attr]
+    assert devserve.ensure_dev_tenant(tenants) == key  # reused, not rotated
+    assert oct((tmp_path / "dev" / "dev-key.txt").stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,74 @@
+"""Log lines carry tenant, request id and peer; prompt and output text only with --log-content."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from service.server import ServerOptions
+from tests.serverutil import ServerHandle, TenantSpec, running_server
+from tests.service.rpc import generate, request, stubs
+
+SECRET = "zebra-secret-4417 please keep"
+
+
+def _events(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in lines]
+
+
+def test_request_lines_carry_tenant_and_request_id_never_the_prompt(srv: ServerHandle) -> None:
+    out = generate(srv, "acme", request(SECRET, max_tokens=3))
+    request_id = out[0].started.request_id
+    output = "".join(r.chunk.text for r in out[1:-1])
+    lines = srv.log_lines()
+    mine = [e for e in _events(lines) if e.get("request_id") == request_id]
+    assert [e["event"] for e in mine] == ["generate.accepted", "generate.finished"]
+    for event in mine:
+        assert event["tenant"] == "acme"
+        assert event["peer"].startswith("ipv4:127.0.0.1:")
+    finished = mine[-1]
+    assert (finished["reason"], finished["completion_tokens"]) == ("length", 3)
+    assert finished["total_s"] >= 0 and "ttft_s" in finished and "queue_s" in finished
+    assert all(SECRET not in line and "zebra" not in line for line in lines)
+    if output.strip():
+        assert all(output not in line for line in lines)
+
+
+def test_each_auth_denial_is_its_own_event_without_the_key(srv: ServerHandle) -> None:
+    inference, _ = stubs(srv)
+    bad_key = "kvf_this-key-must-never-be-logged"
+    before = len(srv.log_lines())
+    for metadata in ((("authorization", f"Bearer {bad_key}"),), ()):
+        with pytest.raises(grpc.RpcError):
+            list(inference.Generate(request("hi"), metadata=metadata))
+    new = _events(srv.log_lines()[before:])
+    denials = [e for e in new if e["event"] == "auth.denied"]
+    assert [(d["code"], d["reason"]) for d in denials] == [
+        ("UNAUTHENTICATED", "INVALID_KEY"),
+        ("UNAUTHENTICATED", "UNAUTHENTICATED"),
+    ]
+    assert all(
+        d["method"] == "/kvfence.v1.Inference/Generate" and d["level"] == "warning" for d in denials
+    )
+    assert all(bad_key not in line for line in srv.log_lines())
+
+
+def test_log_content_flag_logs_the_prompt(tiny_model: Any, tmp_path: Path) -> None:
+    log = io.StringIO()
+    with running_server(
+        tiny_model,
+        {"acme": TenantSpec()},
+        options=ServerOptions(log_content=True),
+        log_stream=log,
+        tenants_dir=tmp_path,
+    ) as srv:
+        out = generate(srv, "acme", request(SECRET, max_tokens=2))
+    contents = [e for e in _events(log.getvalue().splitlines()) if e["event"] == "generate.content"]
+    assert contents[0]["prompt"] == SECRET
+    assert contents[1]["output"] == "".join(r.chunk.text for r in out[1:-1])
+    assert all(e["request_id"] == out[0].started.request_id for e in contents)

@@ -1,0 +1,152 @@
+"""The tenants file, key lookup and the authenticator's decisions (no server needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service.auth import Authenticator
+from service.errors import ServiceError
+from service.tenants import (
+    Quotas,
+    TenantsFileError,
+    add_tenant,
+    hash_key,
+    load_tenants,
+    parse_tenants,
+)
+
+KEY_A, KEY_B = "kvf_alpha-key", "kvf_beta-key"
+
+
+def _file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(text)
+    return path
+
+
+def test_full_tenant_entry_parses(tmp_path: Path) -> None:
+    path = _file(
+        tmp_path,
+        f"""
+[tenants.acme]
+api_key_sha256 = ["{hash_key(KEY_A).hex()}", "{hash_key(KEY_B).hex()}"]
+mtls_identities = ["spiffe://acme/worker"]
+weight = 2.5
+max_concurrent_streams = 3
+max_kv_pages = 100
+max_prompt_tokens = 50
+tokens_per_minute = 1000
+prefix_cache_ttl_seconds = 0
+models = ["m1"]
+allow_reflection = true
+""",
+    )
+    (acme,) = load_tenants(path).tenants.values()
+    assert acme.name == "acme" and acme.weight == 2.5
+    assert acme.key_hashes == (hash_key(KEY_A), hash_key(KEY_B))
+    assert acme.quotas == Quotas(3, 100, 50, 1000)
+    assert acme.prefix_cache_ttl_seconds == 0.0
+    assert acme.models == ("m1",) and acme.may_use_model("m1") and not acme.may_use_model("m2")
+    assert acme.allow_reflection and acme.mtls_identities == ("spiffe://acme/worker",)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("[tenants.a]\nweight = 1.0\n", "needs api_key_sha256 or mtls_identities"),
+        ('[tenants.a]\napi_key_sha256 = ["abc"]\n', "64 lowercase hex"),
+        ('[tenants.a]\nmtls_identities = ["x"]\nweight = 0\n', "weight"),
+        ('[tenants.a]\nmtls_identities = ["x"]\nmax_kv_page = 1\n', "unknown keys ['max_kv_page']"),
+        (
+            '[tenants.a]\nmtls_identities = ["x"]\nmax_concurrent_streams = 0\n',
+            "max_concurrent_streams",
+        ),
+        ('[tenants.a]\nmtls_identities = ["x"]\ntokens_per_minute = -1\n', "tokens_per_minute"),
+        (
+            '[tenants.a]\nmtls_identities = ["x"]\n[tenants.b]\nmtls_identities = ["x"]\n',
+            "mapped to both",
+        ),
+        ('[tenants."__engine"]\nmtls_identities = ["x"]\n', "invalid name"),
+        ("[tenants.a\n", "cannot read"),
+    ],
+)
+def test_bad_files_are_one_line_errors(tmp_path: Path, body: str, message: str) -> None:
+    with pytest.raises(TenantsFileError) as info:
+        load_tenants(_file(tmp_path, body))
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TenantsFileError, match="not found"):
+        load_tenants(tmp_path / "absent.toml")
+
+
+def test_add_tenant_stores_only_the_hash_and_appends(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    key1 = add_tenant(path, "acme")
+    key2 = add_tenant(path, "globex")
+    text = path.read_text()
+    assert key1 not in text and key2 not in text
+    assert hash_key(key1).hex() in text
+    registry = load_tenants(path)
+    assert registry.by_key(key1).name == "acme"  # type: ignore[union-attr]
+    assert registry.by_key(key2).name == "globex"  # type: ignore[union-attr]
+    assert registry.by_key(key1 + "x") is None
+    with pytest.raises(TenantsFileError, match="already exists"):
+        add_tenant(path, "acme")
+    with pytest.raises(TenantsFileError, match="invalid tenant name"):
+        add_tenant(path, "bad name")
+
+
+def _registry() -> Authenticator:
+    return Authenticator(
+        parse_tenants(
+            {
+                "tenants": {
+                    "acme": {
+                        "api_key_sha256": [hash_key(KEY_A).hex()],
+                        "mtls_identities": ["uri:acme"],
+                    },
+                    "beta": {"api_key_sha256": [hash_key(KEY_B).hex()]},
+                }
+            }
+        )
+    )
+
+
+def _reason(
+    auth: Authenticator, metadata: list[tuple[str, str]], sans: list[bytes] | None = None
+) -> str:
+    ctx = {"x509_subject_alternative_name": sans} if sans else {}
+    with pytest.raises(ServiceError) as info:
+        auth.authenticate(metadata, ctx)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    return info.value.details[0].reason  # type: ignore[attr-defined,no-any-return]
+
+
+def test_authenticator_decisions() -> None:
+    auth = _registry()
+    assert auth.authenticate([("authorization", f"Bearer {KEY_A}")], {}).name == "acme"
+    assert auth.authenticate([("Authorization", f"bearer {KEY_B}")], {}).name == "beta"
+    assert auth.authenticate([], {"x509_subject_alternative_name": [b"uri:acme"]}).name == "acme"
+    assert (
+        auth.authenticate([("authorization", f"Bearer {KEY_A}")], {"peer_uri": [b"uri:acme"]}).name
+        == "acme"
+    )
+    assert _reason(auth, []) == "UNAUTHENTICATED"
+    assert _reason(auth, [("authorization", "Bearer nope")]) == "INVALID_KEY"
+    assert _reason(auth, [("authorization", KEY_A)]) == "MALFORMED"
+    assert _reason(auth, [("authorization", f"Bearer {KEY_A}")] * 2) == "DUPLICATE_CREDENTIALS"
+    assert _reason(auth, [], [b"uri:nobody"]) == "UNKNOWN_CERT"
+    assert _reason(auth, [("authorization", f"Bearer {KEY_B}")], [b"uri:acme"]) == "MISMATCH"
+
+
+def test_replace_swaps_the_registry_atomically() -> None:
+    auth = _registry()
+    auth.replace(parse_tenants({"tenants": {"beta": {"api_key_sha256": [hash_key(KEY_B).hex()]}}}))
+    assert _reason(auth, [("authorization", f"Bearer {KEY_A}")]) == "INVALID_KEY"
+    assert auth.authenticate([("authorization", f"Bearer {KEY_B}")], {}).name == "beta"

@@ -1,0 +1,145 @@
+"""The ``make verify`` report: collects every recorded figure and every test outcome, prints
+one table, and writes ``bench/results/verify.json`` and ``bench/results/verify.md``.
+
+A test that failed or errored without a failing figure of its own still gets a row, so the
+table can never show all-pass for a run that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.verify.recorder import Figure, session_figures
+from tests.verify.scale import mode
+
+
+@dataclass(slots=True)
+class Outcome:
+    outcome: str = "passed"  # passed | failed | skipped
+    seconds: float = 0.0
+    message: str = ""
+
+
+@dataclass(slots=True, eq=False)  # plugins must be hashable
+class VerifyReport:
+    """A pytest plugin object: pass it in ``pytest.main(..., plugins=[report])``."""
+
+    results_dir: Path
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    figures: list[Figure] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        test = _short(report.nodeid)
+        state = self.outcomes.setdefault(test, Outcome())
+        state.seconds += report.duration
+        if report.failed:
+            state.outcome = "failed"
+            state.message = _first_line(report.longreprtext)
+        elif report.skipped and state.outcome == "passed":
+            state.outcome = "skipped"
+            state.message = _first_line(report.longreprtext)
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        self.figures = list(session_figures(config))
+        rows = self.rows()
+        write = terminalreporter.write_line
+        write("")
+        for line in render_table(rows):
+            write(line)
+        write("")
+        write(f"kvfence verify ({mode()}): {'PASS' if self.passed() else 'FAIL'}; "
+              f"{sum(1 for r in rows if r['passed'])}/{len(rows)} rows pass; "
+              f"wrote {self.results_dir / 'verify.json'} and verify.md")
+        self.write(rows)
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows = [f.as_dict() for f in self.figures]
+        failing = {f.test for f in self.figures if not f.passed}
+        for test, state in self.outcomes.items():
+            if state.outcome == "failed" and test not in failing:
+                rows.append({"test": test, "name": f"{test.split('::')[-1]} outcome", "value": "failed",
+                             "expected": "passed", "passed": False, "note": state.message})
+            elif state.outcome == "skipped":
+                rows.append({"test": test, "name": f"{test.split('::')[-1]} outcome", "value": "skipped",
+                             "expected": "run", "passed": False, "note": state.message})
+        return rows
+
+    def passed(self) -> bool:
+        rows = self.rows()
+        return bool(rows) and all(r["passed"] for r in rows)
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "mode": mode(),
+            "passed": self.passed(),
+            "seconds": round(time.monotonic() - self.started, 1),
+            "machine": {"python": platform.python_version(), "platform": platform.platform()},
+            "tests": {t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
+                      for t, o in self.outcomes.items()},
+            "figures": rows,
+        }
+        (self.results_dir / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (self.results_dir / "verify.md").write_text(render_markdown(rows, doc) + "\n")
+
+
+def _short(nodeid: str) -> str:
+    path, _, name = nodeid.partition("::")
+    return f"{path.rsplit('/', 1)[-1].removesuffix('.py')}::{name}"
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("E ")]
+    return (lines[0] if lines else text.strip().splitlines()[-1] if text.strip() else "")[:160]
+
+
+def _area(test: str) -> str:
+    """``test_soak::test_x`` -> ``soak``: the table groups figures by test file."""
+    return test.split("::", 1)[0].removeprefix("test_")
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_table(rows: list[dict[str, Any]]) -> list[str]:
+    header = ("area", "figure", "value", "expected", "result")
+    body = [
+        (_area(r["test"]), r["name"], _value(r["value"]), r["expected"],
+         "pass" if r["passed"] else "FAIL")
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(header)]
+    widths = [min(w, 60) for w in widths]
+
+    def fmt(cells: tuple[str, ...]) -> str:
+        return "  ".join(c[:w].ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [fmt(header), fmt(tuple("-" * w for w in widths)), *(fmt(b) for b in body)]
+
+
+def render_markdown(rows: list[dict[str, Any]], doc: dict[str, Any]) -> str:
+    lines = [
+        f"Isolation and reliability report (`make verify`, {doc['mode']} sizes, "
+        f"{doc['seconds']:.0f} s on {doc['machine']['platform']}): "
+        f"**{'all pass' if doc['passed'] else 'FAILURES'}**.",
+        "",
+        "| area | figure | value | expected | result |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = (_area(r["test"]), r["name"], _value(r["value"]), r["expected"],
+                 "pass" if r["passed"] else "**FAIL**")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
