@@ -49,7 +49,7 @@ verify: $(STAMP) model
 	$(PY) -m tests.verify_report
 
 bench: $(STAMP) model
-	$(PIP) install -q -e ".[bench]"
+	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
 
 clean:

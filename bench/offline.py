@@ -11,6 +11,7 @@ import asyncio
 import gc
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -131,9 +132,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     runs: list[Throughput] = []
     errors: dict[str, str] = {}
     dtype = torch.float32
+    sizing: dict[str, Any] = {}
     try:
-        from bench.kvfence_runner import load_kvfence
+        from bench.kvfence_runner import Sizing, load_kvfence
 
+        sizing = asdict(Sizing())
         loaded = load_kvfence(gguf)
         dtype = loaded.dtype
         _kvfence_runs(loaded, work, warm, runs, errors)
@@ -141,11 +144,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     except ImportError as err:
         errors["kvfence"] = f"ImportError: {err}"
     _peer_runs(dtype, work, warm, threads, runs, errors)
-    return report(runs, errors, quick, threads, dtype, work)
+    return report(runs, errors, quick, threads, dtype, work, sizing)
 
 
 def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads: int,
-           dtype: torch.dtype, work: list[Work]) -> dict[str, Any]:
+           dtype: torch.dtype, work: list[Work], sizing: dict[str, Any]) -> dict[str, Any]:
     out = results_dir(quick)
     kv = _best(runs, "kvfence engine")
     grpc = _best(runs, "kvfence gRPC")
@@ -178,7 +181,7 @@ def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads:
     ])
     data = {
         "suite": SUITE, "quick": quick, "machine": machine_info(threads),
-        "dtype": str(dtype), "runs": [r.as_dict() for r in runs], "ratios_kvfence_over": ratios,
+        "dtype": str(dtype), "kvfence_sizing": sizing, "runs": [r.as_dict() for r in runs], "ratios_kvfence_over": ratios,
         "targets": targets, "errors": errors,
     }
     write_suite(out, SUITE, data, md)

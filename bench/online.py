@@ -11,6 +11,7 @@ rates are recorded.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,7 @@ async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from bench.kvfence_runner import load_kvfence
+    from bench.kvfence_runner import Sizing, load_kvfence
 
     threads = bench_threads()
     out = results_dir(quick)
@@ -104,7 +105,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         md_table(cols, overall), "## Per tenant", md_table(cols, tenants),
         *(f"![plot]({p})" for p in plots),
     ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "runs": results,
+    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads),
+            "kvfence_sizing": asdict(Sizing()), "runs": results,
             "targets": []}
     write_suite(out, SUITE, data, md)
     return data

@@ -25,7 +25,12 @@ all cores as threads, and runs alone after its own warm-up pass.
 | [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward |
 | [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity |
 | [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions |
-| [isolation_cost](isolation_cost.md) | engine throughput: scrub reassign vs off, prefix cache on vs off; 3 tenants, 48 requests, 3 interleaved rounds |
+| [isolation_cost](isolation_cost.md) | engine throughput: scrub reassign vs off, prefix cache on vs off; 3 tenants, 48 requests, a 384-page pool so pages pass between tenants, 3 interleaved rounds (median) |
+
+Sizing: the whole run is meant to take about 20-25 minutes on 2 cores. The request counts
+are the ones asked for; repetitions were cut to fit (overhead: median of 15 steps per point;
+prefix: 5 repetitions; isolation: 3 rounds; online rates are fractions of the measured
+capacity so no run waits on a trickle of arrivals). Targets are reported, never asserted.
 """
 
 

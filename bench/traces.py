@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ class RequestTrace:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
 
 def summarize(traces: Sequence[RequestTrace], wall_s: float) -> dict[str, Any]:

@@ -22,7 +22,8 @@ class FenceViolation(KVCacheError):
 
 
 class QuotaExceeded(KVCacheError):
-    """The tenant would hold more than ``limit_pages`` even after evicting its own cache."""
+    """The tenant would hold more than ``limit_pages`` even after evicting its own cache.
+    ``requested`` is the number of pages the tenant would then hold (running + cached)."""
 
     def __init__(self, tenant: str, limit_pages: int, requested: int) -> None:
         super().__init__(

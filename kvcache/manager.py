@@ -74,6 +74,7 @@ class KVCacheManager:
 
     # -- policy --------------------------------------------------------------------------
     def set_tenant_policy(self, tenant: str, policy: TenantCachePolicy) -> None:
+        """Quota and TTL for one tenant; applies to later allocations and releases."""
         self._policies[tenant] = policy
 
     def _ttl(self, tenant: str) -> float:
@@ -107,16 +108,7 @@ class KVCacheManager:
         self.evict_expired()
         table = PageTable(seq_id, tenant, list(token_ids), self.page_size, use_prefix_cache)
         if self._caching(table):
-            for index in range((len(token_ids) - 1) // self.page_size):
-                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(index))
-                if entry is None:
-                    break
-                # NOTE: share() is the owner check behind the key-space separation.
-                ref = self.allocator.share(entry.page_id, tenant, seq_id)
-                if entry.page_id in self.evictable:
-                    self.evictable.remove(entry.page_id)
-                table.pages.append(ref)
-                table.chain = ChainPos(entry.key, entry.serial)
+            self._self_match(table)
             table.num_cached_pages = len(table.pages)
             table.num_computed = len(table.pages) * self.page_size
             self._counters.add_lookup(
@@ -125,10 +117,33 @@ class KVCacheManager:
         self._tables[seq_id] = table
         return table.num_computed
 
+    def _self_match(self, table: PageTable) -> None:
+        """Take refs on the tenant's cached pages of the table's prefix, in chain order."""
+        tenant = table.tenant
+        try:
+            for index in range((len(table.token_ids) - 1) // self.page_size):
+                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(index))
+                if entry is None:
+                    break
+                # NOTE: share() is the owner check behind the key-space separation.
+                ref = self.allocator.share(entry.page_id, tenant, table.seq_id)
+                if entry.page_id in self.evictable:
+                    self.evictable.remove(entry.page_id)
+                table.pages.append(ref)
+                table.chain = ChainPos(entry.key, entry.serial)
+        except FenceViolation:
+            expires_at = self._clock() + self._ttl(tenant)
+            for ref in reversed(table.pages):  # undo: the sequence is not opened
+                if self.allocator.release(ref, tenant, table.seq_id) == 0:
+                    self.evictable.push(ref.page_id, tenant, expires_at)
+            raise
+
     def append_token(self, seq_id: str, token_id: int) -> None:
+        """Record a sampled token; its KV is written by a later step."""
         self._table(seq_id).token_ids.append(token_id)
 
     def num_cached_tokens(self, seq_id: str) -> int:
+        """Tokens of the sequence that are in (or were served from) the prefix cache."""
         return self._table(seq_id).num_cached_pages * self.page_size
 
     def _plan_reserve(self, tenant: str, needed: int) -> int:
@@ -149,6 +164,7 @@ class KVCacheManager:
         return quota_evictions
 
     def can_allocate(self, seq_id: str, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots`` would succeed now (counting evictable pages)."""
         table = self._table(seq_id)
         try:
             self._plan_reserve(
@@ -201,24 +217,9 @@ class KVCacheManager:
             if e.seq_id in seen:
                 raise InvalidRequest(f"sequence {e.seq_id!r} appears twice in one step")
             seen.add(e.seq_id)
-            end = e.num_computed + e.num_new
-            if e.num_new < 1 or e.num_computed != table.num_computed or end > table.num_slots:
-                raise InvalidRequest(
-                    f"step entry for {e.seq_id!r} (computed {e.num_computed}, new {e.num_new}) "
-                    f"does not match its state (computed {table.num_computed}, "
-                    f"slots {table.num_slots})"
-                )
             for ref in table.pages:
                 self.allocator.check(ref, table.tenant, e.seq_id)
-            num_pages = -(-end // self.page_size)
-            spans.append(
-                SeqSpan(
-                    q_start=e.num_computed,
-                    num_new=e.num_new,
-                    page_ids=tuple(r.page_id for r in table.pages[:num_pages]),
-                    slots=tuple(table.slots(e.num_computed, end)),
-                )
-            )
+            spans.append(table.span(e.num_computed, e.num_new))
         metadata = build_metadata(spans, self.page_size, self.pool.device)
         return StepAttention(metadata, self.pool, self._backend.prepare(metadata))
 
@@ -300,6 +301,11 @@ class KVCacheManager:
         pool; pages running sequences still use stay with them, uncached. Returns the
         number of entries dropped."""
         pages = self.prefix.pages_of(tenant)
+        for table in self._tables.values():
+            if table.tenant == tenant:
+                # NOTE: their chains point at entries being dropped; entries inserted after
+                # them would be unreachable, so running sequences stop caching.
+                table.chain_open = False
         for page_id in pages:
             if page_id in self.evictable:
                 self._evict(page_id, "purge")
@@ -308,10 +314,12 @@ class KVCacheManager:
         return len(pages)
 
     def purge_all(self) -> int:
+        """``purge_tenant`` for every tenant; returns the entries dropped."""
         return sum(self.purge_tenant(t) for t in self.prefix.tenants())
 
     # -- stats ---------------------------------------------------------------------------
     def usage(self, tenant: str) -> TenantUsage:
+        """The tenant's own pages and hit counters (never anything about other tenants)."""
         pages = self.allocator.tenant_pages(tenant)
         policy = self._policies.get(tenant)
         return TenantUsage(
@@ -325,6 +333,7 @@ class KVCacheManager:
         )
 
     def stats(self) -> CacheStats:
+        """Server-wide snapshot for metrics and admin."""
         tenants = (
             set(self._counters.hit_tokens)
             | set(self.prefix.tenants())

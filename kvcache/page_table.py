@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache.allocator import PageRef
+from kvcache.errors import InvalidRequest
+from kvcache.metadata import SeqSpan
 from kvcache.prefix_cache import ChainPos
 
 
@@ -39,3 +41,20 @@ class PageTable:
         """Flat KV slots (``page_id * page_size + offset``) of tokens ``[start, end)``."""
         ps = self.page_size
         return [self.pages[i // ps].page_id * ps + i % ps for i in range(start, end)]
+
+    def span(self, num_computed: int, num_new: int) -> SeqSpan:
+        """The step span for ``num_new`` tokens after ``num_computed``; refuses a span that
+        disagrees with the table (uncommitted KV, or tokens without slots)."""
+        end = num_computed + num_new
+        if num_new < 1 or num_computed != self.num_computed or end > self.num_slots:
+            raise InvalidRequest(
+                f"step entry for {self.seq_id!r} (computed {num_computed}, new {num_new}) "
+                f"does not match its state (computed {self.num_computed}, "
+                f"slots {self.num_slots})"
+            )
+        return SeqSpan(
+            q_start=num_computed,
+            num_new=num_new,
+            page_ids=tuple(r.page_id for r in self.pages[: -(-end // self.page_size)]),
+            slots=tuple(self.slots(num_computed, end)),
+        )

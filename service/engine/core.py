@@ -237,7 +237,8 @@ class EngineCore:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request_id = heapq.heappop(self._deadlines)
             seq = self._seqs.get(request_id)
-            if seq is not None and seq.request.deadline is not None:
+            # The id may belong to a newer request by now: check its own deadline.
+            if seq is not None and seq.request.deadline is not None and seq.request.deadline <= now:
                 self._finish(seq, "deadline")
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:

@@ -57,11 +57,9 @@ class Engine:
         tokens = TokenSource(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
         self.config = config
         self.core = EngineCore(model, tokens, cache, config, clock, device, sampler_seed)
-        self._clock = clock
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
     def set_tenant_policy(self, tenant: str, policy: TenantSchedPolicy) -> None:
         self.core.set_tenant_policy(tenant, policy)

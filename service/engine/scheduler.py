@@ -130,6 +130,7 @@ class Scheduler:
                 # Nothing else holds pages it could get: it can never fit.
                 needed = -(-(seq.num_computed + num_new) // self._cache.page_size)
                 self.remove_running(seq)
+                seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
                 rejected.append(
                     (seq, RequestTooLarge(needed, self._page_limit(seq.tenant)[0], what))
                 )
@@ -161,6 +162,7 @@ class Scheduler:
             too_large = self._check_fits(seq)
             if too_large is not None:
                 self.waiting.pop(seq, charge=False)
+                seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
                 rejected.append((seq, too_large))
                 continue
             cached = self._cache.open(

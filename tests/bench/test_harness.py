@@ -4,6 +4,7 @@ result files, summaries and the request driver."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from pathlib import Path
@@ -93,7 +94,7 @@ def test_summarize_overall_and_per_tenant() -> None:
 def test_poisson_arrivals_start_at_zero_and_increase() -> None:
     arrivals = poisson_arrivals(4.0, 2000, seed=0)
     assert arrivals[0] == 0.0
-    assert all(b >= a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(arrivals))
     assert arrivals[-1] / 1999 == pytest.approx(0.25, rel=0.1)
     assert arrivals == poisson_arrivals(4.0, 2000, seed=0)
 

@@ -148,3 +148,25 @@ def test_request_that_can_never_fit_fails_with_request_too_large(tiny: LoadedMod
         assert events[0].error.what == what
     assert rec.finished("fits").reason == "length"  # type: ignore[union-attr]
     assert_at_baseline(core)
+
+
+def test_quota_lowered_under_a_running_request_fails_it_instead_of_looping(
+    tiny: LoadedModel,
+) -> None:
+    core = make_core(tiny)
+    rec = Recorder()
+    core.add(req("q", prompt_ids(1, 14, V), max_tokens=20, ignore_eos=True), rec.sink("q"))
+    core.add(req("other", prompt_ids(2, 14, V), max_tokens=20, ignore_eos=True), rec.sink("other"))
+    core.step()  # both admitted with one page each
+    kv(core).set_tenant_policy("t1", TenantCachePolicy(max_pages=1))
+    while core.num_requests():
+        core.step()
+    # Each needs a second page at token 17; the quota holds one page in all. The newer one is
+    # preempted first; the older, then alone under the quota, can never grow: error.
+    first = rec.finished("q")
+    assert first is not None and first.reason == "error"
+    assert isinstance(first.error, RequestTooLarge) and first.error.what == "tenant page quota"
+    assert first.completion_tokens == 3
+    second = rec.finished("other")
+    assert second is not None and second.reason == "error"
+    assert_at_baseline(core)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,6 +51,15 @@ def test_chain_key_depends_on_parent_and_tokens() -> None:
     ) + encode_tokens([1, 2])
 
 
+def test_chain_key_framing_separates_parent_from_tokens() -> None:
+    """Unframed, (parent=K, tokens=[]) and (parent=b"", tokens=bytes of K) would collide."""
+    tk = derive_tenant_key(SECRET, "t")
+    parent = chain_key(tk, b"", [1, 2, 3])
+    tokens = [int.from_bytes(parent[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    assert encode_tokens(tokens) == parent
+    assert chain_key(tk, parent, []) != chain_key(tk, b"", tokens)
+
+
 def test_same_tenant_hits_full_pages_and_keeps_one_token() -> None:
     mgr, _ = make_manager()
     assert prefill(mgr, "a", "t", PROMPT) == 0
@@ -84,6 +94,23 @@ def test_owner_check_backs_up_the_key_spaces() -> None:
         mgr.open("b", "attacker", PROMPT)
     assert mgr.num_free_pages() == free_before
     assert mgr.stats().fence_violations == 1
+
+
+def test_failed_match_rolls_back_pages_already_shared() -> None:
+    mgr, _ = make_manager()
+    prefill(mgr, "a", "victim", PROMPT)
+    prefill(mgr, "b", "attacker", PROMPT)
+    mgr.free("a")
+    mgr.free("b")
+    # fault injection: the attacker's second-page entry points at the victim's page
+    victim_entry = next(e for e in mgr.prefix._spaces["victim"].values() if e.parent_serial)
+    attacker = mgr.prefix._spaces["attacker"]
+    second = next(k for k, e in attacker.items() if e.parent_serial)
+    attacker[second] = replace(attacker[second], page_id=victim_entry.page_id)
+    with pytest.raises(FenceViolation, match="another tenant"):
+        mgr.open("c", "attacker", PROMPT)
+    assert mgr.usage("attacker").pages_in_use == 0  # the first page's ref was released
+    assert mgr.usage("attacker").pages_cached == 2
 
 
 def test_use_prefix_cache_false_neither_reads_nor_writes() -> None:

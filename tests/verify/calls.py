@@ -9,6 +9,7 @@ one Finished last, chunk token counts that agree with usage.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class StreamResult:
 
     @property
     def ok(self) -> bool:
-        return self.code == grpc.StatusCode.OK
+        return bool(self.code == grpc.StatusCode.OK)
 
     @property
     def ttft(self) -> float | None:
@@ -75,7 +76,7 @@ class StreamResult:
 
     def itls(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(t)]
 
     def add(self, response: inference_pb2.GenerateResponse, now: float) -> None:
         kind = response.WhichOneof("event")
@@ -109,10 +110,11 @@ def collect(call: Iterable[inference_pb2.GenerateResponse]) -> StreamResult:
 
 
 async def collect_async(call: Any, t_start: float | None = None) -> StreamResult:
-    """Read a ``grpc.aio`` unary-stream call to its end."""
+    """Read a ``grpc.aio`` unary-stream call to its end with ``read()`` (so a caller may
+    have read its first messages already; gRPC forbids mixing ``read`` and iteration)."""
     out = StreamResult(t_start=time.monotonic() if t_start is None else t_start)
     try:
-        async for response in call:
+        while (response := await call.read()) is not grpc.aio.EOF:
             out.add(response, time.monotonic())
     except grpc.RpcError as err:
         out.code = err.code()

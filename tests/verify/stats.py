@@ -47,7 +47,7 @@ def mann_whitney_u(x: Sequence[float], y: Sequence[float]) -> tuple[float, float
     if tie_term == 0 and n * m <= 10_000:
         counts = _u_distribution(n, m)
         total = math.comb(n + m, n)
-        tail = sum(counts[: int(math.floor(u_low)) + 1]) / total
+        tail = sum(counts[: math.floor(u_low) + 1]) / total
         return u, min(1.0, 2.0 * tail)
     mean = n * m / 2.0
     var = n * m / 12.0 * ((n + m + 1) - tie_term / ((n + m) * (n + m - 1)))
