@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from kvcache.attention import AttentionFn
 from service.engine.cache_api import CacheManager
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.request import SeqStatus, Sequence
@@ -36,6 +37,7 @@ from service.engine.types import (
     QueueFull,
     Request,
     TenantSchedPolicy,
+    TokenLogprob,
 )
 from service.engine.validate import validate_request
 
@@ -180,9 +182,9 @@ class EngineCore:
         sampled = self._run(batch.entries, batch.attn)
         return StepStats(out.num_tokens, len(batch.entries), sampled, len(out.preempted))
 
-    def _run(self, entries: tuple[ScheduledSeq, ...], attn: object) -> int:
+    def _run(self, entries: tuple[ScheduledSeq, ...], attn: AttentionFn) -> int:
         inputs = build_inputs(entries, self.runner.device)
-        logits = self.runner.forward(inputs, attn)  # type: ignore[arg-type]
+        logits = self.runner.forward(inputs, attn)
         samplers = [e for e in entries if e.samples]
         rows = [
             SampleRow(
@@ -206,7 +208,7 @@ class EngineCore:
                         self._accept(e.seq, token, lp)
         return len(samplers)
 
-    def _accept(self, seq: Sequence, token: int, logprob: object) -> None:
+    def _accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
         self.cache.append_token(seq.seq_id, token)
         if seq.first_token_at is None:
@@ -224,7 +226,7 @@ class EngineCore:
                 reason = "length"
                 text += seq.detok.flush()
         lps = (logprob,) if logprob is not None else ()
-        seq.sink(Delta((token,), text, lps))  # type: ignore[arg-type]
+        seq.sink(Delta((token,), text, lps))
         if reason is not None:
             self._finish(seq, reason)
 

@@ -121,9 +121,10 @@ class LlamaModel(torch.nn.Module):
                 qk = F.rms_norm(qk, (d,), None, eps) * self.qk_norm[i]
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rotated * sin
+            # Contiguous views so paged backends can copy/launch on them without restriding.
             q = qk[:, :hq].contiguous()
             k = qk[:, hq:].contiguous()
-            v = qkv[:, qk_rows:].reshape(t, hkv, d)
+            v = qkv[:, qk_rows:].reshape(t, hkv, d).contiguous()
             out = attn(i, q, k, v)
             x = x + F.linear(out.reshape(t, c.q_size), self.o[i])
             h = F.rms_norm(x, hidden, self.mlp_norm[i], eps)

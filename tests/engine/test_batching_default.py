@@ -27,13 +27,23 @@ from tests.fixtures.corpus import PROMPTS, tokenizer_corpus
 N = 48
 
 
+# Prompt lengths span 1..600 tokens; most are short so the test fits its CPU budget
+# (every prompt token is computed four times: alone, default, small pool, chunked).
+LONG_PROMPTS = (600, 450, 300, 200, 120, 80)
+SMALL_POOL_PAGES = 80  # the 600-token request needs 39 pages alone
+
+
+def prompt_len(i: int) -> int:
+    return LONG_PROMPTS[i // 8] if i % 8 == 7 else 1 + (i * 13) % 24
+
+
 def build_requests(loaded: LoadedModel) -> list[Request]:
     text = "\n\n".join([*PROMPTS, *tokenizer_corpus()])
     corpus = loaded.tokenizer.encode(text)
     assert len(corpus) > 1200
     requests = []
     for i in range(N):
-        n = 1 + int(599 * (i / (N - 1)) ** 2.5)  # 1..600 tokens, most of them short
+        n = prompt_len(i)
         start = (i * 211) % (len(corpus) - n)
         requests.append(
             Request(
@@ -41,9 +51,11 @@ def build_requests(loaded: LoadedModel) -> list[Request]:
                 tenant="t1",
                 prompt_ids=tuple(corpus[start : start + n]),
                 sampling=SamplingParams(temperature=0.0),
-                stopping=StoppingParams(max_tokens=1 + (i * 7) % 24, ignore_eos=True),
+                stopping=StoppingParams(max_tokens=1 + (i * 5) % 12, ignore_eos=True),
             )
         )
+    assert min(len(r.prompt_ids) for r in requests) == 1
+    assert max(len(r.prompt_ids) for r in requests) == 600
     return requests
 
 
@@ -87,7 +99,7 @@ def test_default_config_then_warm_prefix_cache(default_model: LoadedModel, refer
 
 
 def test_small_pool_preempts(default_model: LoadedModel, reference) -> None:  # type: ignore[no-untyped-def]
-    core = make_core(default_model, pages=120, ttl=0.0)
+    core = make_core(default_model, pages=SMALL_POOL_PAGES, ttl=0.0)
     check("small pool", run_batched(core, reference[0]), reference)
     assert core.scheduler.num_preemptions > 0
     assert_at_baseline(core)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,19 +36,22 @@ _TEMPLATES = (
     "What is the most common misconception about {s}? Answer briefly.",
     "Summarize {s} in one sentence, then give an example.",
 )
-_CONTEXT = (
+_CONTEXTS = (
+    " Note: answer in plain English for a general audience, without lists or headings,"
+    " and keep it brief.",
     " Context: the reader is curious but busy, so keep the answer short, concrete and"
-    " free of jargon; prefer everyday words and one memorable image."
+    " free of jargon; prefer everyday words and one memorable image.",
 )
 
 
 def a_prompts(n: int) -> list[str]:
-    """``n`` distinct instruction prompts; every other one carries a longer context."""
+    """``n`` distinct instruction prompts of at least three pages; every other one carries a
+    longer context."""
     out = []
     for i in range(n):
         subject = _SUBJECTS[i % len(_SUBJECTS)]
         template = _TEMPLATES[(i // len(_SUBJECTS)) % len(_TEMPLATES)]
-        out.append(f"Q{i}: " + template.format(s=subject) + (_CONTEXT if i % 2 else ""))
+        out.append(f"Q{i}: " + template.format(s=subject) + _CONTEXTS[i % 2])
     return out
 
 
@@ -62,7 +64,9 @@ def probe(ids: Sequence[int], index: int, vocab: int) -> tuple[str, list[int]]:
     if kind == "pages+1":
         full = max(1, (len(ids) - 1) // PAGE)
         return kind, ids[: full * PAGE + 1]
-    pos = PAGE - 1 if kind == "page0 last token" or len(ids) <= 2 * PAGE else 2 * PAGE - 1
+    if len(ids) <= 2 * PAGE:
+        raise ValueError("probes need prompts longer than two pages")
+    pos = PAGE - 1 if kind == "page0 last token" else 2 * PAGE - 1
     ids[pos] = (ids[pos] + 1) % vocab
     return kind, ids
 
@@ -104,12 +108,6 @@ async def cancel_storm_stream(stub: Any, meta: Metadata, ids: list[int], rng: ra
             pass
     call.cancel()
     return Cancelled(await call.code(), point)
-
-
-async def timed(coro: Any) -> tuple[float, StreamResult]:
-    t0 = time.monotonic()
-    result = await coro
-    return t0, result
 
 
 async def run_stream(stub: Any, meta: Metadata, ids: list[int], max_tokens: int,

@@ -14,7 +14,9 @@ the probes runs before the pressure starts, the second half through it.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +45,9 @@ from tests.verify.scale import size
 N = size(12, 100)
 MAX_TOKENS = size(8, 16)
 MAX_LEN = 256
-POOL_PAGES = 48
+# A near-limit prompt with its output fills 16 pages; three of them running at once need
+# more than the whole pool, so the scheduler must evict cached pages and preempt.
+POOL_PAGES = 40
 NEAR_LIMIT = size(4, 24)  # B's near-limit prompts in run 2, three at a time
 STORM = size(8, 60)
 A_CONCURRENCY = 4
@@ -68,6 +72,7 @@ class Run2:
     probes: list[tuple[str, int, int]] = field(default_factory=list)  # kind, B cached, A cached after
     storm: list[Any] = field(default_factory=list)
     near_limit: list[Any] = field(default_factory=list)
+    t_pressure: float = math.inf  # when B's pressure and storm began
 
 
 def _tokenize(srv: ServerHandle, texts: list[str]) -> list[list[int]]:
@@ -108,7 +113,8 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
             assert b.ok and a_again.ok, (b.code, a_again.code)
             run.probes.append((kind, b.started.cached_prompt_tokens if b.started else -1,
                                a_again.started.cached_prompt_tokens if a_again.started else 0))
-            if len(run.probes) >= N // 2:
+            if len(run.probes) >= N // 2 and not half_done.is_set():
+                run.t_pressure = time.monotonic()
                 half_done.set()
 
         async def pressure() -> None:
@@ -141,6 +147,7 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
         adversary = asyncio.gather(pressure(), storm())
         run.a = await _run_a(stub, srv, prompts, done)
         await asyncio.gather(*probes)
+        half_done.set()  # already set, unless there were fewer probes than expected
         await adversary
     return run
 
@@ -150,6 +157,7 @@ def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recor
     vocab = srv.engine.core.tokens.vocab_size
     prompts = _tokenize(srv, a_prompts(N))
     assert len({tuple(p[:16]) for p in prompts}) == N, "A's prompts must not share a first page"
+    assert min(map(len, prompts)) > 32, "every probe kind needs a prompt over two pages"
 
     async def run1() -> dict[int, Any]:
         async with grpc.aio.insecure_channel(srv.target) as channel:
@@ -175,6 +183,7 @@ def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recor
     preempted = preempt1 - preempt0
     bad_storm = [c for c in run.storm if c.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK)]
     bad_pressure = [r.code.name for r in run.near_limit if not r.ok]
+    overlapping = sum(1 for r in run.a.values() if r.t_end > run.t_pressure)
 
     record.info("A prompts x greedy tokens", f"{N} x {MAX_TOKENS}")
     assert record("mismatched tokens in A's outputs, run 1 vs run 2", mismatched, "== 0",
@@ -184,6 +193,8 @@ def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recor
                   b_cached == 0 and len(run.probes) == N)
     assert record("B probes made while A held the prefix", held, f">= {N // 3}", held >= N // 3)
     assert record("A cached prompt tokens on its repeats (control)", a_cached, "> 0", a_cached > 0)
+    assert record("A requests still running when B's pressure began", overlapping, ">= 1",
+                  overlapping >= 1)
     assert record("LRU evictions during run 2", evicted, "> 0", evicted > 0)
     assert record("preemptions during run 2", preempted, "> 0", preempted > 0)
     record.info("B cancellation-storm streams", len(run.storm))

@@ -7,6 +7,7 @@
 - ``fixtures``: session models (tiny, medium) and the ``record`` fixture for the conftests.
 - ``calls``: building requests and reading streams and statuses over gRPC.
 - ``pool``: "the KV pool and the engine are back at baseline", and a free-time probe.
+- ``greedy``: comparing two greedy generations, with the documented near-tie rule.
 - ``stats``: percentiles and a pure-Python Mann-Whitney U test.
 - ``pki``: throwaway CAs and certificates for the TLS cases.
 - ``models``: the medium random-weight Llama.

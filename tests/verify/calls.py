@@ -147,21 +147,3 @@ def check_stream(result: StreamResult, *, prompt_tokens: int, max_tokens: int) -
     if result.started is not None and result.started.prompt_tokens != prompt_tokens:
         problems.append("started.prompt_tokens disagrees")
     return problems
-
-
-def unary_status(fn: Any, request: Any, **kwargs: Any) -> tuple[grpc.StatusCode, Any]:
-    """(status, response or None) of a unary call."""
-    try:
-        return grpc.StatusCode.OK, fn(request, **kwargs)
-    except grpc.RpcError as err:
-        return err.code(), None
-
-
-def first_divergence(
-    reference: Sequence[int], other: Sequence[int]
-) -> int | None:
-    """Index of the first differing token (or of the length difference); None if equal."""
-    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
-        if a != b:
-            return i
-    return None if len(reference) == len(other) else min(len(reference), len(other))
