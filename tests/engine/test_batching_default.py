@@ -29,7 +29,7 @@ N = 48
 
 # Prompt lengths span 1..600 tokens; most are short so the test fits its CPU budget
 # (every prompt token is computed four times: alone, default, small pool, chunked).
-LONG_PROMPTS = (600, 450, 300, 200, 120, 80)
+LONG_PROMPTS = (600, 320, 160, 80, 40, 20)
 SMALL_POOL_PAGES = 80  # the 600-token request needs 39 pages alone
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
-import psutil
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
@@ -146,7 +147,13 @@ async def _soak(srv: ServerHandle, refs: dict[str, list[Reference]], seconds: fl
 
 
 def _rss_mb() -> float:
-    return float(psutil.Process(os.getpid()).memory_info().rss) / 2**20
+    """Current resident set size (Linux /proc; elsewhere the peak, which only grows)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak_kb / 1024.0
 
 
 @pytest.mark.timeout(size(180, 900))
