@@ -1,11 +1,17 @@
 """Paged attention in pure torch (CPU and GPU).
 
-Each sequence's K/V is gathered with ``index_select`` over *its own* page ids only, once
-per layer. Consecutive one-token (decode) rows are batched into SDPA calls; within such a
-batch, shorter page lists are padded with the sequence's own first page and the padding is
-masked out, so no sequence ever reads a page outside its table. Prefill chunks run one
-SDPA each with a causal mask aligned to the chunk's start position. GQA via
-``enable_gqa``; softmax scale ``head_dim ** -0.5``.
+Every step is planned once (on the first layer) and the plan is reused by all layers: per
+chunk of sequences, one row index into the layer's pool and, where lengths differ, one mask.
+A chunk's K and V are fetched with a *single* ``index_select`` over rows of ``D`` values,
+laid out ``[2, B, Hkv, N, D]``: head-major, so each (sequence, kv head) pair is one
+contiguous ``[N, D]`` block that batched matmuls and SDPA read without restriding or
+``repeat_interleave``. The index names only the sequence's own pages; a decode chunk pads
+shorter sequences with their own first slot and masks the padding, so no sequence ever
+reads a page outside its table.
+
+Decode rows (one query token each) run as two batched matmuls with GQA folded into the
+query (``[B, Hkv, group, D]``) and the softmax in float32. Prefill chunks run one SDPA each,
+with a causal mask aligned to the chunk's start position. Softmax scale ``head_dim ** -0.5``.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import torch.nn.functional as F
 from kvcache.metadata import AttentionMetadata
 
 # NOTE: on CPU, decode attention is memory bound. Gathering a few sequences at a time keeps
-# the gathered K/V in cache while SDPA reads it back, which measured ~2x faster than one
-# gather for the whole batch. On GPUs one big batch is better (fewer kernel launches).
-_CPU_GATHER_BYTES = 2 * 1024 * 1024
+# the gathered K/V in cache while the matmuls read it back. On GPUs one big batch is better
+# (fewer kernel launches).
+_CPU_GATHER_BYTES = 4 * 1024 * 1024
 _GPU_GATHER_BYTES = 1024 * 1024 * 1024
+# NOTE: torch's CPU SDPA is fast in float32 but several times slower than two batched
+# matmuls in bf16/fp16 for one query token, so half-precision decode uses the matmuls.
+_MATMUL_DECODE = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,74 +40,96 @@ class _Chunk:
     start: int
     end: int
     batch: int  # sequences in the chunk; each has (end - start) // batch query rows
-    page_index: torch.Tensor  # [batch * pages_each] own pages (decode: padded with own page 0)
-    kv_len: int  # keys per sequence after slicing the gathered pages
-    mask: torch.Tensor | None  # broadcastable to [batch, 1, Tq, kv_len]; True = attend
+    index: torch.Tensor  # what to gather from the layer; see TorchStep._run
+    by_rows: bool  # index rows of D values (else whole pages)
+    kv_len: int  # keys per sequence (decode: the longest sequence; shorter ones padded)
+    mask: torch.Tensor | None  # True = attend; decode [B, 1, 1, N], prefill [Tq, N]
+    padding: torch.Tensor | None  # decode only: ~mask, for masked_fill on the scores
     causal: bool  # plain top-left causal mask (prefill from position 0)
+    decode: bool
 
 
 class TorchStep:
     """A prepared step; see :class:`~kvcache.backends.base.StepKernel`."""
 
     def __init__(self, metadata: AttentionMetadata) -> None:
-        device = metadata.slot_mapping.device
-        self._device = device
+        self._device = metadata.slot_mapping.device
         self._meta = metadata
         self._chunks: list[_Chunk] = []
-        self._budget = _CPU_GATHER_BYTES if device.type == "cpu" else _GPU_GATHER_BYTES
-        self._pending: list[int] = []  # consecutive decode sequences not yet chunked
+        self._budget = _CPU_GATHER_BYTES if self._device.type == "cpu" else _GPU_GATHER_BYTES
         self._offsets = [0]
         for n in metadata.qo_lens:
             self._offsets.append(self._offsets[-1] + n)
-        self._bytes_per_page = 0  # set on first call, when the pool layout is known
+        self._num_kv_heads = 0  # set on first call, when the pool layout is known
+        self._matmul_decode = False  # set on first call, from the query dtype
         self._built = False
 
-    def _build(self, kv_layer: torch.Tensor) -> None:
+    def _build(self, q: torch.Tensor, kv_layer: torch.Tensor) -> None:
         meta = self._meta
-        self._bytes_per_page = kv_layer[0].numel() * kv_layer.element_size()
+        self._num_kv_heads = kv_layer.shape[-2]
+        self._matmul_decode = q.dtype in _MATMUL_DECODE
+        bytes_per_key = 2 * kv_layer.shape[-2] * kv_layer.shape[-1] * kv_layer.element_size()
+        pending: list[int] = []  # consecutive decode sequences not yet chunked
         for i, n in enumerate(meta.qo_lens):
             if n == 1:
-                pages = len(meta.page_ids[i])
-                biggest = max([pages, *(len(meta.page_ids[j]) for j in self._pending)])
-                if (
-                    self._pending
-                    and (len(self._pending) + 1) * biggest * self._bytes_per_page > self._budget
-                ):
-                    self._flush_decodes()
-                self._pending.append(i)
+                longest = max([meta.kv_lens[i], *(meta.kv_lens[j] for j in pending)])
+                if pending and (len(pending) + 1) * longest * bytes_per_key > self._budget:
+                    self._chunks.append(self._decode_chunk(pending))
+                    pending = []
+                pending.append(i)
                 continue
-            self._flush_decodes()
+            if pending:
+                self._chunks.append(self._decode_chunk(pending))
+                pending = []
             self._chunks.append(self._prefill_chunk(i))
-        self._flush_decodes()
+        if pending:
+            self._chunks.append(self._decode_chunk(pending))
         self._built = True
 
-    def _flush_decodes(self) -> None:
-        if not self._pending:
-            return
+    def _index(self, seqs: list[int], length: int, by_rows: bool) -> torch.Tensor:
+        """What to gather from the layer for ``seqs``, each padded to ``length`` keys with
+        its own first slot (or page). See :meth:`_run` for the two layouts."""
+        meta, hkv = self._meta, self._num_kv_heads
+        ps = meta.page_size
+        if not by_rows:  # pages of the [2 * num_pages, ps * Hkv * D] view: [2, B, P]
+            pages_each = -(-length // ps)
+            pages = torch.tensor(
+                [
+                    meta.page_ids[i] + (meta.page_ids[i][0],) * (pages_each - len(meta.page_ids[i]))
+                    for i in seqs
+                ],
+                dtype=torch.long,
+            )
+            index = torch.stack((2 * pages, 2 * pages + 1))
+            return index.reshape(-1).to(self._device)
+        slots = torch.stack([self._slots(i, length) for i in seqs])  # [B, N]
+        # Rows of the [-1, D] view, laid out [page, k|v, offset, head]: [2, B, Hkv, N].
+        base = (slots + torch.div(slots, ps, rounding_mode="floor") * ps) * hkv
+        kv = torch.tensor([0, ps * hkv], dtype=torch.long).view(2, 1, 1, 1)
+        heads = torch.arange(hkv, dtype=torch.long).view(1, 1, hkv, 1)
+        return (base[None, :, None, :] + kv + heads).reshape(-1).to(self._device)
+
+    def _decode_chunk(self, seqs: list[int]) -> _Chunk:
         meta, device = self._meta, self._device
-        seqs, self._pending = self._pending, []
-        pages_each = max(len(meta.page_ids[i]) for i in seqs)
-        index: list[int] = []
-        for i in seqs:
-            pages = meta.page_ids[i]
-            index.extend(pages + (pages[0],) * (pages_each - len(pages)))
         lens = [meta.kv_lens[i] for i in seqs]
         kv_len = max(lens)
-        mask = None
+        mask = padding = None
         if min(lens) != kv_len:
-            lens_t = torch.tensor(lens, device=device)
-            mask = (torch.arange(kv_len, device=device)[None, :] < lens_t[:, None])[:, None, None]
+            valid = torch.arange(kv_len)[None, :] < torch.tensor(lens)[:, None]
+            mask = valid[:, None, None].to(device)
+            padding = mask.logical_not()
         start = self._offsets[seqs[0]]
-        self._chunks.append(
-            _Chunk(
-                start=start,
-                end=start + len(seqs),
-                batch=len(seqs),
-                page_index=torch.tensor(index, dtype=torch.long, device=device),
-                kv_len=kv_len,
-                mask=mask,
-                causal=False,
-            )
+        return _Chunk(
+            start=start,
+            end=start + len(seqs),
+            batch=len(seqs),
+            index=self._index(seqs, kv_len, self._matmul_decode),
+            by_rows=self._matmul_decode,
+            kv_len=kv_len,
+            mask=mask,
+            padding=padding,
+            causal=False,
+            decode=True,
         )
 
     def _prefill_chunk(self, i: int) -> _Chunk:
@@ -112,15 +143,18 @@ class TorchStep:
             start=self._offsets[i],
             end=self._offsets[i + 1],
             batch=1,
-            page_index=torch.tensor(meta.page_ids[i], dtype=torch.long, device=device),
+            index=self._index([i], kv_len, False),
+            by_rows=False,
             kv_len=kv_len,
             mask=mask,
+            padding=None,
             causal=mask is None and n > 1,
+            decode=False,
         )
 
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         if not self._built:
-            self._build(kv_layer)
+            self._build(q, kv_layer)
         if len(self._chunks) == 1:
             return self._run(q, kv_layer, self._chunks[0])
         out = torch.empty_like(q)
@@ -132,16 +166,30 @@ class TorchStep:
     def _run(q: torch.Tensor, kv_layer: torch.Tensor, c: _Chunk) -> torch.Tensor:
         _, hq, d = q.shape
         hkv = kv_layer.shape[-2]
-        # [B, pages * page_size, Hkv, D] -> [B, Hkv, kv_len, D] (a view; SDPA takes strides)
-        k = kv_layer[:, 0].index_select(0, c.page_index).view(c.batch, -1, hkv, d)
-        v = kv_layer[:, 1].index_select(0, c.page_index).view(c.batch, -1, hkv, d)
-        k = k[:, : c.kv_len].transpose(1, 2).to(q.dtype)
-        v = v[:, : c.kv_len].transpose(1, 2).to(q.dtype)
-        qb = q.view(c.batch, -1, hq, d).transpose(1, 2)  # [B, Hq, Tq, D]
+        n = c.kv_len
+        if c.by_rows:  # [2, B, Hkv, N, D]: each (sequence, head) block contiguous
+            kv = kv_layer.view(-1, d).index_select(0, c.index).view(2, c.batch, hkv, n, d)
+        else:  # whole pages, [2, B, P * ps, Hkv, D] -> strided [2, B, Hkv, N, D] view
+            kv = kv_layer.view(2 * kv_layer.shape[0], -1).index_select(0, c.index)
+            kv = kv.view(2, c.batch, -1, hkv, d)[:, :, :n].transpose(2, 3)
+        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)
+        if c.decode and c.by_rows:
+            # GQA without copies: q head h*group + g reads kv head h.
+            qg = q.reshape(c.batch, hkv, hq // hkv, d) * (d**-0.5)
+            scores = torch.matmul(qg, k.transpose(-1, -2)).float()
+            if c.padding is not None:
+                scores.masked_fill_(c.padding, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            return torch.matmul(probs, v).view(c.batch, hq, d)
+        if c.decode:
+            qd = q.view(c.batch, hq, 1, d)
+            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=c.mask, enable_gqa=True)
+            return out.view(c.batch, hq, d)
+        qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
         out = F.scaled_dot_product_attention(
             qb, k, v, attn_mask=c.mask, is_causal=c.causal, enable_gqa=True
         )
-        return out.transpose(1, 2).reshape(-1, hq, d)
+        return out[0].transpose(0, 1)
 
 
 class TorchBackend:

@@ -12,6 +12,7 @@ drive 256 streams of Python client and server in one process within the `make te
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import resource
@@ -147,7 +148,8 @@ async def _soak(srv: ServerHandle, refs: dict[str, list[Reference]], seconds: fl
 
 
 def _rss_mb() -> float:
-    """Current resident set size (Linux /proc; elsewhere the peak, which only grows)."""
+    """Current resident set size after a collection (Linux /proc; elsewhere the peak)."""
+    gc.collect()
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
