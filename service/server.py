@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
 from kvcache.config import TenantCachePolicy
-from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
+from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator, AuthInterceptor
 from service.cache_access import CacheAccess
 from service.cache_servicer import CacheServicer
@@ -34,6 +34,7 @@ from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import CacheLike, EngineLike
 from service.tenants import TenantRegistry, TenantsFileError, load_tenants
 from service.validation import ModelLimits
+from service.wire import add_cache_service, add_inference_service
 
 MiB = 1024 * 1024
 SERVICE_NAMES = (
@@ -170,8 +171,8 @@ class KVFenceServer:
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
         )
-        inference_pb2_grpc.add_InferenceServicer_to_server(self.inference, server)
-        cache_pb2_grpc.add_CacheServicer_to_server(
+        add_inference_service(self.inference, server)
+        add_cache_service(
             CacheServicer(
                 self._cache.usage,
                 self._cache.purge,
