@@ -82,7 +82,9 @@ class PageAllocator:
         self.violations += 1
         return FenceViolation(page_id, reason)
 
-    def check(self, ref: PageRef, tenant: str, holder: str) -> None:
+    def check(
+        self, ref: PageRef, tenant: str, holder: str, not_held: str = "page not held by this sequence"
+    ) -> None:
         """Raise FenceViolation unless sequence ``holder`` of ``tenant`` may use ``ref`` now."""
         if not 0 <= ref.page_id < self.num_pages:
             raise self._violation(ref.page_id, "page id out of range")
@@ -92,7 +94,7 @@ class PageAllocator:
         if s.owner != tenant:
             raise self._violation(ref.page_id, "page owned by another tenant")
         if holder not in s.holders:
-            raise self._violation(ref.page_id, "page not held by this sequence")
+            raise self._violation(ref.page_id, not_held)
 
     # -- transitions ---------------------------------------------------------------------
     def take(self, tenant: str, holder: str) -> tuple[PageRef, str | None]:
@@ -133,15 +135,8 @@ class PageAllocator:
     def release(self, ref: PageRef, tenant: str, holder: str) -> int:
         """Drop one reference; returns the remaining refcount. Double free and stale or
         foreign refs raise FenceViolation and change nothing."""
-        if not 0 <= ref.page_id < self.num_pages:
-            raise self._violation(ref.page_id, "page id out of range")
+        self.check(ref, tenant, holder, not_held="double free")
         s = self._pages[ref.page_id]
-        if s.generation != ref.generation:
-            raise self._violation(ref.page_id, "stale generation")
-        if s.owner != tenant:
-            raise self._violation(ref.page_id, "page owned by another tenant")
-        if holder not in s.holders:
-            raise self._violation(ref.page_id, "double free")
         s.holders.remove(holder)
         if not s.holders:
             self._tenants[tenant].referenced -= 1
