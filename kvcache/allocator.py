@@ -83,7 +83,11 @@ class PageAllocator:
         return FenceViolation(page_id, reason)
 
     def check(
-        self, ref: PageRef, tenant: str, holder: str, not_held: str = "page not held by this sequence"
+        self,
+        ref: PageRef,
+        tenant: str,
+        holder: str,
+        not_held: str = "page not held by this sequence",
     ) -> None:
         """Raise FenceViolation unless sequence ``holder`` of ``tenant`` may use ``ref`` now."""
         if not 0 <= ref.page_id < self.num_pages:

@@ -6,7 +6,7 @@ import torch
 
 from kvcache.backends.base import StepKernel
 from kvcache.errors import InvalidRequest
-from kvcache.metadata import AttentionMetadata, write_kv
+from kvcache.metadata import AttentionMetadata, kv_rows, write_kv_rows
 from kvcache.pool import PagePool
 
 
@@ -21,6 +21,7 @@ class StepAttention:
         self.metadata = metadata
         self._pool = pool
         self._kernel = kernel
+        self._rows = kv_rows(metadata.slot_mapping, pool.page_size)  # shared by all layers
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -36,5 +37,5 @@ class StepAttention:
         if not 0 <= layer < pool.num_layers:
             raise InvalidRequest(f"layer {layer} out of range")
         kv_layer = pool.layer(layer)
-        write_kv(kv_layer, k, v, self.metadata.slot_mapping)
+        write_kv_rows(kv_layer, k, v, self._rows)
         return self._kernel(q, kv_layer)

@@ -1,17 +1,19 @@
 """Paged attention in pure torch (CPU and GPU).
 
-Every step is planned once (on the first layer) and the plan is reused by all layers: per
-chunk of sequences, one row index into the layer's pool and, where lengths differ, one mask.
-A chunk's K and V are fetched with a *single* ``index_select`` over rows of ``D`` values,
-laid out ``[2, B, Hkv, N, D]``: head-major, so each (sequence, kv head) pair is one
-contiguous ``[N, D]`` block that batched matmuls and SDPA read without restriding or
-``repeat_interleave``. The index names only the sequence's own pages; a decode chunk pads
-shorter sequences with their own first slot and masks the padding, so no sequence ever
-reads a page outside its table.
+A step is planned once (on the first layer) and the plan is reused by every layer: per chunk
+of sequences, one gather index into the layer's pool and, where lengths differ, one mask.
+Each chunk fetches its K and V with a *single* ``index_select``, naming only the sequences'
+own pages; shorter sequences in a decode chunk are padded with their own first page (or
+slot) and the padding is masked out, so no sequence ever reads a page outside its table.
 
-Decode rows (one query token each) run as two batched matmuls with GQA folded into the
-query (``[B, Hkv, group, D]``) and the softmax in float32. Prefill chunks run one SDPA each,
-with a causal mask aligned to the chunk's start position. Softmax scale ``head_dim ** -0.5``.
+- bf16/fp16 decode rows (one query token each) gather rows of ``D`` values into
+  ``[2, B, Hkv, N, D]``, so each (sequence, kv head) block is contiguous, and run two batched
+  matmuls with GQA folded into the query (``[B, Hkv, group, D]``, no ``repeat_interleave``)
+  and the softmax in float32.
+- float32 decode and all prefill chunks gather whole pages and run SDPA (``enable_gqa``) on
+  a strided view; prefill uses a causal mask aligned to the chunk's start position.
+
+Softmax scale ``head_dim ** -0.5``.
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ class TorchStep:
         heads = torch.arange(hkv, dtype=torch.long).view(1, 1, hkv, 1)
         return (base[None, :, None, :] + kv + heads).reshape(-1).to(self._device)
 
+    def _slots(self, i: int, length: int) -> torch.Tensor:
+        """Sequence ``i``'s first ``kv_lens[i]`` slots, padded to ``length`` with its first."""
+        meta = self._meta
+        ps, n = meta.page_size, meta.kv_lens[i]
+        pages = torch.tensor(meta.page_ids[i], dtype=torch.long)
+        slots = (pages[:, None] * ps + torch.arange(ps, dtype=torch.long)).reshape(-1)[:n]
+        if length > n:
+            slots = torch.cat((slots, slots[:1].expand(length - n)))
+        return slots
+
     def _decode_chunk(self, seqs: list[int]) -> _Chunk:
         meta, device = self._meta, self._device
         lens = [meta.kv_lens[i] for i in seqs]
@@ -182,7 +194,7 @@ class TorchStep:
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             return torch.matmul(probs, v).view(c.batch, hq, d)
         if c.decode:
-            qd = q.view(c.batch, hq, 1, d)
+            qd = q.reshape(c.batch, hq, 1, d)
             out = F.scaled_dot_product_attention(qd, k, v, attn_mask=c.mask, enable_gqa=True)
             return out.view(c.batch, hq, d)
         qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]

@@ -30,11 +30,19 @@ def _scatter_free_list(mgr: KVCacheManager, rng: random.Random) -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (6, 2), (9, 3), (4, 1)])
 @pytest.mark.parametrize("gather_bytes", [None, 1], ids=["one-chunk", "chunk-per-seq"])
+@pytest.mark.parametrize("decode_path", ["sdpa", "matmul"])
 def test_paged_matches_dense_for_mixed_batches(
-    page_size: int, hq: int, hkv: int, gather_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+    page_size: int,
+    hq: int,
+    hkv: int,
+    gather_bytes: int | None,
+    decode_path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if gather_bytes is not None:  # split decode batches into one SDPA call per sequence
         monkeypatch.setattr(torch_backend, "_CPU_GATHER_BYTES", gather_bytes)
+    if decode_path == "matmul":  # the bf16/fp16 decode path, exercised here in fp32
+        monkeypatch.setattr(torch_backend, "_MATMUL_DECODE", (torch.float32,))
     rng = random.Random(page_size * 100 + hq * 10 + hkv)
     torch.manual_seed(rng.randint(0, 10**6))
     num_layers = 2
