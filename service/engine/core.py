@@ -157,10 +157,7 @@ class EngineCore:
         self.num_steps += 1
         with self._lock:
             now = self._clock()
-            self._expire(now)
-            if now - self._last_evict >= self.config.evict_interval_s:
-                self._last_evict = now
-                self.cache.evict_expired()
+            self._housekeeping(now)
             out = self.scheduler.schedule()
             for seq, err in out.rejected:
                 self._finish(seq, "error", err)
@@ -270,11 +267,14 @@ class EngineCore:
     def idle_tick(self) -> None:
         """Between steps when idle: expire deadlines and aborts, evict expired cache pages."""
         with self._lock:
-            now = self._clock()
-            self._expire(now)
-            if now - self._last_evict >= self.config.evict_interval_s:
-                self._last_evict = now
-                self.cache.evict_expired()
+            self._housekeeping(self._clock())
+
+    def _housekeeping(self, now: float) -> None:
+        """Expire deadlines and aborts; every ``evict_interval_s``, evict TTL-expired pages."""
+        self._expire(now)
+        if now - self._last_evict >= self.config.evict_interval_s:
+            self._last_evict = now
+            self.cache.evict_expired()
 
     def fail_running(self, error: Exception) -> None:
         """A step raised unexpectedly: finish the running sequences with that error."""
