@@ -1,29 +1,29 @@
-"""Who is calling: API key or mTLS client identity -> ``Tenant``, and the interceptor that asks.
+"""Who is calling: API key or mTLS client identity -> ``Tenant``.
 
-The interceptor wraps every handler except ``grpc.health.v1.Health``. The wrapper has the
-servicer context (metadata *and* the TLS auth context, which ``handler_call_details`` lacks),
-resolves the tenant, and puts it in a ``ContextVar`` the servicers read with
-``current_tenant()``. The variable is task-local, so concurrent RPCs never see each other's.
+``AuthInterceptor`` (``service.interceptor``) asks the ``Authenticator`` on every RPC but
+health and puts the tenant in a ``ContextVar`` the servicers read with ``current_tenant()``.
+The variable is task-local, so concurrent RPCs never see each other's.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
-from typing import Any
 
-import grpc
-import structlog
-
-from service.errors import ServiceError, abort, permission_denied, unauthenticated, unavailable
+from service.errors import unauthenticated
 from service.tenants import Tenant, TenantRegistry
 
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-REFLECTION_PREFIX = "/grpc.reflection."
-_SAN_KEYS = ("x509_subject_alternative_name", "peer_uri", "peer_dns")
+# gRPC's auth-context property for each SAN type the tenants file can name. The untyped
+# ``x509_subject_alternative_name`` list is deliberately not read: it would let a DNS SAN
+# match an identity written for a URI (or an email) of the same spelling.
+_SAN_KEYS = (("uri", "peer_uri"), ("dns", "peer_dns"), ("email", "peer_email"))
 
 _current_tenant: ContextVar[Tenant] = ContextVar("kvfence_tenant")
+
+
+def set_current_tenant(tenant: Tenant) -> None:
+    """Bind the RPC's tenant for this task (the interceptor's wrapper calls it)."""
+    _current_tenant.set(tenant)
 
 
 def current_tenant() -> Tenant:
@@ -54,21 +54,15 @@ class Authenticator:
     ) -> Tenant:
         """Resolve the caller. Raises ``ServiceError(UNAUTHENTICATED)``; never logs the key."""
         registry = self._registry  # one snapshot for the whole decision
-        headers = [v for k, v in (metadata or ()) if k.lower() == "authorization"]
+        by_key = _by_header(registry, metadata)
         identities = _client_identities(auth_context)
-        by_cert = registry.by_identity(identities) if identities else None
-        if len(headers) > 1:
-            raise unauthenticated("duplicate authorization headers", "DUPLICATE_CREDENTIALS")
-        if headers:
-            value = headers[0]
-            if isinstance(value, bytes):
-                value = value.decode("latin-1")
-            scheme, _, key = value.partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
-                raise unauthenticated("authorization must be 'Bearer <api key>'", "MALFORMED")
-            by_key = registry.by_key(key.strip())
-            if by_key is None:
-                raise unauthenticated("invalid API key", "INVALID_KEY")
+        mapped = registry.by_identity(identities) if identities else ()
+        if len(mapped) > 1:
+            raise unauthenticated(
+                "client certificate maps to more than one tenant", "AMBIGUOUS_CERT"
+            )
+        by_cert = mapped[0] if mapped else None
+        if by_key is not None:
             if identities and (by_cert is None or by_cert.name != by_key.name):
                 raise unauthenticated("API key and client certificate disagree", "MISMATCH")
             return by_key
@@ -76,114 +70,52 @@ class Authenticator:
             return by_cert
         if identities:
             raise unauthenticated("client certificate is not mapped to a tenant", "UNKNOWN_CERT")
-        raise unauthenticated("missing credentials: send 'authorization: Bearer <api key>'")
+        raise unauthenticated(_MISSING)
+
+    def precheck(
+        self, metadata: Iterable[tuple[str, str | bytes]] | None, client_certs: bool
+    ) -> None:
+        """What can be decided from the headers alone, before the request body is parsed.
+
+        A bad or unknown API key is refused here; so is a call with no key where the server
+        takes no client certificates. Raises ``ServiceError(UNAUTHENTICATED)``. A call that
+        passes still goes through ``authenticate`` (the certificate check needs the TLS
+        context, which gRPC gives only to the handler).
+        """
+        if _by_header(self._registry, metadata) is None and not client_certs:
+            raise unauthenticated(_MISSING)
+
+
+_MISSING = "missing credentials: send 'authorization: Bearer <api key>'"
+
+
+def _by_header(
+    registry: TenantRegistry, metadata: Iterable[tuple[str, str | bytes]] | None
+) -> Tenant | None:
+    """The tenant of the ``authorization`` header; None when there is no header."""
+    headers = [v for k, v in (metadata or ()) if k.lower() == "authorization"]
+    if len(headers) > 1:
+        raise unauthenticated("duplicate authorization headers", "DUPLICATE_CREDENTIALS")
+    if not headers:
+        return None
+    value = headers[0]
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    scheme, _, key = value.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise unauthenticated("authorization must be 'Bearer <api key>'", "MALFORMED")
+    tenant = registry.by_key(key.strip())
+    if tenant is None:
+        raise unauthenticated("invalid API key", "INVALID_KEY")
+    return tenant
 
 
 def _client_identities(auth_context: Mapping[str, Iterable[bytes]]) -> tuple[str, ...]:
+    """The certificate's SANs as ``type:value`` strings, the form the tenants file uses."""
     found: list[str] = []
-    for key in _SAN_KEYS:
+    for kind, key in _SAN_KEYS:
         for raw in auth_context.get(key, ()):
-            ident = raw.decode("utf-8", "replace")
+            ident = f"{kind}:{raw.decode('utf-8', 'replace')}"
             if ident not in found:
                 found.append(ident)
     return tuple(found)
-
-
-Check = Callable[[grpc.aio.ServicerContext, str], Awaitable[Tenant]]
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Authenticates every RPC but health; refuses all of them while the server drains."""
-
-    def __init__(
-        self,
-        authenticator: Authenticator,
-        is_draining: Callable[[], bool],
-        log: structlog.typing.FilteringBoundLogger,
-        on_denied: Callable[[str], None] = lambda _code: None,
-    ) -> None:
-        self._auth = authenticator
-        self._is_draining = is_draining
-        self._log = log
-        self._on_denied = on_denied
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
-            return handler
-        return _wrap(handler, method, self._check)
-
-    async def _check(self, context: grpc.aio.ServicerContext, method: str) -> Tenant:
-        try:
-            if self._is_draining():
-                raise unavailable("server is shutting down")
-            tenant = self._auth.authenticate(context.invocation_metadata(), context.auth_context())
-            if method.startswith(REFLECTION_PREFIX) and not tenant.allow_reflection:
-                raise permission_denied("tenant may not use server reflection", "REFLECTION")
-        except ServiceError as err:
-            if err.code != grpc.StatusCode.UNAVAILABLE:
-                # One event per denial; the reason is in ErrorInfo, never the key itself.
-                reason = err.details[0].reason if err.details else ""  # type: ignore[attr-defined]
-                self._log.warning(
-                    "auth.denied",
-                    method=method,
-                    peer=context.peer(),
-                    code=err.code.name,
-                    reason=reason,
-                )
-                self._on_denied(err.code.name)
-            await abort(context, err)
-        _current_tenant.set(tenant)
-        return tenant
-
-
-def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.RpcMethodHandler:
-    kwargs: dict[str, Any] = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
-
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(context, method)
-            return await inner_uu(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            _streaming(handler.unary_stream, method, check), **kwargs
-        )
-    if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(
-            _streaming(handler.stream_stream, method, check), **kwargs
-        )
-    inner_su = handler.stream_unary
-
-    async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context, method)
-        return await inner_su(request_iterator, context)
-
-    return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
-
-
-def _streaming(inner: Any, method: str, check: Check) -> Any:
-    if inspect.isasyncgenfunction(inner):
-
-        async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await check(context, method)
-            async for item in inner(request, context):
-                yield item
-
-        return gen
-
-    async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context, method)
-        return await inner(request, context)
-
-    return coro

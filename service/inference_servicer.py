@@ -120,12 +120,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._prompts.check_input(which, request, limit, out)
         raise_if(out)
         assert which is not None
-        prompt = await self._prompts.prompt_ids(which, request, limit)
-        check_context(len(prompt), stopping.max_tokens, model, out)
-        raise_if(out)
 
-        lease = self._limiter.acquire(tenant.name, len(prompt) + stopping.max_tokens)
+        # Charged before any work: the input by its size, topped up once it is tokenized.
+        cost = self._prompts.input_cost(which, request) + stopping.max_tokens
+        lease = self._limiter.acquire(tenant.name, cost)
         try:
+            prompt = await self._prompts.prompt_ids(tenant.name, which, request, limit)
+            check_context(len(prompt), stopping.max_tokens, model, out)
+            raise_if(out)
+            lease.charge_up_to(len(prompt) + stopping.max_tokens)
             engine_request = Request(
                 request_id=request_id,
                 tenant=tenant.name,
@@ -247,13 +250,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = current_tenant()
         code = "OK"
         try:
-            limit = prompt_token_limit(self._prompts.model, tenant.quotas.max_prompt_tokens)
+            model = self._prompts.model
+            if not tenant.may_use_model(model.name):
+                raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
+            limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
             which = request.WhichOneof("input")
             out: Violations = []
             self._prompts.check_input(which, request, limit, out)
             raise_if(out)
             assert which is not None
-            ids = await self._prompts.prompt_ids(which, request, limit, request.add_special_tokens)
+            # Limited like Generate: a concurrency slot, and the input charged by its size.
+            lease = self._limiter.acquire(tenant.name, self._prompts.input_cost(which, request))
+            try:
+                ids = await self._prompts.prompt_ids(
+                    tenant.name, which, request, limit, request.add_special_tokens
+                )
+                lease.charge_up_to(len(ids))
+            finally:
+                lease.release()
             return inference_pb2.TokenizeResponse(
                 token_ids=ids, tokens=[self._prompts.token_text(t) for t in ids]
             )

@@ -1,17 +1,30 @@
 """Per-tenant admission limits checked before a request reaches the engine.
 
-Two limits: concurrent Generate streams, and a token bucket over ``prompt + max_tokens``
-refilled at ``tokens_per_minute``. Both are checked and taken together, so a refused
-request consumes nothing. Everything here runs on the event-loop thread.
+Two limits: concurrent calls (Generate streams and Tokenize calls), and a token bucket over
+``prompt + max_tokens`` refilled at ``tokens_per_minute``. Both are checked and taken
+together before any work on the request, so a refused request consumes nothing.
+
+The prompt's size is not known before tokenizing, so the input is charged first by its bytes
+(``byte_tokens``: one token per ``BYTES_PER_TOKEN`` bytes, about what English text costs),
+and ``Lease.charge`` adds the difference once the real count is known; nothing is refunded,
+since the tokenizer did that work either way. Everything here runs on the event-loop thread.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.errors import resource_exhausted
 from service.tenants import Quotas
+
+BYTES_PER_TOKEN = 4
+
+
+def byte_tokens(n_bytes: int) -> int:
+    """What an input of ``n_bytes`` is charged before it is tokenized."""
+    return math.ceil(n_bytes / BYTES_PER_TOKEN)
 
 
 @dataclass(slots=True)
@@ -40,10 +53,21 @@ class _TenantState:
 
 
 class Lease:
-    """One admitted stream; ``release`` (idempotent) frees its concurrency slot."""
+    """One admitted call; ``release`` (idempotent) frees its concurrency slot."""
 
-    def __init__(self, state: _TenantState) -> None:
+    def __init__(self, state: _TenantState, charged: int) -> None:
         self._state: _TenantState | None = state
+        self.charged = charged
+
+    def charge_up_to(self, cost: int) -> None:
+        """Raise what the call is charged to ``cost`` (once its prompt is tokenized). The
+        bucket may go below zero: the tenant's next calls wait it off."""
+        extra = cost - self.charged
+        if extra <= 0 or self._state is None:
+            return
+        self.charged = cost
+        if self._state.bucket is not None:
+            self._state.bucket.level -= extra
 
     def release(self) -> None:
         if self._state is not None:
@@ -103,7 +127,7 @@ class TenantLimiter:
             if cost > bucket.capacity:
                 raise resource_exhausted(
                     "tokens_per_minute",
-                    f"request needs {cost} tokens (prompt + max_tokens) but the tenant's "
+                    f"request needs {cost} tokens (input + max_tokens) but the tenant's "
                     f"limit is {int(bucket.capacity)} per minute",
                 )
             bucket.refill(self._clock())
@@ -116,4 +140,4 @@ class TenantLimiter:
                 )
             bucket.level -= cost
         state.active += 1
-        return Lease(state)
+        return Lease(state, cost)

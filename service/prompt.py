@@ -1,17 +1,20 @@
 """Turn a request's input (text, token ids or chat messages) into prompt token ids.
 
-Sizes are checked before the tokenizer runs (see ``validation``); tokenization runs in a
-worker thread so a long prompt never stalls the event loop.
+Sizes are checked before the tokenizer runs (see ``validation``); tokenization runs in the
+``TokenizerPool`` so a long prompt never stalls the event loop and tenants take turns.
+Chat message content is encoded as plain text: only the template's markup can produce
+control tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from protos.kvfence.v1 import inference_pb2
 from service.errors import invalid_argument
+from service.limits import byte_tokens
+from service.tokenizer_pool import TokenizerPool
 from service.validation import (
     ModelLimits,
     Violations,
@@ -27,13 +30,14 @@ class TokenizerLike(Protocol):
     vocab_size: int
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode_chat(self, parts: Sequence[tuple[str, bool]]) -> list[int]: ...
     def id_to_token_bytes(self, token_id: int) -> bytes: ...
 
 
 class ChatTemplateLike(Protocol):
-    def render(
+    def render_parts(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
-    ) -> str: ...
+    ) -> list[tuple[str, bool]]: ...
 
 
 def wants_generation_prompt(chat: inference_pb2.ChatMessages) -> bool:
@@ -46,11 +50,27 @@ class PromptBuilder:
     """Tokenizes inputs for one model."""
 
     def __init__(
-        self, tokenizer: TokenizerLike, chat_template: ChatTemplateLike | None, model: ModelLimits
+        self,
+        tokenizer: TokenizerLike,
+        chat_template: ChatTemplateLike | None,
+        model: ModelLimits,
+        pool: TokenizerPool,
     ) -> None:
         self._tok = tokenizer
         self._template = chat_template
         self.model = model
+        self._pool = pool
+
+    def input_cost(
+        self, which: str, req: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest
+    ) -> int:
+        """Tokens an input that passed ``check_input`` is charged before it is tokenized."""
+        if which == "token_ids":
+            assert isinstance(req, inference_pb2.GenerateRequest)
+            return len(req.token_ids.ids)
+        if which == "text":
+            return byte_tokens(len(req.text.encode("utf-8")))
+        return byte_tokens(sum(len(m.content.encode("utf-8")) for m in req.chat.messages))
 
     def check_input(
         self,
@@ -76,6 +96,7 @@ class PromptBuilder:
 
     async def prompt_ids(
         self,
+        tenant: str,
         which: str,
         req: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
         token_limit: int,
@@ -87,18 +108,19 @@ class PromptBuilder:
             assert isinstance(req, inference_pb2.GenerateRequest)
             return list(req.token_ids.ids)
         if which == "text":
-            ids = await asyncio.to_thread(self._tok.encode, req.text, add_special_tokens)
+            text = req.text
+            ids = await self._pool.run(tenant, lambda: self._tok.encode(text, add_special_tokens))
         else:
             assert self._template is not None
             messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
             try:
-                text = self._template.render(messages, wants_generation_prompt(req.chat))
+                parts = self._template.render_parts(messages, wants_generation_prompt(req.chat))
             except ValueError as exc:  # ChatTemplateError: the template's own complaint
                 raise invalid_argument(
                     [("chat", f"chat template refused the messages: {exc}")]
                 ) from None
             # The rendered template already spells out its special tokens.
-            ids = await asyncio.to_thread(self._tok.encode, text, False)
+            ids = await self._pool.run(tenant, lambda: self._tok.encode_chat(parts))
         out: Violations = []
         check_prompt_length(len(ids), which, token_limit, out)
         raise_if(out)

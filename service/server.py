@@ -23,16 +23,19 @@ from structlog.typing import FilteringBoundLogger
 
 from kvcache.config import TenantCachePolicy
 from protos.kvfence.v1 import cache_pb2, inference_pb2
-from service.auth import Authenticator, AuthInterceptor
+from service.auth import Authenticator
 from service.cache_access import CacheAccess
 from service.cache_servicer import CacheServicer
 from service.engine.types import TenantSchedPolicy
+from service.health import DEFAULT_MAX_WATCHES, BoundedHealth
 from service.inference_servicer import InferenceOptions, InferenceServicer
+from service.interceptor import AuthInterceptor
 from service.limits import TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import CacheLike, EngineLike
 from service.tenants import TenantRegistry, TenantsFileError, load_tenants
+from service.tokenizer_pool import TokenizerPool
 from service.validation import ModelLimits
 from service.wire import add_cache_service, add_inference_service
 
@@ -67,6 +70,8 @@ class ServerOptions:
     alert_tenant_kv_pages: int = 0  # 0 = off
     alert_request_kv_pages: int = 0
     stats_interval_s: float = 1.0
+    max_health_watches: int = DEFAULT_MAX_WATCHES  # open unauthenticated health Watch streams
+    tokenizer_threads: int = 1  # tokenizations running at once (one per tenant at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +140,12 @@ class KVFenceServer:
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
         self.inference = InferenceServicer(
             engine,
-            PromptBuilder(model.tokenizer, model.chat_template, limits),
+            PromptBuilder(
+                model.tokenizer,
+                model.chat_template,
+                limits,
+                TokenizerPool(options.tokenizer_threads),
+            ),
             self.limiter,
             self.metrics,
             log,
@@ -167,6 +177,7 @@ class KVFenceServer:
             lambda: self._draining,
             self._log,
             on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
+            client_certs=opts.tls is not None and opts.tls.client_ca is not None,
         )
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
@@ -183,7 +194,9 @@ class KVFenceServer:
             ),
             server,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(
+            BoundedHealth(self._health, opts.max_health_watches), server
+        )
         if opts.reflection:
             names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)

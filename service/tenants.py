@@ -4,7 +4,7 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
 
     [tenants.acme]
     api_key_sha256 = ["9f86d081884c7d65..."]   # hex sha256 of each valid API key
-    mtls_identities = ["spiffe://acme/worker"] # client-certificate SAN strings (mTLS)
+    mtls_identities = ["uri:spiffe://acme/worker"] # client-certificate SANs, typed (mTLS)
     weight = 2.0                               # weighted-fair-queueing share
     max_concurrent_streams = 8                 # running + queued Generate streams
     max_kv_pages = 4096                        # running + cached KV pages; 0 = unlimited
@@ -14,7 +14,10 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
     models = ["SmolLM2-135M-Instruct"]         # models the tenant may use; absent = all
     allow_reflection = false                   # may call server reflection (--reflection)
 
-Only hashes are stored; ``kvfence tenants add`` prints the plaintext key once.
+Only hashes are stored; ``kvfence tenants add`` prints the plaintext key once. An API-key
+hash may belong to one tenant only, and an mTLS identity names its SAN type (``uri:``,
+``dns:`` or ``email:``) so a DNS name can never match a URI SAN of the same spelling. Counts
+are checked against ``MAX_QUOTA`` (they travel as uint32 in ``GetUsage``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from typing import Any
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_PREFIX = "kvf_"
+MAX_QUOTA = 2**32 - 1
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600.0
+SAN_TYPES = ("uri", "dns", "email")
 _KNOWN_KEYS = frozenset(
     {
         "api_key_sha256",
@@ -105,12 +111,17 @@ class TenantRegistry:
                     found = tenant
         return found
 
-    def by_identity(self, identities: tuple[str, ...]) -> Tenant | None:
-        """The tenant one of the client-certificate SANs is mapped to."""
-        for tenant in self.tenants.values():
-            if any(ident in tenant.mtls_identities for ident in identities):
-                return tenant
-        return None
+    def by_identity(self, identities: tuple[str, ...]) -> tuple[Tenant, ...]:
+        """Every tenant one of the client certificate's typed SANs (``uri:...``) maps to.
+
+        More than one means the certificate is ambiguous; the caller refuses it rather than
+        picking one by file order.
+        """
+        return tuple(
+            tenant
+            for tenant in self.tenants.values()
+            if any(ident in tenant.mtls_identities for ident in identities)
+        )
 
     def names(self) -> tuple[str, ...]:
         return tuple(self.tenants)
@@ -134,8 +145,16 @@ def parse_tenants(data: Mapping[str, Any], source: str = "<tenants>") -> TenantR
         raise TenantsFileError(f"{source}: [tenants] must be a table")
     tenants: dict[str, Tenant] = {}
     identities: dict[str, str] = {}
+    key_owners: dict[bytes, str] = {}
     for name, raw in section.items():
         tenant = _parse_tenant(name, raw, source)
+        for digest in tenant.key_hashes:
+            owner = key_owners.setdefault(digest, name)
+            if owner != name:
+                raise TenantsFileError(
+                    f"{source}: api_key_sha256 {digest.hex()[:12]}... is listed under both "
+                    f"{owner!r} and {name!r}; a key must name one tenant"
+                )
         for ident in tenant.mtls_identities:
             if ident in identities:
                 raise TenantsFileError(
@@ -160,15 +179,19 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
     for h in hashes:
         if not _HEX64_RE.match(h):
             raise TenantsFileError(f"{where}: api_key_sha256 entries must be 64 lowercase hex")
-    idents = _str_list(raw, "mtls_identities", where)
+    idents = [_typed_identity(i, where) for i in _str_list(raw, "mtls_identities", where)]
     if not hashes and not idents:
         raise TenantsFileError(f"{where}: needs api_key_sha256 or mtls_identities")
     weight = raw.get("weight", 1.0)
     if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight <= 1e6:
         raise TenantsFileError(f"{where}: weight must be a number in (0, 1e6]")
     ttl = raw.get("prefix_cache_ttl_seconds")
-    if ttl is not None and (not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl < 0):
-        raise TenantsFileError(f"{where}: prefix_cache_ttl_seconds must be >= 0")
+    if ttl is not None and (
+        not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 0 <= ttl <= MAX_TTL_SECONDS
+    ):
+        raise TenantsFileError(
+            f"{where}: prefix_cache_ttl_seconds must be a number in [0, {MAX_TTL_SECONDS:g}]"
+        )
     models = _str_list(raw, "models", where) if "models" in raw else None
     reflection = raw.get("allow_reflection", False)
     if not isinstance(reflection, bool):
@@ -200,9 +223,20 @@ def _str_list(raw: Mapping[str, Any], key: str, where: str) -> list[str]:
 
 def _int(raw: Mapping[str, Any], key: str, default: int, where: str, minimum: int = 0) -> int:
     value = raw.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise TenantsFileError(f"{where}: {key} must be an integer >= {minimum}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_QUOTA:
+        raise TenantsFileError(f"{where}: {key} must be an integer in [{minimum}, {MAX_QUOTA}]")
     return value
+
+
+def _typed_identity(entry: str, where: str) -> str:
+    """``uri:spiffe://a/b`` -> itself, checked; the type is matched against the SAN's type."""
+    kind, sep, value = entry.partition(":")
+    if not sep or kind not in SAN_TYPES or not value:
+        raise TenantsFileError(
+            f"{where}: mtls_identities entry {entry!r} must name its SAN type: "
+            '"uri:spiffe://...", "dns:host.example" or "email:user@example"'
+        )
+    return entry
 
 
 def add_tenant(path: str | Path, name: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -75,6 +77,31 @@ class ChatTemplate:
             raise ChatTemplateError(f"invalid chat template: {e}") from None
         self.source = source
         self._special = dict(special_tokens or {})
+
+    def render_parts(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[tuple[str, bool]]:
+        """The rendered prompt as ``(text, is_content)`` pieces: message content apart from
+        the template's own markup, so the tokenizer can keep content from spelling control
+        tokens. Joined, the pieces are ``render``'s output wherever the template inserts
+        content verbatim (as chat templates do).
+
+        Each content is rendered as a random marker and put back afterwards. A template that
+        transforms content (``| trim``) transforms the marker instead, so such content goes
+        in as sent.
+        """
+        nonce = secrets.token_hex(16)
+        marked = [{**m, "content": f"\x00{nonce}:{i}\x00"} for i, m in enumerate(messages)]
+        rendered = self.render(marked, add_generation_prompt)
+        pattern = re.compile(f"\x00{nonce}:(\\d+)\x00")
+        parts: list[tuple[str, bool]] = []
+        at = 0
+        for match in pattern.finditer(rendered):
+            parts.append((rendered[at : match.start()], False))
+            parts.append((messages[int(match.group(1))]["content"], True))
+            at = match.end()
+        parts.append((rendered[at:], False))
+        return [(text, is_content) for text, is_content in parts if text]
 
     def render(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True

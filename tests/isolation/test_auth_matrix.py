@@ -199,7 +199,7 @@ def test_tls_and_mtls_matrix(tiny: Any, tmp_path: Path, record: Recorder) -> Non
     mapped, unmapped = "spiffe://kvfence/worker", "spiffe://kvfence/stranger"
     tenants = {
         "acme": TenantSpec(),
-        "mtls": TenantSpec(mtls_identities=(mapped,), with_key=False),
+        "mtls": TenantSpec(mtls_identities=(f"uri:{mapped}",), with_key=False),
     }
     options = ServerOptions(tls=TlsFiles(cert, key, tmp_path / "ca.pem"))
     stream = io.StringIO()

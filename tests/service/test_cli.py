@@ -59,7 +59,7 @@ def test_bad_serve_input_is_one_line_and_exit_2(
     message: str,
 ) -> None:
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text('[tenants.a]\nmtls_identities = ["x"]\n')
+    tenants.write_text('[tenants.a]\nmtls_identities = ["uri:x"]\n')
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     base = ["serve", "--tenants", str(tenants), "--model", str(tmp_path / "absent.gguf")]

@@ -33,7 +33,7 @@ def test_full_tenant_entry_parses(tmp_path: Path) -> None:
         f"""
 [tenants.acme]
 api_key_sha256 = ["{hash_key(KEY_A).hex()}", "{hash_key(KEY_B).hex()}"]
-mtls_identities = ["spiffe://acme/worker"]
+mtls_identities = ["uri:spiffe://acme/worker"]
 weight = 2.5
 max_concurrent_streams = 3
 max_kv_pages = 100
@@ -50,7 +50,7 @@ allow_reflection = true
     assert acme.quotas == Quotas(3, 100, 50, 1000)
     assert acme.prefix_cache_ttl_seconds == 0.0
     assert acme.models == ("m1",) and acme.may_use_model("m1") and not acme.may_use_model("m2")
-    assert acme.allow_reflection and acme.mtls_identities == ("spiffe://acme/worker",)
+    assert acme.allow_reflection and acme.mtls_identities == ("uri:spiffe://acme/worker",)
 
 
 @pytest.mark.parametrize(
@@ -58,18 +58,18 @@ allow_reflection = true
     [
         ("[tenants.a]\nweight = 1.0\n", "needs api_key_sha256 or mtls_identities"),
         ('[tenants.a]\napi_key_sha256 = ["abc"]\n', "64 lowercase hex"),
-        ('[tenants.a]\nmtls_identities = ["x"]\nweight = 0\n', "weight"),
-        ('[tenants.a]\nmtls_identities = ["x"]\nmax_kv_page = 1\n', "unknown keys ['max_kv_page']"),
+        ('[tenants.a]\nmtls_identities = ["uri:x"]\nweight = 0\n', "weight"),
+        ('[tenants.a]\nmtls_identities = ["uri:x"]\nmax_kv_page = 1\n', "unknown keys ['max_kv_page']"),
         (
-            '[tenants.a]\nmtls_identities = ["x"]\nmax_concurrent_streams = 0\n',
+            '[tenants.a]\nmtls_identities = ["uri:x"]\nmax_concurrent_streams = 0\n',
             "max_concurrent_streams",
         ),
-        ('[tenants.a]\nmtls_identities = ["x"]\ntokens_per_minute = -1\n', "tokens_per_minute"),
+        ('[tenants.a]\nmtls_identities = ["uri:x"]\ntokens_per_minute = -1\n', "tokens_per_minute"),
         (
-            '[tenants.a]\nmtls_identities = ["x"]\n[tenants.b]\nmtls_identities = ["x"]\n',
+            '[tenants.a]\nmtls_identities = ["uri:x"]\n[tenants.b]\nmtls_identities = ["uri:x"]\n',
             "mapped to both",
         ),
-        ('[tenants."__engine"]\nmtls_identities = ["x"]\n', "invalid name"),
+        ('[tenants."__engine"]\nmtls_identities = ["uri:x"]\n', "invalid name"),
         ("[tenants.a\n", "cannot read"),
     ],
 )
@@ -121,7 +121,7 @@ def _registry() -> Authenticator:
 def _reason(
     auth: Authenticator, metadata: list[tuple[str, str]], sans: list[bytes] | None = None
 ) -> str:
-    ctx = {"x509_subject_alternative_name": sans} if sans else {}
+    ctx = {"peer_uri": sans} if sans else {}
     with pytest.raises(ServiceError) as info:
         auth.authenticate(metadata, ctx)
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -132,17 +132,17 @@ def test_authenticator_decisions() -> None:
     auth = _registry()
     assert auth.authenticate([("authorization", f"Bearer {KEY_A}")], {}).name == "acme"
     assert auth.authenticate([("Authorization", f"bearer {KEY_B}")], {}).name == "beta"
-    assert auth.authenticate([], {"x509_subject_alternative_name": [b"uri:acme"]}).name == "acme"
+    assert auth.authenticate([], {"peer_uri": [b"acme"]}).name == "acme"
     assert (
-        auth.authenticate([("authorization", f"Bearer {KEY_A}")], {"peer_uri": [b"uri:acme"]}).name
+        auth.authenticate([("authorization", f"Bearer {KEY_A}")], {"peer_uri": [b"acme"]}).name
         == "acme"
     )
     assert _reason(auth, []) == "UNAUTHENTICATED"
     assert _reason(auth, [("authorization", "Bearer nope")]) == "INVALID_KEY"
     assert _reason(auth, [("authorization", KEY_A)]) == "MALFORMED"
     assert _reason(auth, [("authorization", f"Bearer {KEY_A}")] * 2) == "DUPLICATE_CREDENTIALS"
-    assert _reason(auth, [], [b"uri:nobody"]) == "UNKNOWN_CERT"
-    assert _reason(auth, [("authorization", f"Bearer {KEY_B}")], [b"uri:acme"]) == "MISMATCH"
+    assert _reason(auth, [], [b"nobody"]) == "UNKNOWN_CERT"
+    assert _reason(auth, [("authorization", f"Bearer {KEY_B}")], [b"acme"]) == "MISMATCH"
 
 
 def test_replace_swaps_the_registry_atomically() -> None:
@@ -150,3 +150,89 @@ def test_replace_swaps_the_registry_atomically() -> None:
     auth.replace(parse_tenants({"tenants": {"beta": {"api_key_sha256": [hash_key(KEY_B).hex()]}}}))
     assert _reason(auth, [("authorization", f"Bearer {KEY_A}")]) == "INVALID_KEY"
     assert auth.authenticate([("authorization", f"Bearer {KEY_B}")], {}).name == "beta"
+
+
+# Finding 6: a key hash under two tenants, or a certificate naming two tenants, must never be
+# resolved by file order; a SAN matches only an identity of its own type.
+
+
+def test_key_hash_under_two_tenants_is_refused_at_load(tmp_path: Path) -> None:
+    digest = hash_key(KEY_A).hex()
+    body = (
+        f'[tenants.a]\napi_key_sha256 = ["{digest}"]\n'
+        f'[tenants.b]\napi_key_sha256 = ["{hash_key(KEY_B).hex()}", "{digest}"]\n'
+    )
+    with pytest.raises(TenantsFileError) as info:
+        load_tenants(_file(tmp_path, body))
+    assert "listed under both 'a' and 'b'" in str(info.value) and "\n" not in str(info.value)
+    assert digest not in str(info.value)  # a prefix names it; the file is the reference
+
+
+def _typed() -> Authenticator:
+    return Authenticator(
+        parse_tenants(
+            {
+                "tenants": {
+                    "uri_tenant": {"mtls_identities": ["uri:svc.example"]},
+                    "dns_tenant": {"mtls_identities": ["dns:svc.example"]},
+                    "mail_tenant": {"mtls_identities": ["email:ops@svc.example"]},
+                }
+            }
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("context", "tenant"),
+    [
+        ({"peer_uri": [b"svc.example"]}, "uri_tenant"),
+        ({"peer_dns": [b"svc.example"]}, "dns_tenant"),
+        ({"peer_email": [b"ops@svc.example"]}, "mail_tenant"),
+    ],
+)
+def test_san_matches_only_its_own_type(context: dict[str, list[bytes]], tenant: str) -> None:
+    assert _typed().authenticate([], context).name == tenant
+
+
+def test_san_of_another_type_does_not_match() -> None:
+    auth = _typed()
+    for context in ({"peer_dns": [b"ops@svc.example"]}, {"peer_uri": [b"ops@svc.example"]}):
+        with pytest.raises(ServiceError) as info:
+            auth.authenticate([], context)
+        assert info.value.details[0].reason == "UNKNOWN_CERT"  # type: ignore[attr-defined]
+
+
+def test_certificate_mapping_to_two_tenants_is_refused() -> None:
+    auth = _typed()
+    both = {"peer_uri": [b"svc.example"], "peer_dns": [b"svc.example"]}
+    with pytest.raises(ServiceError) as info:
+        auth.authenticate([], both)
+    assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    assert info.value.details[0].reason == "AMBIGUOUS_CERT"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("entry", ["spiffe://acme/worker", "ip:10.0.0.1", "uri:", "acme"])
+def test_untyped_identity_is_refused_at_load(entry: str) -> None:
+    with pytest.raises(TenantsFileError, match="must name its SAN type"):
+        parse_tenants({"tenants": {"a": {"mtls_identities": [entry]}}})
+
+
+# Finding 11: quotas travel as uint32 in GetUsage; a larger value must fail at load, not as
+# UNKNOWN on every GetUsage.
+
+
+@pytest.mark.parametrize(
+    "key", ["max_kv_pages", "max_concurrent_streams", "max_prompt_tokens", "tokens_per_minute"]
+)
+def test_quota_over_uint32_is_refused_at_load(key: str) -> None:
+    tenant = {"api_key_sha256": [hash_key(KEY_A).hex()]}
+    parse_tenants({"tenants": {"a": {**tenant, key: 2**32 - 1}}})  # the largest that fits
+    with pytest.raises(TenantsFileError, match=f"{key} must be an integer in"):
+        parse_tenants({"tenants": {"a": {**tenant, key: 2**32}}})
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), 1e12, -1])
+def test_ttl_must_be_finite_and_bounded(ttl: float) -> None:
+    tenant = {"api_key_sha256": [hash_key(KEY_A).hex()], "prefix_cache_ttl_seconds": ttl}
+    with pytest.raises(TenantsFileError, match="prefix_cache_ttl_seconds"):
+        parse_tenants({"tenants": {"a": tenant}})

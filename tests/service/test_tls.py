@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography import x509
 
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.server import ServerOptions, TlsFiles
@@ -32,6 +33,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "acme": certs.client_cert(ca_key, ca_cert, ACME_URI),
         "stranger": certs.client_cert(ca_key, ca_cert, "spiffe://kvfence.test/nobody"),
         "forged": certs.client_cert(other_key, other_cert, ACME_URI),
+        # A DNS SAN spelled like acme's URI identity, and a cert naming two tenants.
+        "dns_lookalike": certs.issue(ca_key, ca_cert, "lookalike", [x509.DNSName(ACME_URI)]),
+        "two_tenants": certs.issue(
+            ca_key,
+            ca_cert,
+            "both",
+            [x509.UniformResourceIdentifier(ACME_URI), x509.DNSName("globex.kvfence.test")],
+        ),
     }
 
 
@@ -66,7 +75,7 @@ def test_mtls_client_certificate_names_the_tenant(
     cert, key = pki["server"]
     options = ServerOptions(tls=TlsFiles(cert, key, pki["dir"] / "ca.crt"))
     tenants = {
-        "acme": TenantSpec(mtls_identities=(ACME_URI,), with_key=False),
+        "acme": TenantSpec(mtls_identities=(f"uri:{ACME_URI}",), with_key=False),
         "globex": TenantSpec(),
     }
     with running_server(tiny_model, tenants, options=options, tenants_dir=tmp_path) as srv:
@@ -105,3 +114,24 @@ def test_mtls_client_certificate_names_the_tenant(
                 cache_pb2.GetUsageRequest(), metadata=srv.auth("globex"), timeout=5
             )
         assert no_cert.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_san_types_and_ambiguous_certificates(
+    tiny_model: Any, pki: dict[str, Any], tmp_path: Path
+) -> None:
+    """Finding 6 over a real handshake: gRPC's typed SAN properties reach the matcher."""
+    cert, key = pki["server"]
+    options = ServerOptions(tls=TlsFiles(cert, key, pki["dir"] / "ca.crt"))
+    tenants = {
+        "acme": TenantSpec(mtls_identities=(f"uri:{ACME_URI}",), with_key=False),
+        "globex": TenantSpec(mtls_identities=("dns:globex.kvfence.test",), with_key=False),
+    }
+    with running_server(tiny_model, tenants, options=options, tenants_dir=tmp_path) as srv:
+        acme = _channel(srv.target, pki["ca"], pki["acme"])
+        cache_pb2_grpc.CacheStub(acme).GetUsage(cache_pb2.GetUsageRequest(), timeout=10)
+        for name, reason in (("dns_lookalike", "UNKNOWN_CERT"), ("two_tenants", "AMBIGUOUS_CERT")):
+            channel = _channel(srv.target, pki["ca"], pki[name])
+            with pytest.raises(grpc.RpcError) as info:
+                cache_pb2_grpc.CacheStub(channel).GetUsage(cache_pb2.GetUsageRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert details(info.value)["ErrorInfo"].reason == reason, name

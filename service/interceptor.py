@@ -1,0 +1,168 @@
+"""The interceptor that authenticates every RPC but ``grpc.health.v1.Health``.
+
+Two steps, because gRPC hands the two halves of a credential to different places:
+
+1. ``intercept_service`` sees only the method and the headers, before the request body is
+   received and parsed. A malformed or unknown API key, or no credential where the server
+   takes no client certificates, is refused here by a handler that never parses the body, so
+   an unauthenticated caller cannot make the server decode an 8 MiB message.
+2. The wrapped handler has the servicer context (the TLS auth context too), resolves the
+   tenant with the certificate check, and binds it with ``set_current_tenant``.
+
+gRPC still reads the refused message off the wire (up to the receive limit); only parsing is
+skipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+
+from service.auth import Authenticator, set_current_tenant
+from service.errors import ServiceError, abort, permission_denied, unavailable
+from service.tenants import Tenant
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIX = "/grpc.reflection."
+
+Check = Callable[[grpc.aio.ServicerContext, str], Awaitable[Tenant]]
+Deny = Callable[[grpc.aio.ServicerContext, str, ServiceError], Awaitable[NoReturn]]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Authenticates every RPC but health; refuses all of them while the server drains.
+
+    ``client_certs`` says whether the server asks for client certificates (mTLS): without
+    it, a call that carries no API key can be refused from its headers alone.
+    """
+
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        is_draining: Callable[[], bool],
+        log: structlog.typing.FilteringBoundLogger,
+        on_denied: Callable[[str], None] = lambda _code: None,
+        client_certs: bool = False,
+    ) -> None:
+        self._auth = authenticator
+        self._is_draining = is_draining
+        self._log = log
+        self._on_denied = on_denied
+        self._client_certs = client_certs
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        try:
+            if self._is_draining():
+                raise unavailable("server is shutting down")
+            self._auth.precheck(handler_call_details.invocation_metadata, self._client_certs)
+        except ServiceError as err:
+            return _refuse(handler, method, err, self._deny)
+        return _wrap(handler, method, self._check)
+
+    async def _check(self, context: grpc.aio.ServicerContext, method: str) -> Tenant:
+        try:
+            if self._is_draining():
+                raise unavailable("server is shutting down")
+            tenant = self._auth.authenticate(context.invocation_metadata(), context.auth_context())
+            if method.startswith(REFLECTION_PREFIX) and not tenant.allow_reflection:
+                raise permission_denied("tenant may not use server reflection", "REFLECTION")
+        except ServiceError as err:
+            await self._deny(context, method, err)
+        set_current_tenant(tenant)
+        return tenant
+
+    async def _deny(
+        self, context: grpc.aio.ServicerContext, method: str, err: ServiceError
+    ) -> NoReturn:
+        if err.code != grpc.StatusCode.UNAVAILABLE:
+            # One event per denial; the reason is in ErrorInfo, never the key itself.
+            reason = err.details[0].reason if err.details else ""  # type: ignore[attr-defined]
+            self._log.warning(
+                "auth.denied", method=method, peer=context.peer(), code=err.code.name, reason=reason
+            )
+            self._on_denied(err.code.name)
+        await abort(context, err)
+
+
+def _skip_body(_raw: bytes) -> None:
+    """The deserializer of a refused call: the body is never parsed."""
+    return None
+
+
+def _refuse(
+    handler: grpc.RpcMethodHandler, method: str, err: ServiceError, deny: Deny
+) -> grpc.RpcMethodHandler:
+    kwargs: dict[str, Any] = {
+        "request_deserializer": _skip_body,
+        "response_serializer": handler.response_serializer,
+    }
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await deny(context, method, err)
+
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.RpcMethodHandler:
+    kwargs: dict[str, Any] = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context, method)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            _streaming(handler.unary_stream, method, check), **kwargs
+        )
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(
+            _streaming(handler.stream_stream, method, check), **kwargs
+        )
+    inner_su = handler.stream_unary
+
+    async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(context, method)
+        return await inner_su(request_iterator, context)
+
+    return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
+
+
+def _streaming(inner: Any, method: str, check: Check) -> Any:
+    if inspect.isasyncgenfunction(inner):
+
+        async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await check(context, method)
+            async for item in inner(request, context):
+                yield item
+
+        return gen
+
+    async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(context, method)
+        return await inner(request, context)
+
+    return coro
