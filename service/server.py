@@ -129,6 +129,7 @@ class KVFenceServer:
         self._draining = False
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._health_service: BoundedHealth | None = None  # set by start()
         self._stats_task: asyncio.Task[None] | None = None
         self._alerted: set[str] = set()
         self.metrics = Metrics(registry.names())
@@ -194,9 +195,8 @@ class KVFenceServer:
             ),
             server,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(
-            BoundedHealth(self._health, opts.max_health_watches), server
-        )
+        self._health_service = BoundedHealth(self._health, opts.max_health_watches)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health_service, server)
         if opts.reflection:
             names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
