@@ -171,3 +171,21 @@ def test_tokenizer_releases_the_gil(default_model: Any) -> None:
     assert took > 0.05, "the text should take a while to encode"
     # Holding the GIL gives the loop one or two turns for the whole encode.
     assert wakeups >= max(5, int(took / 0.001 / 20)), (wakeups, took)
+
+
+def test_text_over_the_byte_cap_is_refused_untokenized(
+    srv: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.validation import TEXT_BYTES_PER_TOKEN
+
+    spy = _counting(srv, monkeypatch)
+    inference, _ = stubs(srv)
+    limit = srv.server.inference._prompts.model.max_model_len - 1
+    assert TEXT_BYTES_PER_TOKEN <= 8  # about 2x what real text costs a token
+    with pytest.raises(grpc.RpcError) as info:
+        inference.Tokenize(
+            inference_pb2.TokenizeRequest(text="a" * (limit * TEXT_BYTES_PER_TOKEN + 1)),
+            metadata=srv.auth("acme"),
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert spy.calls == 0
