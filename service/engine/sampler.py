@@ -96,38 +96,44 @@ class Sampler:
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
 
     def _penalize(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        b, vocab = logits.shape
-        pad = vocab  # an extra column absorbs padding, then is dropped
-        out_len = max(1, max(len(r.output_ids) for r in rows))
-        outs = torch.tensor(
-            [list(r.output_ids) + [pad] * (out_len - len(r.output_ids)) for r in rows],
-            dtype=torch.long,
-            device=self.device,
+        # NOTE: only the rows that ask for a penalty are touched, and each costs its own
+        # tokens (plus its vocab-sized row): one penalized row never makes the sampler pad
+        # every row to the batch's longest prompt.
+        picked = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        own = [rows[i] for i in picked]
+        index = torch.tensor(picked, dtype=torch.long, device=self.device)
+        sub = logits.index_select(0, index)
+        counts = torch.zeros_like(sub)
+        out_rows, out_ids = self._flat([r.output_ids for r in own])
+        counts.index_put_(
+            (out_rows, out_ids), torch.ones_like(sub[0, :1]).expand_as(out_ids), accumulate=True
         )
-        counts = torch.zeros(b, vocab + 1, device=self.device)
-        counts.scatter_add_(1, outs, torch.ones_like(outs, dtype=counts.dtype))
-        counts = counts[:, :vocab]
         params = torch.tensor(
             [
                 [r.params.repetition_penalty, r.params.presence_penalty, r.params.frequency_penalty]
-                for r in rows
+                for r in own
             ],
             device=self.device,
         )
         rep, pres, freq = params[:, 0:1], params[:, 1:2], params[:, 2:3]
-        if any(r.params.repetition_penalty != 1.0 for r in rows):
-            prompt_len = max(1, max(len(r.prompt_ids) for r in rows))
-            prompts = torch.tensor(
-                [list(r.prompt_ids) + [pad] * (prompt_len - len(r.prompt_ids)) for r in rows],
-                dtype=torch.long,
-                device=self.device,
+        if any(r.params.repetition_penalty != 1.0 for r in own):
+            seen = counts > 0
+            prompt_rows, prompt_ids = self._flat(
+                [r.prompt_ids if r.params.repetition_penalty != 1.0 else () for r in own]
             )
-            seen = torch.zeros(b, vocab + 1, dtype=torch.bool, device=self.device)
-            seen.scatter_(1, prompts, True)
-            seen = seen[:, :vocab] | (counts > 0)
-            penalized = torch.where(logits > 0, logits / rep, logits * rep)
-            logits = torch.where(seen, penalized, logits)
-        return logits - pres * (counts > 0) - freq * counts
+            seen[prompt_rows, prompt_ids] = True
+            penalized = torch.where(sub > 0, sub / rep, sub * rep)
+            sub = torch.where(seen, penalized, sub)
+        sub = sub - pres * (counts > 0) - freq * counts
+        return logits.index_copy_(0, index, sub)
+
+    def _flat(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index, token id) pairs of ragged rows, without padding."""
+        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
+        rows = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), lengths)
+        ids = [torch.as_tensor(s, dtype=torch.long) for s in seqs if len(s)]
+        flat = torch.cat(ids).to(self.device) if ids else rows.new_empty(0)
+        return rows, flat
 
     def _truncate(self, scaled: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         vocab = scaled.shape[1]

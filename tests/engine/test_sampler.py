@@ -144,3 +144,63 @@ def test_mixed_batch_greedy_rows_stay_greedy() -> None:
     out = s.sample(logits_of(*([BASE] * 100)), rows)
     assert out.token_ids[0::2] == [5] * 50
     assert len(set(out.token_ids[1::2])) > 1
+
+
+def _reference(
+    logits: torch.Tensor, p: SamplingParams, prompt: tuple[int, ...], out: tuple[int, ...]
+) -> torch.Tensor:
+    expected = logits.clone()
+    if p.repetition_penalty != 1.0:
+        for t in set(prompt) | set(out):
+            r = p.repetition_penalty
+            expected[t] = expected[t] / r if expected[t] > 0 else expected[t] * r
+    for t in set(out):
+        expected[t] -= p.presence_penalty + p.frequency_penalty * out.count(t)
+    return expected
+
+
+def test_penalties_in_a_mixed_ragged_batch_match_reference() -> None:
+    cases = [
+        (SamplingParams(temperature=0.0), (1, 2, 3, 4, 5, 6, 7), (5,)),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.7), (5,), ()),
+        (SamplingParams(temperature=0.0, presence_penalty=1.0), (1, 2, 3, 4, 6), (3, 3, 7)),
+        (
+            SamplingParams(temperature=0.0, frequency_penalty=-0.5, repetition_penalty=0.5),
+            (0,),
+            (2, 2, 6),
+        ),
+    ]
+    logits = torch.tensor([BASE, BASE[::-1], BASE, BASE[::-1]])
+    rows = [row(p, prompt=pr, output=o, logprobs=V) for p, pr, o in cases]
+    out = Sampler(seed=0).sample(logits.clone(), rows)
+    for i, (p, pr, o) in enumerate(cases):
+        ref = _reference(logits[i], p, pr, o).log_softmax(-1)
+        lp = out.logprobs[i]
+        assert lp is not None
+        got = dict(lp.top)
+        assert [got[t] for t in range(V)] == pytest.approx(ref.tolist(), abs=1e-5), i
+
+
+class _Untouchable(tuple[int, ...]):
+    """Token ids that fail the test if the sampler reads them."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("read another row's tokens")
+
+    def __len__(self) -> int:
+        raise AssertionError("read another row's tokens")
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        raise AssertionError("read another row's tokens")
+
+
+def test_penalty_cost_is_the_penalized_rows_own_tokens() -> None:
+    """Finding 10: one penalized row must not make the sampler read (and pad to) every other
+    row's prompt; it used to build a batch x longest-prompt tensor each step."""
+    huge = _Untouchable(range(8000))
+    plain = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    rows = [row(plain, prompt=huge, output=huge) for _ in range(3)]
+    rows.append(row(penalized, prompt=(5,), output=()))
+    out = Sampler(seed=0).sample(logits_of(BASE, BASE, BASE, BASE), rows)
+    assert out.token_ids == [5, 5, 5, 1]  # 3.0 / 2 = 1.5 < 2.0: token 1 wins the last row
