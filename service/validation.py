@@ -12,6 +12,7 @@ default model's context that is 64 KiB, about 0.1 s of tokenizer time on one cor
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,8 +28,13 @@ MAX_CHAT_MESSAGES = 512
 MAX_LOGPROBS = 20
 MAX_CLIENT_REQUEST_ID = 128
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-_MAX_TEMPERATURE = 100.0
-_MAX_REPETITION_PENALTY = 100.0
+# NOTE: below these the sampler divides logits by ~0 (temperature) or scales them by ~0 or
+# ~inf (repetition penalty): 1e-45 gave NaN logprobs and empty text. Greedy is temperature 0.
+# The wire carries float32: the bounds are float32 too, so a client sending 0.01 gets 0.01.
+MIN_TEMPERATURE = struct.unpack("f", struct.pack("f", 0.01))[0]
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = MIN_TEMPERATURE
+MAX_REPETITION_PENALTY = 100.0
 
 Violations = list[tuple[str, str]]
 
@@ -127,7 +133,8 @@ def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> Sampli
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         seed=msg.seed if msg.HasField("seed") else None,
     )
-    _number(s.temperature, "sampling.temperature", 0.0, _MAX_TEMPERATURE, out)
+    if s.temperature != 0.0:
+        _number(s.temperature, "sampling.temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, out)
     if s.top_k < 0:
         out.append(("sampling.top_k", "must be >= 0"))
     _number(s.top_p, "sampling.top_p", 0.0, 1.0, out, open_lo=True)
@@ -135,10 +142,9 @@ def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> Sampli
     _number(
         s.repetition_penalty,
         "sampling.repetition_penalty",
-        0.0,
-        _MAX_REPETITION_PENALTY,
+        MIN_REPETITION_PENALTY,
+        MAX_REPETITION_PENALTY,
         out,
-        open_lo=True,
     )
     _number(s.presence_penalty, "sampling.presence_penalty", -2.0, 2.0, out)
     _number(s.frequency_penalty, "sampling.frequency_penalty", -2.0, 2.0, out)

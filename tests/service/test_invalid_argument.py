@@ -57,6 +57,11 @@ CASES: list[tuple[str, Case, str]] = [
     ("min_p < 0", _with(sampling__min_p=-0.1), "sampling.min_p"),
     ("top_k < 0", _with(sampling__top_k=-1), "sampling.top_k"),
     ("repetition 0", _with(sampling__repetition_penalty=0.0), "sampling.repetition_penalty"),
+    # Finding 8: degenerate values that used to give NaN logprobs or empty text.
+    ("temperature 1e-45", _with(sampling__temperature=1e-45), "sampling.temperature"),
+    ("temperature 0.009", _with(sampling__temperature=0.009), "sampling.temperature"),
+    ("repetition 1e-45", _with(sampling__repetition_penalty=1e-45), "sampling.repetition_penalty"),
+    ("repetition 101", _with(sampling__repetition_penalty=101.0), "sampling.repetition_penalty"),
     ("presence 3", _with(sampling__presence_penalty=3.0), "sampling.presence_penalty"),
     ("frequency NaN", _with(sampling__frequency_penalty=math.nan), "sampling.frequency_penalty"),
     ("max_tokens 0", _with(stopping__max_tokens=0), "stopping.max_tokens"),
@@ -123,3 +128,16 @@ def test_message_over_the_receive_limit_is_resource_exhausted_by_grpc(srv: Serve
     with pytest.raises(grpc.RpcError) as info:
         generate(srv, "globex", request("z" * (9 * 1024 * 1024)))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_smallest_accepted_sampling_values_give_finite_logprobs(srv: ServerHandle) -> None:
+    """The edges of the accepted ranges (README) still sample: finite logprobs, real tokens."""
+    for fields in ({"temperature": 0.01}, {"temperature": 0.0, "repetition_penalty": 0.01}):
+        req = request("Hello world", max_tokens=4, logprobs=2)
+        for name, value in fields.items():
+            setattr(req.sampling, name, value)
+        out = generate(srv, "globex", req)
+        chunks = [r.chunk for r in out if r.HasField("chunk")]
+        assert sum(len(c.token_ids) for c in chunks) == 4
+        logprobs = [lp.logprob for c in chunks for lp in c.logprobs]
+        assert logprobs and all(math.isfinite(x) and x <= 0 for x in logprobs), fields
