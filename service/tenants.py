@@ -7,7 +7,8 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
     mtls_identities = ["uri:spiffe://acme/worker"] # client-certificate SANs, typed (mTLS)
     weight = 2.0                               # weighted-fair-queueing share
     max_concurrent_streams = 8                 # running + queued Generate streams
-    max_kv_pages = 4096                        # running + cached KV pages; 0 = unlimited
+    max_kv_pages = 4096                        # running + cached KV pages; 0 = a share of
+                                               # the pool by weight (service/kv_shares.py)
     max_prompt_tokens = 2048                   # 0 = the model's context length
     tokens_per_minute = 60000                  # prompt + max_tokens; 0 = unlimited
     prefix_cache_ttl_seconds = 600             # 0 = no prefix caching for this tenant
@@ -60,7 +61,8 @@ class TenantsFileError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Quotas:
-    """Per-tenant limits. 0 means unlimited (``max_prompt_tokens``: the model's context)."""
+    """Per-tenant limits. 0 means unlimited (``max_prompt_tokens``: the model's context;
+    ``max_kv_pages``: the tenant's weight-proportional share of what the pool has left)."""
 
     max_concurrent_streams: int = 16
     max_kv_pages: int = 0
@@ -254,11 +256,15 @@ def add_tenant(path: str | Path, name: str) -> str:
         if name in load_tenants(path).tenants:
             raise TenantsFileError(f"{path}: tenant {name!r} already exists")
     key = new_api_key()
+    q = Quotas()
     block = (
         f'[tenants."{name}"]\n'
         f'api_key_sha256 = ["{hash_key(key).hex()}"]\n'
         "weight = 1.0\n"
-        "max_concurrent_streams = 16\n"
+        f"max_concurrent_streams = {q.max_concurrent_streams}\n"
+        f"max_kv_pages = {q.max_kv_pages}  # 0 = a share of the KV pool by weight\n"
+        f"max_prompt_tokens = {q.max_prompt_tokens}  # 0 = the model's context length\n"
+        f"tokens_per_minute = {q.tokens_per_minute}  # 0 = unlimited\n"
     )
     sep = (
         ""

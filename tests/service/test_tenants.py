@@ -59,7 +59,10 @@ allow_reflection = true
         ("[tenants.a]\nweight = 1.0\n", "needs api_key_sha256 or mtls_identities"),
         ('[tenants.a]\napi_key_sha256 = ["abc"]\n', "64 lowercase hex"),
         ('[tenants.a]\nmtls_identities = ["uri:x"]\nweight = 0\n', "weight"),
-        ('[tenants.a]\nmtls_identities = ["uri:x"]\nmax_kv_page = 1\n', "unknown keys ['max_kv_page']"),
+        (
+            '[tenants.a]\nmtls_identities = ["uri:x"]\nmax_kv_page = 1\n',
+            "unknown keys ['max_kv_page']",
+        ),
         (
             '[tenants.a]\nmtls_identities = ["uri:x"]\nmax_concurrent_streams = 0\n',
             "max_concurrent_streams",
@@ -236,3 +239,18 @@ def test_ttl_must_be_finite_and_bounded(ttl: float) -> None:
     tenant = {"api_key_sha256": [hash_key(KEY_A).hex()], "prefix_cache_ttl_seconds": ttl}
     with pytest.raises(TenantsFileError, match="prefix_cache_ttl_seconds"):
         parse_tenants({"tenants": {"a": tenant}})
+
+
+def test_add_tenant_writes_every_quota_explicitly(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    add_tenant(path, "acme")
+    text = path.read_text()
+    for key in (
+        "weight",
+        "max_concurrent_streams",
+        "max_kv_pages",
+        "max_prompt_tokens",
+        "tokens_per_minute",
+    ):
+        assert f"\n{key} = " in text, key
+    assert load_tenants(path).tenants["acme"].quotas == Quotas()

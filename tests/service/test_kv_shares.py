@@ -1,0 +1,47 @@
+"""Per-tenant KV shares: derived from the pool and weights, refused when they cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.kv_shares import KVShareError, kv_shares
+from service.tenants import Quotas, Tenant
+
+
+def _t(name: str, weight: float = 1.0, pages: int = 0) -> Tenant:
+    return Tenant(name=name, weight=weight, quotas=Quotas(max_kv_pages=pages))
+
+
+def _of(*tenants: Tenant) -> dict[str, Tenant]:
+    return {t.name: t for t in tenants}
+
+
+def test_default_shares_split_the_pool_by_weight() -> None:
+    shares = kv_shares(_of(_t("a"), _t("b", 2.0), _t("c")), 100)
+    assert shares == {"a": 25, "b": 50, "c": 25}
+    assert sum(shares.values()) <= 100
+
+
+def test_explicit_quotas_are_taken_first_and_the_rest_is_split() -> None:
+    assert kv_shares(_of(_t("a", pages=40), _t("b"), _t("c", 3.0)), 100) == {
+        "a": 40,
+        "b": 15,
+        "c": 45,
+    }
+
+
+def test_quotas_over_the_pool_are_refused_in_one_line() -> None:
+    with pytest.raises(KVShareError) as info:
+        kv_shares(_of(_t("a", pages=60), _t("b", pages=50)), 100)
+    assert "add up to 110 pages but the KV pool has 100" in str(info.value)
+    assert "--kv-overcommit" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_quotas_that_leave_nothing_for_the_others_are_refused() -> None:
+    with pytest.raises(KVShareError, match="leave no KV pages for b"):
+        kv_shares(_of(_t("a", pages=100), _t("b")), 100)
+
+
+def test_overcommit_accepts_and_derived_tenants_split_the_whole_pool() -> None:
+    shares = kv_shares(_of(_t("a", pages=90), _t("b", pages=90), _t("c")), 100, overcommit=True)
+    assert shares == {"a": 90, "b": 90, "c": 100}
