@@ -46,7 +46,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             hit_rate=usage.hit_rate,
             page_size=self._page_size,
             running_requests=self._limiter.active(tenant.name),
-            quotas=self._quotas(tenant),
+            quotas=self._quotas(tenant, usage.max_pages),
         )
 
     async def Purge(
@@ -60,11 +60,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def _count(self, tenant: Tenant, method: str) -> None:
         self._metrics.requests.labels(self._metrics.label(tenant.name), method, "OK").inc()
 
-    def _quotas(self, tenant: Tenant) -> cache_pb2.Quotas:
+    def _quotas(self, tenant: Tenant, share: int | None) -> cache_pb2.Quotas:
         q = tenant.quotas
         ttl = tenant.prefix_cache_ttl_seconds
         return cache_pb2.Quotas(
-            max_kv_pages=q.max_kv_pages,
+            # The share in force: the file's value, or the one derived from the pool.
+            max_kv_pages=q.max_kv_pages if share is None else share,
             max_concurrent_streams=q.max_concurrent_streams,
             max_prompt_tokens=q.max_prompt_tokens,
             tokens_per_minute=q.tokens_per_minute,

@@ -97,6 +97,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "warn when one request holds more pages (0 = off)",
         type=int,
     )
+    # Tenant performance isolation (issue 12).
+    _add(
+        p,
+        "--max-step-ms",
+        100.0,
+        "target engine step time; sizes prefill chunks (0 = off)",
+        type=float,
+    )
+    _add(
+        p,
+        "--prefill-chunk",
+        0,
+        "one request's prefill tokens per step while others wait (0 = half the step's budget)",
+        type=int,
+    )
+    _add_switch(p, "--kv-overcommit", "allow tenants' KV shares to add up to more than the pool")
     p.set_defaults(func=_serve)
 
 
@@ -130,7 +146,10 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
+        kv_overcommit=args.kv_overcommit,
     )
+    if args.max_step_ms < 0 or args.prefill_chunk < 0:
+        raise UsageError("--max-step-ms and --prefill-chunk must be >= 0")
     sizing = EngineSizing(
         kv_memory=args.kv_memory,
         max_num_seqs=args.max_num_seqs,
@@ -141,6 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,
+        max_step_ms=args.max_step_ms,
+        prefill_chunk=args.prefill_chunk,
     )
     config = ServeConfig(
         model=args.model,

@@ -22,6 +22,7 @@ from service.engine import (
 
 class EngineLike(Protocol):
     page_size: int
+    num_pages: int
 
     async def submit(self, request: Request) -> AsyncIterator[EngineEvent]: ...
     def abort(self, request_id: str) -> None: ...

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from structlog.typing import FilteringBoundLogger
 
+from service.kv_shares import KVShareError
 from service.server import KVFenceServer, ServedModel, ServerOptions
 from service.tenants import TenantRegistry, load_tenants
 
@@ -80,6 +81,11 @@ class EngineSizing:
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
+    # Fair compute (issue 12): steps sized to last about max_step_ms (0 = the whole
+    # max_num_batched_tokens every step); prefill_chunk caps one request's chunk while others
+    # have work (0 = half the step's budget).
+    max_step_ms: float = 100.0
+    prefill_chunk: int = 0
 
 
 @dataclass(slots=True)
@@ -119,6 +125,8 @@ def build_server(
             # 0 = the model's own length; the engine caps larger values to the model's.
             max_model_len=sizing.max_model_len or cfg.max_position_embeddings,
             warmup=sizing.warmup,
+            max_step_ms=sizing.max_step_ms,
+            long_prefill_threshold=sizing.prefill_chunk,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
@@ -146,15 +154,19 @@ def build_server(
         chat_template=loaded.chat_template,
         default_ttl_s=sizing.prefix_ttl_s,
     )
-    server = KVFenceServer(
-        engine=engine,
-        model=served,
-        registry=registry,
-        options=options,
-        log=log,
-        tenants_path=tenants_path,
-        clock=clock,
-    )
+    try:
+        server = KVFenceServer(
+            engine=engine,
+            model=served,
+            registry=registry,
+            options=options,
+            log=log,
+            tenants_path=tenants_path,
+            clock=clock,
+        )
+    except KVShareError as err:
+        engine.shutdown()
+        raise ConfigError(str(err)) from None
     return Stack(engine=engine, server=server, model=loaded)
 
 

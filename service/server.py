@@ -28,6 +28,7 @@ from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.health import DEFAULT_MAX_WATCHES, BoundedHealth
 from service.inference_servicer import InferenceOptions, InferenceServicer
 from service.interceptor import AuthInterceptor
+from service.kv_shares import KVShareError, kv_shares
 from service.limits import TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
@@ -70,6 +71,7 @@ class ServerOptions:
     stats_interval_s: float = 1.0
     max_health_watches: int = DEFAULT_MAX_WATCHES  # open unauthenticated health Watch streams
     tokenizer_threads: int = 1  # tokenizations running at once (one per tenant at most)
+    kv_overcommit: bool = False  # allow KV shares that add up to more than the pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,16 +216,19 @@ class KVFenceServer:
             return False
         try:
             registry = load_tenants(self._tenants_path)
-        except TenantsFileError as err:
+            self._apply(registry)
+        except (TenantsFileError, KVShareError) as err:
             self._log.error("tenants.reload_failed", error=str(err))
             return False
-        self._apply(registry)
         self.authenticator.replace(registry)
         self.metrics.set_tenants(registry.names())
         self._log.info("tenants.reloaded", tenants=len(registry.tenants))
         return True
 
     def _apply(self, registry: TenantRegistry) -> None:
+        """Push the tenants' limits to the limiter and the engine. Raises ``KVShareError``
+        (before changing anything) when their KV shares cannot all be honoured."""
+        shares = kv_shares(registry.tenants, self._engine.num_pages, self._options.kv_overcommit)
         for tenant in registry.tenants.values():
             q = tenant.quotas
             self.limiter.configure(tenant.name, q)
@@ -235,7 +240,7 @@ class KVFenceServer:
                     max_waiting=q.max_concurrent_streams,
                 ),
                 TenantCachePolicy(
-                    max_pages=q.max_kv_pages or None, ttl_s=tenant.prefix_cache_ttl_seconds
+                    max_pages=shares[tenant.name], ttl_s=tenant.prefix_cache_ttl_seconds
                 ),
             )
 

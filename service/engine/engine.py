@@ -70,6 +70,7 @@ class Engine:
         self._core = EngineCore.for_model(model, tokenizer, cache, config, clock, sampler_seed)
         self.config = self._core.config  # max_model_len capped to the model
         self.page_size = cache.page_size
+        self.num_pages = cache.num_pages
         self.vocab_size = model.config.vocab_size
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._counters = self._core.counters()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -47,6 +47,10 @@ class FairQueue(Generic[T]):
 
     def __len__(self) -> int:
         return self._len
+
+    def tenants(self) -> tuple[str, ...]:
+        """Tenants with waiting requests."""
+        return tuple(self._ring)
 
     def num_waiting(self, tenant: str) -> int:
         q = self._queues.get(tenant)
@@ -133,3 +137,36 @@ class FairQueue(Generic[T]):
             if eligible(tenant):
                 self._deficit[tenant] += extra * self._quantum * self._weight(tenant)
         return True
+
+
+class TokenCounter:
+    """Weighted tokens each tenant has had processed: a virtual token counter (after Sheng et
+    al., OSDI'24). Every prefill or decode token a step computes for a tenant adds
+    ``1 / weight``; work is offered to the tenant with the lowest count first, so a tenant
+    sending long prompts spends its own share of the steps, not the others'.
+
+    A tenant that comes back after being idle starts level with the lowest active count
+    (``lift``), so idle time earns no credit to burst with later.
+    """
+
+    def __init__(self, weight: Callable[[str], float]) -> None:
+        self._weight = weight
+        self._count: dict[str, float] = {}
+
+    def __getitem__(self, tenant: str) -> float:
+        return self._count.get(tenant, 0.0)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        self._count[tenant] = self[tenant] + tokens / self._weight(tenant)
+
+    def lift(self, tenant: str, active: Iterable[str]) -> None:
+        """Bring a returning tenant up to the lowest count among the ``active`` others."""
+        floor = min((self[t] for t in active if t != tenant), default=None)
+        if floor is not None and self[tenant] < floor:
+            self._count[tenant] = floor
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop tenants with no work (bounded memory); the rest keep their counts."""
+        keep_set = set(keep)
+        for tenant in [t for t in self._count if t not in keep_set]:
+            del self._count[tenant]

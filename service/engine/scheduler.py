@@ -31,11 +31,16 @@ from kvcache.errors import FenceViolation, KVCacheError, OutOfPages, QuotaExceed
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import StepEntry
 from kvcache.stats import CacheStats, TenantUsage
-from service.engine.fairness import FairQueue
+from service.engine.fairness import FairQueue, TokenCounter
 from service.engine.request import SeqState, SeqStatus
+from service.engine.step_budget import StepCostModel
 from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolicy
 
 log = structlog.get_logger(__name__)
+
+# A step always advances prefills by at least this many tokens, however slow the model says
+# steps are, so a long prompt under a tight ``max_step_ms`` still finishes.
+_MIN_PREFILL_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,35 +90,91 @@ class Scheduler:
         self._running_per_tenant: dict[str, int] = {}
         self._admit_counter = itertools.count(1)
         self.num_preemptions = 0
+        self.counter = TokenCounter(lambda t: policy(t).weight)
+        self.cost = StepCostModel()
 
     def num_running(self, tenant: str) -> int:
         return self._running_per_tenant.get(tenant, 0)
 
     def add(self, seq: SeqState) -> None:
+        if not self.num_running(seq.tenant) and not self.waiting.num_waiting(seq.tenant):
+            active = set(self._running_per_tenant) | set(self.waiting.tenants())
+            self.counter.lift(seq.tenant, active)
         self.waiting.push(seq)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self._config.max_num_batched_tokens
+        """Decodes first, one token each, so no prefill stalls a running stream. Then prefill
+        chunks under the step's token budget, the tenant with the fewest weighted processed
+        tokens first (``TokenCounter``): its running prefill, or its next request admitted
+        by DRR. While others have work, one request's chunk is capped (``prefill_cap``)."""
+        budget = self._step_budget()
         entries: list[ScheduledSeq] = []
         preempted: list[SeqState] = []
         rejected: list[tuple[SeqState, RequestTooLarge]] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = self._chunk(seq, budget)
-            if self._allocate_running(seq, num_new, preempted, rejected):
-                entries.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
-                i += 1
-            # else: seq itself left the running list; index i now names the next one.
-
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        hard = self._config.max_num_batched_tokens
+        for seq in decoding:
+            if len(entries) >= hard:
+                break
+            if seq.status is SeqStatus.RUNNING and self._allocate_running(
+                seq, 1, entries, preempted, rejected
+            ):
+                entries.append(ScheduledSeq(seq, 1))
+        budget = max(budget - len(entries), min(budget, _MIN_PREFILL_TOKENS))
+        budget = min(budget, hard - len(entries))
+        cap = self._prefill_cap(budget)
         admitted: list[SeqState] = []
-        if not preempted:
-            self._admit(budget, entries, admitted, rejected)
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        blocked: set[str] = set()  # tenants whose next request does not fit this step
+        while budget > 0:
+            prefilling = [s for s in prefilling if s.status is SeqStatus.RUNNING]
+            ahead = min(prefilling, key=self._fair_order, default=None)
+            waiting = None if preempted else self._next_waiting(blocked)
+            if ahead is not None and (
+                waiting is None or self._fair_order(ahead) <= self._fair_order(waiting)
+            ):
+                prefilling.remove(ahead)
+                num_new = min(ahead.num_tokens - ahead.num_computed, budget, cap)
+                if self._allocate_running(ahead, num_new, entries, preempted, rejected):
+                    entries.append(ScheduledSeq(ahead, num_new))
+                    budget -= num_new
+                continue
+            if waiting is None:
+                break
+            used = self._admit(waiting, min(budget, cap), blocked, rejected)
+            if used is None:
+                continue
+            entries.append(ScheduledSeq(waiting, used))
+            admitted.append(waiting)
+            budget -= used
         good, attn, refused = self._fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
         )
+
+    def _fair_order(self, seq: SeqState) -> tuple[float, int]:
+        return self.counter[seq.tenant], seq.admit_order or 0
+
+    def _step_budget(self) -> int:
+        """Tokens this step may take: all of ``max_num_batched_tokens``, or what the cost
+        model says fits ``max_step_ms``."""
+        hard = self._config.max_num_batched_tokens
+        if self._config.max_step_ms <= 0:
+            return hard
+        floor = min(hard, _MIN_PREFILL_TOKENS)
+        return self.cost.budget(self._config.max_step_ms / 1000.0, floor, hard)
+
+    def _prefill_cap(self, budget: int) -> int:
+        """One request's prefill chunk: ``prefill_chunk`` tokens when set, else half the
+        step's budget, but only while someone else has work; alone, it takes the budget."""
+        if len(self.running) + len(self.waiting) <= 1:
+            return budget
+        chunk = self._config.long_prefill_threshold
+        return chunk if chunk > 0 else max(1, budget // 2)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """The wall time of a step that ran ``tokens`` tokens (feeds the cost model)."""
+        self.cost.observe(tokens, seconds)
 
     def _fence(
         self, entries: list[ScheduledSeq]
@@ -141,9 +202,11 @@ class Scheduler:
         return tuple(good), attn, tuple(refused)
 
     def update(self, entries: tuple[ScheduledSeq, ...]) -> None:
-        """After the forward: the entries' new tokens have KV (full pages enter the cache)."""
+        """After the forward: the entries' new tokens have KV (full pages enter the cache),
+        and each tenant is charged the tokens it had processed."""
         for e in entries:
             e.seq.num_computed += e.num_new
+            self.counter.charge(e.seq.tenant, e.num_new)
             self._cache.commit(e.seq.seq_id, e.seq.num_computed)
 
     def append(self, seq: SeqState, token: int) -> None:
@@ -190,54 +253,64 @@ class Scheduler:
         """Test hook (fence tests): the sequence's first page is recycled under it."""
         self._cache.inject_stale_page(seq.seq_id)
 
-    def _chunk(self, seq: SeqState, budget: int) -> int:
-        num_new = min(seq.num_tokens - seq.num_computed, budget)
-        threshold = self._config.long_prefill_threshold
-        if threshold > 0:
-            num_new = min(num_new, threshold)
-        return num_new
-
     def _allocate_running(
         self,
         seq: SeqState,
         num_new: int,
+        entries: list[ScheduledSeq],
         preempted: list[SeqState],
         rejected: list[tuple[SeqState, RequestTooLarge]],
     ) -> bool:
-        """Grow ``seq``'s slots, preempting newer sequences as needed. False if ``seq`` left."""
+        """Grow ``seq``'s slots, preempting as needed. False if ``seq`` left the batch.
+
+        Out of pool pages (possible only with overcommitted shares), the victim is the
+        newest sequence of the tenant most over its share; over its own quota, a tenant
+        preempts only its own newest."""
         while True:
             try:
                 self._cache.allocate_slots(seq.seq_id, num_new)
                 return True
             except OutOfPages:
-                rivals = self.running
                 what = "pool"
+                alone = len(self.running) == 1
+                rivals = self._running_of(self._most_over_share())
             except QuotaExceeded:
-                rivals = [s for s in self.running if s.tenant == seq.tenant]
                 what = "tenant page quota"
+                rivals = self._running_of(seq.tenant)
+                alone = len(rivals) == 1
             victim = rivals[-1]
-            if victim is seq and len(rivals) == 1:
+            if victim is seq and alone:
                 # Nothing else holds pages it could get: it can never fit.
                 needed = -(-(seq.num_computed + num_new) // self._cache.page_size)
                 self.remove_running(seq)
                 seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
-                rejected.append(
-                    (seq, RequestTooLarge(needed, self._page_limit(seq.tenant)[0], what))
-                )
+                limit = self._page_limit(seq.tenant)[0] if what != "pool" else self._cache.num_pages
+                rejected.append((seq, RequestTooLarge(needed, limit, what)))
                 return False
             self.preempt(victim)
             preempted.append(victim)
+            entries[:] = [e for e in entries if e.seq is not victim]
             if victim is seq:
                 return False
 
-    def _admit(
-        self,
-        budget: int,
-        entries: list[ScheduledSeq],
-        admitted: list[SeqState],
-        rejected: list[tuple[SeqState, RequestTooLarge]],
-    ) -> None:
-        blocked: set[str] = set()  # tenants at their quota this step
+    def _running_of(self, tenant: str) -> list[SeqState]:
+        return [s for s in self.running if s.tenant == tenant]
+
+    def _most_over_share(self) -> str:
+        """The running tenant holding the most pages beyond its share (ties: most pages)."""
+
+        def over(tenant: str) -> tuple[int, int]:
+            u = self._cache.usage(tenant)
+            held = u.pages_in_use + u.pages_cached
+            share = self._cache.num_pages if u.max_pages is None else u.max_pages
+            return held - share, held
+
+        return max({s.tenant for s in self.running}, key=over)
+
+    def _next_waiting(self, blocked: set[str]) -> SeqState | None:
+        """The request DRR would admit next, among tenants below their running cap."""
+        if len(self.running) >= self._config.max_num_seqs:
+            return None
 
         def eligible(tenant: str) -> bool:
             return (
@@ -245,45 +318,48 @@ class Scheduler:
                 and self.num_running(tenant) < self._policy(tenant).max_running
             )
 
-        while budget > 0 and len(self.running) < self._config.max_num_seqs:
-            seq = self.waiting.peek(eligible)
-            if seq is None:
-                return
-            too_large = self._check_fits(seq)
-            if too_large is not None:
-                self.waiting.pop(seq, charge=False)
-                seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
-                rejected.append((seq, too_large))
-                continue
-            cached = self._cache.open(
-                seq.seq_id,
-                seq.tenant,
-                seq.token_ids,
-                use_prefix_cache=not seq.request.bypass_prefix_cache,
-            )
-            seq.in_cache = True
-            seq.num_computed = cached
-            num_new = self._chunk(seq, budget)
-            try:
-                self._cache.allocate_slots(seq.seq_id, num_new)
-            except OutOfPages:
-                self._close(seq)
-                return
-            except QuotaExceeded:
-                self._close(seq)
-                blocked.add(seq.tenant)
-                continue
-            self.waiting.pop(seq)
-            if seq.admitted_at is None:
-                seq.admitted_at = self._clock()
-                seq.cached_tokens = cached
-            seq.status = SeqStatus.RUNNING
-            seq.admit_order = next(self._admit_counter)
-            self.running.append(seq)
-            self._running_per_tenant[seq.tenant] = self.num_running(seq.tenant) + 1
-            entries.append(ScheduledSeq(seq, num_new))
-            admitted.append(seq)
-            budget -= num_new
+        return self.waiting.peek(eligible)
+
+    def _admit(
+        self,
+        seq: SeqState,
+        budget: int,
+        blocked: set[str],
+        rejected: list[tuple[SeqState, RequestTooLarge]],
+    ) -> int | None:
+        """Admit the waiting ``seq`` with a first chunk of at most ``budget`` tokens; return
+        the chunk, or None when it could not be admitted (rejected, or its tenant is blocked
+        for this step: a tenant whose request does not fit never holds up the others)."""
+        too_large = self._check_fits(seq)
+        if too_large is not None:
+            self.waiting.pop(seq, charge=False)
+            seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
+            rejected.append((seq, too_large))
+            return None
+        cached = self._cache.open(
+            seq.seq_id,
+            seq.tenant,
+            seq.token_ids,
+            use_prefix_cache=not seq.request.bypass_prefix_cache,
+        )
+        seq.in_cache = True
+        seq.num_computed = cached
+        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        try:
+            self._cache.allocate_slots(seq.seq_id, num_new)
+        except (OutOfPages, QuotaExceeded):
+            self._close(seq)
+            blocked.add(seq.tenant)
+            return None
+        self.waiting.pop(seq)
+        if seq.admitted_at is None:
+            seq.admitted_at = self._clock()
+            seq.cached_tokens = cached
+        seq.status = SeqStatus.RUNNING
+        seq.admit_order = next(self._admit_counter)
+        self.running.append(seq)
+        self._running_per_tenant[seq.tenant] = self.num_running(seq.tenant) + 1
+        return num_new
 
     def _page_limit(self, tenant: str) -> tuple[int, str]:
         limit, what = self._cache.num_pages, "pool"

@@ -104,8 +104,10 @@ class EngineConfig:
     """Engine limits.
 
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes and prefill
-    chunks. ``long_prefill_threshold`` caps one request's prefill chunk per step (0 = only
-    the budget caps it), so one long prompt cannot take a whole step from the others.
+    chunks. ``long_prefill_threshold`` (``--prefill-chunk``) caps one request's prefill chunk
+    per step while others have work (0 = half the step's budget), so one long prompt cannot
+    take a whole step from the others. ``max_step_ms`` > 0 sizes each step's budget from a
+    measured cost model so a step lasts about that long (decodes keep a bounded gap).
     ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
     interleaves tenants more finely; costs are prompt + max_tokens).
     """
@@ -114,6 +116,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     long_prefill_threshold: int = 0
+    max_step_ms: float = 0.0
     drr_quantum: int = 128
     warmup: bool = True
     warmup_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
