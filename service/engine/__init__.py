@@ -3,7 +3,7 @@
 Modules (one noun each):
 - ``types``: Request, SamplingParams, StoppingParams, TenantSchedPolicy, EngineConfig,
   the events (Admitted, Delta, Finished, TokenLogprob) and errors (QueueFull, RequestTooLarge).
-- ``validate``: request checks before queueing.
+- ``invariants``: the engine's request invariants (the service validates first).
 - ``request``: SeqState, the per-request state.
 - ``fairness``: FairQueue, weighted deficit round-robin over tenants.
 - ``scheduler``: Scheduler, token-budget iteration scheduling, preemption; the engine's

@@ -24,6 +24,7 @@ from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
 from kvcache.stats import TenantUsage
 from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.invariants import validate_request
 from service.engine.request import SeqState, SeqStatus
 from service.engine.runner import ForwardModel, ModelRunner, build_inputs
 from service.engine.sampler import Sampler, SampleResult, SampleRow
@@ -46,7 +47,6 @@ from service.engine.types import (
     TenantSchedPolicy,
     TokenLogprob,
 )
-from service.engine.validate import validate_request
 from service.model.llama import LlamaModel
 
 log = structlog.get_logger(__name__)

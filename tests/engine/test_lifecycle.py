@@ -78,6 +78,27 @@ def test_deadline_running_and_waiting(tiny: LoadedModel) -> None:
     assert_at_baseline(core)
 
 
+def test_finished_requests_leave_the_deadline_heap(tiny: LoadedModel) -> None:
+    """1,500 requests with a long timeout that finish normally must not pile up in the
+    deadline heap until their (far) deadlines pass."""
+    clock = FakeClock()
+    core = make_core(tiny, clock=clock, config=EngineConfig(max_num_seqs=64, warmup=False))
+    rec = Recorder()
+    peak = 0
+    for i in range(1500):
+        r = req(f"d{i}", [3 + i % 300], max_tokens=1, ignore_eos=True)
+        core.add(dataclasses.replace(r, deadline=clock.now + 3600.0), rec.sink(r.request_id))
+        if i % 64 == 63:
+            while core.has_work():
+                core.step()
+        peak = max(peak, core.counters().num_deadlines)
+    while core.has_work():
+        core.step()
+    assert all(rec.finished(f"d{i}").reason == "length" for i in range(1500))  # type: ignore[union-attr]
+    assert peak <= 2 * 64 + 16  # bounded by the live requests, not by all ever added
+    assert core.counters().num_deadlines <= 16
+
+
 def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> None:
     requests = [req(f"f{i}", prompt_ids(i, 30, V), max_tokens=6, ignore_eos=True) for i in range(3)]
     reference = Recorder()
