@@ -27,6 +27,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.serve import EngineSizing
 from service.validation import TEXT_BYTES_PER_TOKEN
@@ -71,9 +72,17 @@ def srv(loaded: Any) -> Iterator[ServerHandle]:
 @pytest.fixture(scope="module")
 def small(loaded: Any, srv: ServerHandle) -> Iterator[ServerHandle]:
     """The same model and settings with a 64-page pool."""
-    kv_bytes = srv.cache.pool.page_bytes * POOL_PAGES
-    with running_server(loaded, TENANTS, sizing=replace(_sizing(), kv_memory=str(kv_bytes))) as h:
-        assert h.cache.num_pages == POOL_PAGES
+    cfg = loaded.model.config
+    one = page_bytes(
+        cfg.num_layers,
+        srv.stack.engine.page_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        next(loaded.model.parameters()).dtype,
+    )
+    sizing = replace(_sizing(), kv_memory=str(one * POOL_PAGES))
+    with running_server(loaded, TENANTS, sizing=sizing) as h:
+        assert h.stack.engine.num_pages == POOL_PAGES
         yield h
 
 
@@ -239,11 +248,34 @@ def test_unauthenticated_flood(srv: ServerHandle, baseline: Latency, record: Rec
 
 
 def test_kv_pool_hog(small: ServerHandle, small_baseline: Latency, record: Recorder) -> None:
-    """Issue 12's hog: two streams of 480-token prompts and 500 outputs in a 64-page pool."""
+    """Issue 12's hog (two streams of 480-token prompts and 500 outputs in a 64-page pool)
+    no longer fits the attacker's share and is refused; the hog that fills its share runs."""
     lo, hi = _vocab(small)
+    stub = inference_pb2_grpc.InferenceStub(small.channel())
+    usage = cache_pb2_grpc.CacheStub(small.channel()).GetUsage(
+        cache_pb2.GetUsageRequest(), metadata=small.auth("attacker"), timeout=10
+    )
+    share = int(usage.quotas.max_kv_pages)
+    record.info("attacker's KV share (pages of 64)", share)
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            stub.Generate(
+                gen_request([lo] * 480, max_tokens=500), metadata=small.auth("attacker"), timeout=60
+            )
+        )
+    assert record(
+        "issue-size hog request",
+        info.value.code().name,
+        "RESOURCE_EXHAUSTED",
+        info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    # Two streams that together fill the share: prompt and output a quarter of it each.
+    quarter = share * small.stack.engine.page_size // 4 - 1
     worker = generate_loop(
         small.auth("attacker"),
-        lambda rng: gen_request([rng.randrange(lo, hi) for _ in range(480)], max_tokens=500),
+        lambda rng: gen_request(
+            [rng.randrange(lo, hi) for _ in range(quarter)], max_tokens=quarter
+        ),
     )
     with attack(small.target, worker, 2, SETTLE_S) as stats:
         under = _victim(small).run(VICTIM_N)
@@ -260,7 +292,7 @@ def test_eviction_spy(small: ServerHandle, record: Recorder) -> None:
     lo, hi = _vocab(small)
     rng = random.Random(9)
     stub = inference_pb2_grpc.InferenceStub(small.channel())
-    page = small.cache.page_size
+    page = small.stack.engine.page_size
 
     def cache_prompt(tenant: str, pages: int) -> None:
         ids = [rng.randrange(lo, hi) for _ in range(pages * page + 1)]
