@@ -27,6 +27,7 @@ import pytest
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
 from service.serve import EngineSizing
+from service.server import ServerOptions
 from tests.isolation.adversary import (
     a_prompts,
     cancel_storm_stream,
@@ -65,11 +66,15 @@ def srv(default_model: Any) -> Iterator[ServerHandle]:
         warmup=False,
         dtype="float32",
     )
+    # NOTE: each tenant may hold the whole pool (overcommitted shares), so B's load evicts
+    # A's cached pages and preempts A's requests: the pressure this test is about. With the
+    # default shares it never would.
     tenants = {
-        "alice": TenantSpec(max_concurrent_streams=64),
-        "bob": TenantSpec(max_concurrent_streams=64),
+        "alice": TenantSpec(max_concurrent_streams=64, max_kv_pages=POOL_PAGES),
+        "bob": TenantSpec(max_concurrent_streams=64, max_kv_pages=POOL_PAGES),
     }
-    with running_server(default_model, tenants, sizing=sizing) as handle:
+    options = ServerOptions(kv_overcommit=True)
+    with running_server(default_model, tenants, sizing=sizing, options=options) as handle:
         yield handle
 
 
