@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from service.kv_shares import KVShareError, kv_shares
@@ -45,3 +47,36 @@ def test_quotas_that_leave_nothing_for_the_others_are_refused() -> None:
 def test_overcommit_accepts_and_derived_tenants_split_the_whole_pool() -> None:
     shares = kv_shares(_of(_t("a", pages=90), _t("b", pages=90), _t("c")), 100, overcommit=True)
     assert shares == {"a": 90, "b": 90, "c": 100}
+
+
+def test_server_refuses_to_start_with_shares_over_the_pool(
+    tiny_model: object, tmp_path: Path
+) -> None:
+    from service.serve import ConfigError
+    from service.server import ServerOptions
+    from tests.serverutil import TenantSpec, running_server
+    from tests.service.rpc import usage
+
+    tenants = {"a": TenantSpec(max_kv_pages=1_000_000), "b": TenantSpec()}
+    with (
+        pytest.raises(ConfigError, match="add up to 1000000 pages"),
+        running_server(tiny_model, tenants, tenants_dir=tmp_path),
+    ):
+        pass
+    options = ServerOptions(kv_overcommit=True)
+    with running_server(tiny_model, tenants, tenants_dir=tmp_path, options=options) as srv:
+        pool = srv.stack.engine.num_pages
+        assert usage(srv, "a").quotas.max_kv_pages == 1_000_000
+        assert usage(srv, "b").quotas.max_kv_pages == pool  # derived: the whole pool
+
+
+def test_default_shares_are_reported_by_get_usage(tiny_model: object, tmp_path: Path) -> None:
+    from tests.serverutil import TenantSpec, running_server
+    from tests.service.rpc import usage
+
+    tenants = {"a": TenantSpec(weight=3.0), "b": TenantSpec(), "c": TenantSpec(max_kv_pages=8)}
+    with running_server(tiny_model, tenants, tenants_dir=tmp_path) as srv:
+        left = srv.stack.engine.num_pages - 8
+        assert usage(srv, "a").quotas.max_kv_pages == left * 3 // 4
+        assert usage(srv, "b").quotas.max_kv_pages == left // 4
+        assert usage(srv, "c").quotas.max_kv_pages == 8
