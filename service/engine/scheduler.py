@@ -92,6 +92,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.counter = TokenCounter(lambda t: policy(t).weight)
         self.cost = StepCostModel()
+        self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
 
     def num_running(self, tenant: str) -> int:
         return self._running_per_tenant.get(tenant, 0)
@@ -120,9 +121,10 @@ class Scheduler:
                 seq, 1, entries, preempted, rejected
             ):
                 entries.append(ScheduledSeq(seq, 1))
+        cap = self._prefill_cap(budget)
         budget = max(budget - len(entries), min(budget, _MIN_PREFILL_TOKENS))
         budget = min(budget, hard - len(entries))
-        cap = self._prefill_cap(budget)
+        self._spent = {}
         admitted: list[SeqState] = []
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         blocked: set[str] = set()  # tenants whose next request does not fit this step
@@ -138,6 +140,7 @@ class Scheduler:
                 if self._allocate_running(ahead, num_new, entries, preempted, rejected):
                     entries.append(ScheduledSeq(ahead, num_new))
                     budget -= num_new
+                    self._spend(ahead.tenant, num_new)
                 continue
             if waiting is None:
                 break
@@ -147,13 +150,38 @@ class Scheduler:
             entries.append(ScheduledSeq(waiting, used))
             admitted.append(waiting)
             budget -= used
+            self._spend(waiting.tenant, used)
+        if budget > 0 and self._config.long_prefill_threshold <= 0:
+            self._extend(entries, budget)
         good, attn, refused = self._fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
         )
 
     def _fair_order(self, seq: SeqState) -> tuple[float, int]:
-        return self.counter[seq.tenant], seq.admit_order or 0
+        """Lowest weighted processed tokens first, counting what this step already gave."""
+        spent = self._spent.get(seq.tenant, 0) / self._policy(seq.tenant).weight
+        return self.counter[seq.tenant] + spent, seq.admit_order or 0
+
+    def _spend(self, tenant: str, tokens: int) -> None:
+        self._spent[tenant] = self._spent.get(tenant, 0) + tokens
+
+    def _extend(self, entries: list[ScheduledSeq], budget: int) -> None:
+        """Budget nobody else could use goes to the step's prefill chunks, fairest first, so
+        the automatic chunk cap never leaves a step short (no preemption for it)."""
+        order = sorted(range(len(entries)), key=lambda i: self._fair_order(entries[i].seq))
+        for i in order:
+            e = entries[i]
+            extra = min(e.seq.num_tokens - e.seq.num_computed - e.num_new, budget)
+            if extra <= 0:
+                continue
+            if self._cache.can_allocate(e.seq.seq_id, e.num_new + extra):
+                self._cache.allocate_slots(e.seq.seq_id, e.num_new + extra)
+                entries[i] = ScheduledSeq(e.seq, e.num_new + extra)
+                budget -= extra
+                self._spend(e.seq.tenant, extra)
+            if budget <= 0:
+                return
 
     def _step_budget(self) -> int:
         """Tokens this step may take: all of ``max_num_batched_tokens``, or what the cost
