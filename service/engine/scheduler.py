@@ -193,12 +193,14 @@ class Scheduler:
         return self.cost.budget(self._config.max_step_ms / 1000.0, floor, hard)
 
     def _prefill_cap(self, budget: int) -> int:
-        """One request's prefill chunk: ``prefill_chunk`` tokens when set, else half the
-        step's budget, but only while someone else has work; alone, it takes the budget."""
+        """One request's prefill chunk: ``prefill_chunk`` tokens when set; else half the
+        step's budget while someone else has work (alone, it takes the budget)."""
+        chunk = self._config.long_prefill_threshold
+        if chunk > 0:
+            return chunk
         if len(self.running) + len(self.waiting) <= 1:
             return budget
-        chunk = self._config.long_prefill_threshold
-        return chunk if chunk > 0 else max(1, budget // 2)
+        return max(1, budget // 2)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """The wall time of a step that ran ``tokens`` tokens (feeds the cost model)."""
