@@ -1,0 +1,105 @@
+"""Offline greedy generation through kvfence's own path: KVCacheManager (fence, metadata,
+paged KV) + the model + the decode CUDA graphs when given, the way the engine's runner
+drives them, without the scheduler (every sequence runs every step; EOS is ignored)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache import KVCacheManager, StepEntry, UnknownSequence
+from service.engine.cuda_graphs import DecodeGraphs
+from service.engine.runner import BatchInputs
+from service.model.llama import LlamaModel
+
+TENANT = "gpu-check"
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt
+    prefill_s: float
+    decode_s: float  # the new_tokens - 1 decode steps
+    graph_replays: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prefill(
+    model: LlamaModel, cache: KVCacheManager, ids: list[str], prompts: Sequence[Sequence[int]]
+) -> list[int]:
+    device = model.device
+    tokens, positions, last = [], [], []
+    for p in prompts:
+        tokens.extend(p)
+        positions.extend(range(len(p)))
+        last.append(len(tokens) - 1)
+    attn = cache.begin_step([StepEntry(s, 0, len(p)) for s, p in zip(ids, prompts, strict=True)])
+    with torch.inference_mode():
+        logits = model(
+            torch.tensor(tokens, device=device),
+            torch.tensor(positions, device=device),
+            attn,
+            torch.tensor(last, device=device),
+        )
+    return [int(t) for t in logits.argmax(-1).tolist()]
+
+
+def generate(
+    model: LlamaModel,
+    cache: KVCacheManager,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    graphs: DecodeGraphs | None = None,
+) -> Generation:
+    """Greedy ``new_tokens`` for every prompt in one batch; frees every page at the end."""
+    device = model.device
+    ids = [f"gen-{i}" for i in range(len(prompts))]
+    replays = graphs.replays if graphs is not None else 0
+    try:
+        for s, p in zip(ids, prompts, strict=True):
+            cache.open(s, TENANT, list(p), use_prefix_cache=False)
+            cache.allocate_slots(s, len(p))
+        _sync(device)
+        start = time.perf_counter()
+        last = _prefill(model, cache, ids, prompts)
+        out = [[t] for t in last]
+        lens = [len(p) for p in prompts]
+        for s, n, t in zip(ids, lens, last, strict=True):
+            cache.commit(s, n)
+            cache.append_token(s, t)
+        _sync(device)
+        prefill_s = time.perf_counter() - start
+        rows = torch.arange(len(prompts), device=device)
+        for _ in range(new_tokens - 1):
+            for s in ids:
+                cache.allocate_slots(s, 1)
+            attn = cache.begin_step([StepEntry(s, n, 1) for s, n in zip(ids, lens, strict=True)])
+            inputs = BatchInputs(
+                torch.tensor(last, device=device), torch.tensor(lens, device=device), rows
+            )
+            logits = graphs.run(inputs, attn) if graphs is not None else None
+            if logits is None:
+                with torch.inference_mode():
+                    logits = model(inputs.input_ids, inputs.positions, attn, rows)
+            last = [int(t) for t in logits.argmax(-1).tolist()]  # the engine syncs here too
+            lens = [n + 1 for n in lens]
+            for s, n, t, o in zip(ids, lens, last, out, strict=True):
+                cache.commit(s, n)
+                cache.append_token(s, t)
+                o.append(t)
+        _sync(device)
+        decode_s = time.perf_counter() - start - prefill_s
+    finally:
+        for s in ids:
+            with contextlib.suppress(UnknownSequence):
+                cache.free(s)
+    used = (graphs.replays - replays) if graphs is not None else 0
+    return Generation(out, prefill_s, decode_s, used)
