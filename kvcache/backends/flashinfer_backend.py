@@ -204,7 +204,7 @@ class FlashInferGraphDecode:
 
     :meth:`update` (outside the graph, after the fence) plans a padded decode batch into the
     wrapper's static CSR buffers; :meth:`__call__` (inside the graph) only runs the kernel.
-    Implements :class:`~kvcache.backends.graph_decode.GraphDecodeKernel`.
+    Implements :class:`~kvcache.graph_step.GraphDecodeKernel`.
     """
 
     def __init__(
