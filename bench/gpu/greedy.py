@@ -1,11 +1,16 @@
 """Greedy equality end to end: kvfence (each backend, eager and graphed) against transformers
 on the same tiny random checkpoint.
 
-The oracle is transformers' own greedy ``generate``. Where kvfence's tokens differ, the
-divergence is excused only as a near tie: transformers' top-2 logprob gap at that position
-(teacher-forced on its own tokens) is below the tolerance of the dtype (rounding in a
-different kernel can flip an argmax only where the top two are that close); the tokens after
-an excused divergence are not compared. Anything else is a mismatch.
+The oracle is transformers' greedy ``generate`` in float32 (in bf16, transformers' own tokens
+drift from its float32 ones as much as any other bf16 implementation's do). Two measures:
+
+- the largest logit error of kvfence's paged path (every step's logits, graphs and FlashInfer
+  included) against transformers float32 teacher-forced on kvfence's tokens, held to a fixed
+  bound per dtype;
+- the tokens. A divergence is excused only as a near tie: the oracle's top-2 logprob gap there
+  is below twice the measured logit error (an error that size can flip an argmax only where
+  the top two are that close); the tokens after an excused divergence are not compared.
+  Anything else is a mismatch.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from typing import Any
 
 import torch
 
-# NOTE: the largest logit change a different summation order causes: ~1e-6 in fp32, ~1e-2 in
-# bf16 (8 mantissa bits) on these tiny models; a gap above it cannot flip.
-NEAR_TIE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+# NOTE: bounds on the logit error against float32 transformers. Float32 differs only in
+# summation order (~1e-5 on these models). bf16 keeps 8 mantissa bits: on these random
+# models, whose logits reach ~10, transformers' own bf16 run is ~0.4-0.6 off its float32 one.
+LOGIT_ERROR_BOUND = {torch.float32: 1e-3, torch.bfloat16: 1.0, torch.float16: 0.25}
+NEAR_TIE_FLOOR = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +71,11 @@ def hf_greedy(hf: Any, prompt: Sequence[int], n: int) -> tuple[list[int], list[f
         logits = hf(input_ids=out[:, :-1]).logits[0, len(prompt) - 1 :].float()
     top2 = torch.log_softmax(logits, dim=-1).topk(2, dim=-1).values
     return tokens, (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def hf_teacher_logits(hf: Any, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """transformers' float32 logits predicting each of ``tokens`` after ``prompt``: [n, V]."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor([[*prompt, *tokens[:-1]]], device=device)
+    with torch.inference_mode():
+        return hf(input_ids=ids).logits[0, len(prompt) - 1 :].float().cpu()

@@ -25,6 +25,7 @@ class Generation:
     prefill_s: float
     decode_s: float  # the new_tokens - 1 decode steps
     graph_replays: int
+    logits: torch.Tensor | None  # [new_tokens, batch, vocab] float32 on the host, if kept
 
 
 def _sync(device: torch.device) -> None:
@@ -34,7 +35,7 @@ def _sync(device: torch.device) -> None:
 
 def _prefill(
     model: LlamaModel, cache: KVCacheManager, ids: list[str], prompts: Sequence[Sequence[int]]
-) -> list[int]:
+) -> torch.Tensor:
     device = model.device
     tokens, positions, last = [], [], []
     for p in prompts:
@@ -49,7 +50,7 @@ def _prefill(
             attn,
             torch.tensor(last, device=device),
         )
-    return [int(t) for t in logits.argmax(-1).tolist()]
+    return logits
 
 
 def generate(
@@ -58,8 +59,10 @@ def generate(
     prompts: Sequence[Sequence[int]],
     new_tokens: int,
     graphs: DecodeGraphs | None = None,
+    keep_logits: bool = False,
 ) -> Generation:
-    """Greedy ``new_tokens`` for every prompt in one batch; frees every page at the end."""
+    """Greedy ``new_tokens`` for every prompt in one batch; frees every page at the end.
+    ``keep_logits`` keeps every step's logits (small models only)."""
     device = model.device
     ids = [f"gen-{i}" for i in range(len(prompts))]
     replays = graphs.replays if graphs is not None else 0
@@ -69,7 +72,9 @@ def generate(
             cache.allocate_slots(s, len(p))
         _sync(device)
         start = time.perf_counter()
-        last = _prefill(model, cache, ids, prompts)
+        logits = _prefill(model, cache, ids, prompts)
+        kept = [logits.cpu()] if keep_logits else []
+        last = [int(t) for t in logits.argmax(-1).tolist()]
         out = [[t] for t in last]
         lens = [len(p) for p in prompts]
         for s, n, t in zip(ids, lens, last, strict=True):
@@ -90,6 +95,8 @@ def generate(
                 with torch.inference_mode():
                     logits = model(inputs.input_ids, inputs.positions, attn, rows)
             last = [int(t) for t in logits.argmax(-1).tolist()]  # the engine syncs here too
+            if keep_logits:
+                kept.append(logits.cpu())
             lens = [n + 1 for n in lens]
             for s, n, t, o in zip(ids, lens, last, out, strict=True):
                 cache.commit(s, n)
@@ -102,4 +109,4 @@ def generate(
             with contextlib.suppress(UnknownSequence):
                 cache.free(s)
     used = (graphs.replays - replays) if graphs is not None else 0
-    return Generation(out, prefill_s, decode_s, used)
+    return Generation(out, prefill_s, decode_s, used, torch.stack(kept) if kept else None)

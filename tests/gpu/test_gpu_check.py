@@ -55,6 +55,7 @@ def test_greedy_covers_every_arch_and_run(dry_run: tuple[dict[str, Any], Path]) 
     }
     for g in greedy:
         assert g["identical"] == g["sequences"] == plan.greedy_prompts
+        assert 0 <= g["max_logit_error"] <= g["logit_error_bound"] == 1e-3
         steps = plan.greedy_new_tokens - 1
         assert g["graph_replays"] == (steps if g["run"].endswith("graphed") else 0)
 
@@ -91,6 +92,9 @@ def test_targets_fail_when_a_property_is_off(dry_run: tuple[dict[str, Any], Path
 
     assert missed(lambda r: r["greedy"][0].update(mismatched_tokens=3)) == [
         "greedy mismatched tokens"
+    ]
+    assert missed(lambda r: r["greedy"][1].update(max_logit_error=0.5)) == [
+        "greedy runs over their logit-error bound"
     ]
     assert missed(lambda r: r["isolation"].update(zero_when_handed_to_b=False)) == [
         "isolation checks holding"
