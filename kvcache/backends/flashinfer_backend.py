@@ -193,7 +193,11 @@ def flashinfer_wrappers(device: torch.device) -> WrapperFactory:
         if kind == "decode":
             return flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), "NHD")
         if kind == "prefill":
-            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(device), "NHD")
+            # NOTE: "fa2", not "auto": on Hopper "auto" picks FA3, whose JIT build takes
+            # minutes on a fresh machine; prefill speed is not what decode serving waits on.
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                _workspace(device), "NHD", backend="fa2"
+            )
         raise ValueError(f"unknown wrapper kind {kind!r}")
 
     return make
