@@ -12,6 +12,17 @@ Writes gpu.json, gpu.md and gpu.log to ``--out`` (default: ``$OUT`` when set, el
 bench/results). ``--dry-run`` runs the same code on CPU with tiny shapes and the torch
 backend (graphs replayed eagerly): ``make test`` runs it so the script cannot rot.
 Exits non-zero if any requirement is missed.
+
+On the lent H200 (no network, the image's python3 and torch): fetch the wheels here with
+``make gpu-wheels``, then run, carrying ``.whl``:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site make gpu-check
+
+(``make gpu-check`` installs ``.whl`` itself when present; the explicit line is for an image
+without ``make``: then ``python3 bench/gpu_check.py``.) Budget: FlashInfer JIT-compiles its
+decode and fa2 prefill kernels on first use, then the four steps; the plan is sized to end
+well inside 8 minutes.
 """
 
 from __future__ import annotations
