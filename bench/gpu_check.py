@@ -21,8 +21,8 @@ On the lent H200 (no network, the image's python3 and torch): fetch the wheels h
 
 (``make gpu-check`` installs ``.whl`` itself when present; the explicit line is for an image
 without ``make``: then ``python3 bench/gpu_check.py``.) Budget: FlashInfer JIT-compiles its
-decode and fa2 prefill kernels on first use, then the four steps; the plan is sized to end
-well inside 8 minutes.
+decode and fa2 prefill kernels on first use, then the four steps run; the plan was sized to
+end inside 8 minutes by estimate (it has not yet run on a device).
 """
 
 from __future__ import annotations
