@@ -167,15 +167,14 @@ def isolation_check(plan: Plan) -> dict[str, Any]:
     # A stale generation spliced into b's table (a freed page's old life): refused first.
     mgr.allocate_slots("b1", 1)
     ref = mgr.sequence_pages("b1")[0]
-    table = mgr._tables["b1"]  # NOTE: the public API cannot produce a stale ref; forge one
-    table.pages[0] = PageRef(ref.page_id, ref.generation - 1)
+    mgr.inject_page_ref("b1", 0, PageRef(ref.page_id, ref.generation - 1))  # the test hook
     prepared, calls, before = backend.prepared, backend.kernel_calls, pool.kv.clone()
     refused = False
     try:
         mgr.begin_step([StepEntry("b1", 1, 1)])
     except FenceViolation:
         refused = True
-    table.pages[0] = ref
+    mgr.inject_page_ref("b1", 0, ref)
     return {
         "backend": plan.throughput_backend,
         "device": plan.device,

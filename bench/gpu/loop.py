@@ -1,6 +1,6 @@
 """Offline greedy generation through kvfence's own path: KVCacheManager (fence, metadata,
-paged KV) + the model + the decode CUDA graphs when given, the way the engine's runner
-drives them, without the scheduler (every sequence runs every step; EOS is ignored)."""
+paged KV) and the engine's ModelRunner (decode CUDA graphs through its hook, when given),
+without the scheduler: every sequence runs every step, EOS is ignored."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from kvcache import KVCacheManager, StepEntry, UnknownSequence
 from service.engine.cuda_graphs import DecodeGraphs
-from service.engine.runner import BatchInputs
+from service.engine.runner import BatchInputs, ModelRunner
 from service.model.llama import LlamaModel
 
 TENANT = "gpu-check"
@@ -34,23 +34,24 @@ def _sync(device: torch.device) -> None:
 
 
 def _prefill(
-    model: LlamaModel, cache: KVCacheManager, ids: list[str], prompts: Sequence[Sequence[int]]
+    runner: ModelRunner,
+    cache: KVCacheManager,
+    ids: list[str],
+    prompts: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    device = model.device
+    device = runner.device
     tokens, positions, last = [], [], []
     for p in prompts:
         tokens.extend(p)
         positions.extend(range(len(p)))
         last.append(len(tokens) - 1)
     attn = cache.begin_step([StepEntry(s, 0, len(p)) for s, p in zip(ids, prompts, strict=True)])
-    with torch.inference_mode():
-        logits = model(
-            torch.tensor(tokens, device=device),
-            torch.tensor(positions, device=device),
-            attn,
-            torch.tensor(last, device=device),
-        )
-    return logits
+    inputs = BatchInputs(
+        torch.tensor(tokens, device=device),
+        torch.tensor(positions, device=device),
+        torch.tensor(last, device=device),
+    )
+    return runner.forward(inputs, attn)
 
 
 def generate(
@@ -64,6 +65,7 @@ def generate(
     """Greedy ``new_tokens`` for every prompt in one batch; frees every page at the end.
     ``keep_logits`` keeps every step's logits (small models only)."""
     device = model.device
+    runner = ModelRunner(model, device, graphs)  # the engine's runner, graph hook included
     ids = [f"gen-{i}" for i in range(len(prompts))]
     replays = graphs.replays if graphs is not None else 0
     try:
@@ -72,7 +74,7 @@ def generate(
             cache.allocate_slots(s, len(p))
         _sync(device)
         start = time.perf_counter()
-        logits = _prefill(model, cache, ids, prompts)
+        logits = _prefill(runner, cache, ids, prompts)
         kept = [logits.cpu()] if keep_logits else []
         last = [int(t) for t in logits.argmax(-1).tolist()]
         out = [[t] for t in last]
@@ -90,10 +92,7 @@ def generate(
             inputs = BatchInputs(
                 torch.tensor(last, device=device), torch.tensor(lens, device=device), rows
             )
-            logits = graphs.run(inputs, attn) if graphs is not None else None
-            if logits is None:
-                with torch.inference_mode():
-                    logits = model(inputs.input_ids, inputs.positions, attn, rows)
+            logits = runner.forward(inputs, attn)
             last = [int(t) for t in logits.argmax(-1).tolist()]  # the engine syncs here too
             if keep_logits:
                 kept.append(logits.cpu())

@@ -15,7 +15,7 @@ from kvcache.backends.torch_backend import TorchBackend
 from kvcache.backends.torch_graph import TorchGraphDecode
 from kvcache.graph_step import pad_decode
 from service.engine.cuda_graphs import DecodeGraphs, decode_buckets, pad_rows, pick_bucket
-from service.engine.runner import BatchInputs
+from service.engine.runner import BatchInputs, ModelRunner
 from tests.kvcache.helpers import make_manager
 
 TINY = Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97)
@@ -183,3 +183,25 @@ def test_cuda_graph_capture_and_replay_match_eager(backend: str, dtype: torch.dt
             hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=128, vocab=97
         )
     _graphs_vs_eager("cuda", backend, dtype, shape)
+
+
+def test_model_runner_replays_decode_steps_and_runs_the_rest_eagerly() -> None:
+    model = random_llama(TINY, 64, torch.float32, torch.device("cpu"), seed=1)
+    cache, backend = make_cache(model, "torch", 4, 32)
+    graphs = make_graphs(model, cache, backend, (1, 2), 16)
+    runner = ModelRunner(model, torch.device("cpu"), graphs)
+    eager = ModelRunner(model, torch.device("cpu"))
+    cache.open("a", "t", [3, 4, 5], use_prefix_cache=False)
+    cache.allocate_slots("a", 3)
+    step = cache.begin_step([StepEntry("a", 0, 3)])
+    prefill = BatchInputs(torch.tensor([3, 4, 5]), torch.arange(3), torch.tensor([2]))
+    runner.forward(prefill, step)
+    assert graphs.replays == 0  # a prefill row: eager
+    cache.commit("a", 3)
+    cache.append_token("a", 6)
+    cache.allocate_slots("a", 1)
+    step = cache.begin_step([StepEntry("a", 3, 1)])
+    decode = BatchInputs(torch.tensor([6]), torch.tensor([3]), torch.tensor([0]))
+    got = runner.forward(decode, step)
+    assert graphs.replays == 1
+    torch.testing.assert_close(got, eager.forward(decode, step), atol=1e-5, rtol=1e-5)

@@ -114,13 +114,12 @@ def test_stale_generation_is_refused_before_any_plan(device: str) -> None:
     plans = _count_plans(backend)
     mgr.open("a", "t", list(range(20)), use_prefix_cache=False)
     mgr.allocate_slots("a", 20)
-    table = mgr._tables["a"]
-    ref = table.pages[1]
-    table.pages[1] = PageRef(ref.page_id, ref.generation - 1)  # forged: an earlier life
+    ref = mgr.sequence_pages("a")[1]
+    mgr.inject_page_ref("a", 1, PageRef(ref.page_id, ref.generation - 1))  # an earlier life
     with pytest.raises(FenceViolation, match="stale generation"):
         mgr.begin_step([StepEntry("a", 0, 20)])
     assert plans == [0, 0]
-    table.pages[1] = ref
+    mgr.inject_page_ref("a", 1, ref)
     mgr.begin_step([StepEntry("a", 0, 20)])
     assert plans == [0, 1]  # the same step, fenced, does plan: the counter can see plans
 
