@@ -97,6 +97,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "warn when one request holds more pages (0 = off)",
         type=int,
     )
+    # Scale-out: cluster-wide tenant limits (see "Running more than one replica" in README).
+    _add(p, "--redis-url", None, "keep tenant rate/stream limits in Redis, shared by replicas")
+    _add(
+        p,
+        "--limits-on-redis-failure",
+        "open",
+        "Redis unreachable: open = this replica's own limits, closed = refuse (UNAVAILABLE)",
+        choices=["open", "closed"],
+    )
+    _add(p, "--stream-lease-ttl", 10.0, "seconds a crashed replica's streams count", type=float)
     p.set_defaults(func=_serve)
 
 
@@ -130,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
+        cluster_limits=_cluster_limits(args),
     )
     sizing = EngineSizing(
         kv_memory=args.kv_memory,
@@ -153,6 +164,23 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_content:
         log.warning("log_content.enabled", note="prompt and output text will be logged")
     return asyncio.run(serve(config, log))
+
+
+def _cluster_limits(args: argparse.Namespace) -> Any:
+    if not args.redis_url:
+        return None
+    from service.cluster_limits import ClusterLimitsConfig
+
+    if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(f"--redis-url {args.redis_url!r}: use redis://HOST:PORT/DB")
+    try:
+        return ClusterLimitsConfig(
+            redis_url=args.redis_url,
+            on_redis_failure=args.limits_on_redis_failure,
+            lease_ttl_s=args.stream_lease_ttl,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _tenants_add(args: argparse.Namespace) -> int:
