@@ -26,9 +26,9 @@ from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator, AuthInterceptor
 from service.cache_access import CacheAccess
 from service.cache_servicer import CacheServicer
+from service.cluster_limits import ClusterLimitsConfig, build_cluster_limiter
 from service.engine.types import TenantSchedPolicy
 from service.inference_servicer import InferenceOptions, InferenceServicer
-from service.cluster_limits import ClusterLimitsConfig, build_cluster_limiter
 from service.limits import Limiter, TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
