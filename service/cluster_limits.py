@@ -52,7 +52,9 @@ class ClusterLimitsConfig:
 
     def __post_init__(self) -> None:
         if self.on_redis_failure not in ("open", "closed"):
-            raise ValueError(f"on_redis_failure must be open or closed, not {self.on_redis_failure!r}")
+            raise ValueError(
+                f"on_redis_failure must be open or closed, not {self.on_redis_failure!r}"
+            )
         if self.lease_ttl_s <= 0 or self.redis_timeout_s <= 0 or self.retry_interval_s < 0:
             raise ValueError("lease TTL and Redis timeout must be > 0")
 

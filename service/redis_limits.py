@@ -106,7 +106,14 @@ class RedisLimitStore:
     ) -> Decision:
         tpm = quotas.tokens_per_minute
         keys = [self.bucket_key(lease.tenant), self.streams_key(lease.tenant)]
-        args = [tpm, tpm / 60.0, cost, quotas.max_concurrent_streams, lease.lease_id, lease_ttl_s]
+        args: list[str | int | float] = [
+            tpm,
+            tpm / 60.0,
+            cost,
+            quotas.max_concurrent_streams,
+            lease.lease_id,
+            lease_ttl_s,
+        ]
         outcome, active, wait = await self._acquire(keys=keys, args=args)
         return Decision(int(outcome), int(active), float(wait))
 
@@ -115,7 +122,7 @@ class RedisLimitStore:
         if not leases:
             return 0
         keys = [self.streams_key(lease.tenant) for lease in leases]
-        args = [lease_ttl_s, *(lease.lease_id for lease in leases)]
+        args: list[str | float] = [lease_ttl_s, *(lease.lease_id for lease in leases)]
         return int(await self._renew(keys=keys, args=args))
 
     async def release(self, lease: LeaseKey) -> None:
