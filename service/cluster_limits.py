@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,7 +125,8 @@ class ClusterLimiter:
         self._fallback = fallback
         self._log = log
         self._clock = clock
-        self._replica = replica_id or uuid.uuid4().hex[:12]
+        # Lease ids start with the replica id, so an operator can tell whose streams count.
+        self._replica = replica_id or f"{socket.gethostname()}:{os.getpid()}"
         self._health = _RedisHealth(log, registry)
         self._leases: dict[str, LeaseKey] = {}  # lease id -> key, while the stream lives
         self._active: dict[str, int] = {}
