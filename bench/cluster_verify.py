@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -57,6 +58,8 @@ def table(rows: list[Row]) -> str:
 
 
 def main() -> int:
+    # SIGTERM (CI timeouts, kill) stops the cluster this run started, like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if missing := missing_tools():
         print(f"cluster-verify: needs {' '.join(missing)}: apt-get install {' '.join(missing)}")
         return 1
