@@ -6,6 +6,7 @@ end. Prints one table, writes ``bench/results/cluster.json``, exits 1 if any row
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import platform
@@ -23,7 +24,7 @@ from bench.cluster.local import ClusterSettings, ClusterState, LocalCluster, mis
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
 
 
-async def run_checks(cluster: LocalCluster) -> list[Row]:
+async def run_checks(cluster: LocalCluster, only: set[str]) -> list[Row]:
     checks = Checks(cluster)
     steps = [
         ("1 affinity", checks.affinity),
@@ -36,6 +37,8 @@ async def run_checks(cluster: LocalCluster) -> list[Row]:
     rows: list[Row] = []
     try:
         for name, step in steps:
+            if only and name.split()[0] not in only:
+                continue
             began = time.monotonic()
             print(f"cluster-verify: {name} ...", flush=True)
             try:
@@ -57,7 +60,10 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cluster_verify")
+    parser.add_argument("--only", nargs="*", default=[], help="check numbers to run (default all)")
+    args = parser.parse_args(argv)
     # SIGTERM (CI timeouts, kill) stops the cluster this run started, like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if missing := missing_tools():
@@ -75,11 +81,16 @@ def main() -> int:
             cluster.up()
         print(f"cluster-verify: cluster up at {cluster.state.lb} "
               f"({time.monotonic() - started:.0f} s)", flush=True)
-        rows = asyncio.run(run_checks(cluster))
+        rows = asyncio.run(run_checks(cluster, set(args.only)))
     finally:
         if owned:
             cluster.down()
+    for row in rows:
+        if not row.passed:
+            print(f"cluster-verify: {row.check} failed; figures: {json.dumps(row.figures)}")
     print(table(rows))
+    if args.only:
+        return 0 if all(r.passed for r in rows) else 1
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "python": platform.python_version()},

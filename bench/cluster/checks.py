@@ -40,7 +40,7 @@ class Checks:
         self.state = cluster.state
         self.clients = Clients(self.state.keys)
         self.rng = random.Random(seed or time.time_ns())
-        self.redis = redis.Redis.from_url(self.state.redis_url, socket_timeout=1.0)
+        self.redis: Any = redis.Redis.from_url(self.state.redis_url, socket_timeout=1.0)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -57,13 +57,21 @@ class Checks:
 
     async def home_of(self, tenant: str) -> Replica:
         """The replica the balancer sends ``tenant`` to: the one whose counters move."""
-        before = await self._served(tenant)
-        await generate(self.clients.get(self.state.lb, tenant), prompt_ids(self.rng, 8), 1)
-        after = await self._served(tenant)
-        moved = [r for r in self.state.replicas if after[r.name] > before[r.name]]
-        if len(moved) != 1:
-            raise RuntimeError(f"{tenant}: expected one replica to serve it, got {moved}")
-        return moved[0]
+        moved: list[Replica] = []
+        for _ in range(3):
+            before = await self._served(tenant)
+            await generate(self.clients.get(self.state.lb, tenant), prompt_ids(self.rng, 8), 1)
+            after = await self._served(tenant)
+            moved = [r for r in self.state.replicas if after[r.name] > before[r.name]]
+            if len(moved) == 1:
+                return moved[0]
+        raise RuntimeError(f"{tenant}: expected one replica to serve it, got {moved}")
+
+    def _all_ready(self) -> None:
+        """Every replica serving and UP in HAProxy (a check may follow a restart)."""
+        for r in self.state.replicas:
+            self.cluster.wait_replica(r, 600)
+        self.cluster.wait_lb_up(60)
 
     async def _hit_rate(self, target: str, tenant: str, repeats: int) -> tuple[float, int, int]:
         ids = prompt_ids(self.rng, 6 * PAGE + 5)
@@ -170,21 +178,28 @@ class Checks:
         for _, step in events:
             live += step
             peak_client = max(peak_client, live)
-        # (b) tokens per minute: empty the bucket, then count admitted cost over the window.
+        # (b) tokens per minute: empty the bucket, then count the cost admitted over the
+        # window. Admission is what is measured, so each call is cancelled once Started
+        # arrives; one paced caller per replica.
         await self._drain_bucket("metered")
-        cost, admitted_cost, refused, n = 50, 0, 0, 0
+        admitted_cost, refused, n = 0, 0, 0
         start = time.monotonic()
-        while (now := time.monotonic()) < start + window_s:
-            target = replicas[n % 3].target
-            n += 1
-            o = await generate(self.clients.get(target, "metered"), prompt_ids(self.rng, 48), 2)
-            if o.admitted_at is not None:
-                admitted_cost += cost
-            elif o.code == "RESOURCE_EXHAUSTED":
-                refused += 1
-            else:
-                raise RuntimeError(f"metered: {o.code} {o.message}")
-            await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - now)))
+
+        async def caller(target: str) -> None:
+            nonlocal admitted_cost, refused, n
+            client = self.clients.get(target, "metered")
+            while (now := time.monotonic()) < start + window_s:
+                n += 1
+                o = await generate(client, prompt_ids(self.rng, 48), 2, cancel_after_start=True)
+                if o.admitted_at is not None:
+                    admitted_cost += o.prompt_tokens + 2
+                elif o.code == "RESOURCE_EXHAUSTED":
+                    refused += 1
+                else:
+                    raise RuntimeError(f"metered: {o.code} {o.message}")
+                await asyncio.sleep(max(0.0, 0.15 - (time.monotonic() - now)))
+
+        await asyncio.gather(*(caller(r.target) for r in replicas))
         elapsed = time.monotonic() - start
         rate = admitted_cost * 60.0 / elapsed
         within = abs(rate - tpm) <= 0.1 * tpm
@@ -209,17 +224,21 @@ class Checks:
         )
 
     async def _drain_bucket(self, tenant: str) -> None:
-        target = self.state.replicas[0].target
+        """Spend the tenant's bucket down to less than one small call (50 tokens): one caller
+        per replica, so the spending outpaces the refill even when each call is slow."""
         for max_tokens in (700, 2):
-            while True:
-                o = await generate(
-                    self.clients.get(target, tenant),
-                    prompt_ids(self.rng, 48),
-                    max_tokens,
-                    cancel_after_start=True,
-                )
-                if o.code == "RESOURCE_EXHAUSTED" and "token" in o.message:
-                    break
+            empty = False
+
+            async def spend(target: str, max_tokens: int) -> None:
+                nonlocal empty
+                client = self.clients.get(target, tenant)
+                while not empty:
+                    o = await generate(
+                        client, prompt_ids(self.rng, 48), max_tokens, cancel_after_start=True
+                    )
+                    empty = empty or (o.code == "RESOURCE_EXHAUSTED" and "rate" in o.message)
+
+            await asyncio.gather(*(spend(r.target, max_tokens) for r in self.state.replicas))
 
     # -- 4. replica loss ---------------------------------------------------------------------
 
@@ -253,18 +272,24 @@ class Checks:
         return results, reference, fired_at
 
     async def replica_loss(self) -> Row:
+        self._all_ready()
         homes = {t: await self.home_of(t) for t in AFFINITY_TENANTS}
         victim = homes["alpha"]
         moved = tuple(t for t in AFFINITY_TENANTS if homes[t] is victim)
         prefix = f"{socket.gethostname()}:{victim.pid}:"
         ttl = float(self.state.settings["lease_ttl_s"])  # type: ignore[arg-type]
 
+        watch: list[asyncio.Task[float | None]] = []
+        leases_at_kill = 0
+
         def kill() -> None:
+            nonlocal leases_at_kill
+            leases_at_kill = self._leases_of(prefix)
             self.cluster.signal_replica(victim, signal.SIGKILL)
+            watch.append(asyncio.ensure_future(self._wait_leases_gone(prefix, ttl + 2.0)))
 
         results, reference, killed_at = await self._load(AFFINITY_TENANTS, 9.0, 3.0, kill, 16)
-        leases_at_kill = self._leases_of(prefix)
-        released_after = await self._wait_leases_gone(prefix, killed_at, ttl + 2.0)
+        released_after = await watch[0]
         wrong = [o for t, o in results if o.ok and o.token_ids != reference[t]]
         partial = [(t, o) for t, o in results if not o.ok and o.chunks > 0]
         failed_clean = [(t, o) for t, o in results if not o.ok and o.chunks == 0]
@@ -291,6 +316,7 @@ class Checks:
                 "completed_exact": sum(1 for _, o in results if o.ok) - len(wrong),
                 "wrong_output": len(wrong),
                 "cut_after_tokens_unavailable": len(partial),
+                "cut_codes": sorted({f"{o.code}: {o.message}"[:120] for _, o in partial}),
                 "failed_before_first_token": len(failed_clean),
                 "moved_tenant_calls_ok_after_kill": len(after),
                 "leases_at_kill": leases_at_kill,
@@ -305,7 +331,10 @@ class Checks:
             count += sum(1 for m in self.redis.zrange(key, 0, -1) if m.decode().startswith(prefix))
         return count
 
-    async def _wait_leases_gone(self, prefix: str, since: float, limit_s: float) -> float | None:
+    async def _wait_leases_gone(self, prefix: str, limit_s: float) -> float | None:
+        """Seconds from now until no unexpired lease of ``prefix`` is left (None: not within
+        ``limit_s``)."""
+        since = time.monotonic()
         while time.monotonic() < since + limit_s:
             # A lease past its expiry no longer counts (the acquire script drops it first).
             now_s, now_us = self.redis.time()
@@ -325,9 +354,7 @@ class Checks:
     # -- 5. drain ----------------------------------------------------------------------------
 
     async def drain(self) -> Row:
-        for r in self.state.replicas:
-            self.cluster.wait_replica(r, 600)
-        self.cluster.wait_lb_up(60)
+        self._all_ready()
         victim = await self.home_of("beta")
         left_at: list[float] = []
 
@@ -365,9 +392,7 @@ class Checks:
     # -- 6. Redis down -----------------------------------------------------------------------
 
     async def redis_down(self, outage_s: float = 10.0) -> Row:
-        for r in self.state.replicas:
-            self.cluster.wait_replica(r, 600)
-        self.cluster.wait_lb_up(60)
+        self._all_ready()
         mode = str(self.state.settings["on_redis_failure"])
         logs = {r.name: self.cluster.logs / f"{r.name}.log" for r in self.state.replicas}
         offsets = {n: p.stat().st_size for n, p in logs.items()}

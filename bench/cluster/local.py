@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,7 +85,8 @@ class ClusterState:
 
     @property
     def stats_socket(self) -> str:
-        return str(Path(self.workdir) / "haproxy.sock")
+        # NOTE: a UNIX socket path must fit in 108 bytes; a CI clone's path may not.
+        return str(Path(tempfile.gettempdir()) / f"kvfence-haproxy-{self.lb_port}.sock")
 
     def save(self) -> None:
         (Path(self.workdir) / "state.json").write_text(json.dumps(asdict(self), indent=2))

@@ -84,6 +84,7 @@ def test_replica_deployment_drains_probes_grpc_and_reads_tenants_from_a_secret()
     assert _flag(args, "tenants") == f"{mount['mountPath']}/tenants.toml"
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
     secret = _find("Secret", volume["secret"]["secretName"])
+    assert "tenants.toml" in secret["stringData"]
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == _flag(args, "metrics-port")
