@@ -288,13 +288,13 @@ class Checks:
             self.cluster.signal_replica(victim, signal.SIGKILL)
             watch.append(asyncio.ensure_future(self._wait_leases_gone(prefix, ttl + 2.0)))
 
-        results, reference, killed_at = await self._load(AFFINITY_TENANTS, 9.0, 3.0, kill, 16)
+        results, reference, killed_at = await self._load(AFFINITY_TENANTS, 12.0, 3.0, kill, 12)
         released_after = await watch[0]
         wrong = [o for t, o in results if o.ok and o.token_ids != reference[t]]
         partial = [(t, o) for t, o in results if not o.ok and o.chunks > 0]
         failed_clean = [(t, o) for t, o in results if not o.ok and o.chunks == 0]
         partial_ok = all(o.code == "UNAVAILABLE" and t in moved for t, o in partial)
-        after = [o for t, o in results if t in moved and o.started_at > killed_at + 1.0 and o.ok]
+        after = [o for t, o in results if t in moved and o.started_at > killed_at and o.ok]
         others_ok = all(o.ok for t, o in results if t not in moved)
         released_ok = released_after is not None and released_after <= ttl + 0.25
         self.cluster.start_replica(victim)
