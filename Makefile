@@ -59,7 +59,7 @@ CLUSTER_TOOLS := haproxy redis-server
 
 cluster-deps:
 	@missing=""; for t in $(CLUSTER_TOOLS); do \
-	  command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	  command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || missing="$$missing $$t"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "kvfence: installing$$missing (apt-get)"; \

@@ -119,8 +119,13 @@ def alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
+def tool(name: str) -> str | None:
+    """The program's path; /usr/sbin is searched too (not on every user's PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+
+
 def missing_tools() -> list[str]:
-    return [tool for tool in ("haproxy", "redis-server") if shutil.which(tool) is None]
+    return [name for name in ("haproxy", "redis-server") if tool(name) is None]
 
 
 class LocalCluster:
@@ -182,7 +187,7 @@ class LocalCluster:
         self.state.pids["redis"] = self._spawn(
             "redis",
             [
-                "redis-server", "--port", str(self.state.redis_port), "--bind", HOST,
+                tool("redis-server") or "redis-server", "--port", str(self.state.redis_port), "--bind", HOST,
                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
             ],
         )
@@ -237,7 +242,7 @@ class LocalCluster:
             env[f"KVFENCE_REPLICA_{i + 1}"] = replica.target
         name = "haproxy_rr" if roundrobin else "haproxy"
         cfg = self._haproxy_config(roundrobin)
-        self.state.pids[name] = self._spawn(name, ["haproxy", "-db", "-f", str(cfg)], env)
+        self.state.pids[name] = self._spawn(name, [tool("haproxy") or "haproxy", "-db", "-f", str(cfg)], env)
 
     def up(self, timeout_s: float = 600.0) -> None:
         self.start_redis()

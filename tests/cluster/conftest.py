@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-REDIS = shutil.which("redis-server")
+REDIS = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin")
 
 
 def free_port() -> int:

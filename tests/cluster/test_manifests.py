@@ -136,7 +136,10 @@ def test_haproxy_is_http2_end_to_end_with_consistent_credential_hashing() -> Non
     assert "tcp-check expect binary 020801" in lines  # SERVING, not merely "answered"
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+HAPROXY_BIN = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
+
+
+@pytest.mark.skipif(HAPROXY_BIN is None, reason="haproxy is not installed (make test installs it)")
 def test_haproxy_accepts_the_reference_config() -> None:
     env = {
         **os.environ,
@@ -144,6 +147,6 @@ def test_haproxy_accepts_the_reference_config() -> None:
         **{f"KVFENCE_REPLICA_{i}": f"127.0.0.1:{i + 1}" for i in (1, 2, 3)},
     }
     done = subprocess.run(
-        ["haproxy", "-c", "-f", str(HAPROXY)], env=env, capture_output=True, text=True, timeout=30
+        [str(HAPROXY_BIN), "-c", "-f", str(HAPROXY)], env=env, capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0, done.stdout + done.stderr
