@@ -18,14 +18,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.cluster.__main__ import WORKDIR
-from bench.cluster.checks import Checks, Row
+from bench.cluster.checks import Row
+from bench.cluster.faults import FaultChecks
 from bench.cluster.local import ClusterSettings, ClusterState, LocalCluster, missing_tools
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
 
 
 async def run_checks(cluster: LocalCluster, only: set[str]) -> list[Row]:
-    checks = Checks(cluster)
+    checks = FaultChecks(cluster)
     steps = [
         ("1 affinity", checks.affinity),
         ("2 isolation", checks.isolation),
