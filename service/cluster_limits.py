@@ -35,7 +35,7 @@ from structlog.typing import FilteringBoundLogger
 
 from service.errors import resource_exhausted, unavailable
 from service.limits import LeaseLike, TenantLimiter, check_cost
-from service.redis_limits import STREAMS_FULL, LeaseKey, RedisLimitStore
+from service.redis_limits import ADMITTED, STREAMS_FULL, LeaseKey, RedisLimitStore
 from service.tenants import Quotas
 
 FailureMode = Literal["open", "closed"]
@@ -159,6 +159,8 @@ class ClusterLimiter:
                     self._config.redis_timeout_s,
                 )
             except _REDIS_DOWN as err:
+                # NOTE: a timeout may come after Redis ran the script; that lease is never
+                # renewed, so it stops counting within the TTL.
                 self._health.failed(self._clock(), self._config.retry_interval_s, err)
             else:
                 self._health.answered(self._clock())
@@ -169,7 +171,7 @@ class ClusterLimiter:
                         "concurrent streams open across the cluster",
                         retry_after_s=1.0,
                     )
-                if decision.outcome != 0:
+                if decision.outcome != ADMITTED:
                     raise resource_exhausted(
                         "tokens_per_minute",
                         f"tenant token rate limit reached ({quotas.tokens_per_minute} per "
