@@ -113,6 +113,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=int,
     )
     _add_switch(p, "--kv-overcommit", "allow tenants' KV shares to add up to more than the pool")
+    # Scale-out: cluster-wide tenant limits (see "Running more than one replica" in README).
+    _add(p, "--redis-url", None, "keep tenant rate/stream limits in Redis, shared by replicas")
+    _add(
+        p,
+        "--limits-on-redis-failure",
+        "open",
+        "Redis unreachable: open = this replica's own limits, closed = refuse (UNAVAILABLE)",
+        choices=["open", "closed"],
+    )
+    _add(p, "--stream-lease-ttl", 10.0, "seconds a crashed replica's streams count", type=float)
     p.set_defaults(func=_serve)
 
 
@@ -147,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
         kv_overcommit=args.kv_overcommit,
+        cluster_limits=_cluster_limits(args),
     )
     if args.max_step_ms < 0 or args.prefill_chunk < 0:
         raise UsageError("--max-step-ms and --prefill-chunk must be >= 0")
@@ -174,6 +185,23 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_content:
         log.warning("log_content.enabled", note="prompt and output text will be logged")
     return asyncio.run(serve(config, log))
+
+
+def _cluster_limits(args: argparse.Namespace) -> Any:
+    if not args.redis_url:
+        return None
+    from service.cluster_limits import ClusterLimitsConfig
+
+    if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(f"--redis-url {args.redis_url!r}: use redis://HOST:PORT/DB")
+    try:
+        return ClusterLimitsConfig(
+            redis_url=args.redis_url,
+            on_redis_failure=args.limits_on_redis_failure,
+            lease_ttl_s=args.stream_lease_ttl,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _tenants_add(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from service.auth import current_tenant
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
 from service.finish import finish_error, submit_error
-from service.limits import TenantLimiter
+from service.limits import Limiter
 from service.metrics import Metrics
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
@@ -49,7 +49,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         engine: EngineLike,
         prompts: PromptBuilder,
-        limiter: TenantLimiter,
+        limiter: Limiter,
         metrics: Metrics,
         log: FilteringBoundLogger,
         options: InferenceOptions,
@@ -121,14 +121,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         raise_if(out)
         assert which is not None
 
-        # Charged before any work: the input by its size, topped up once it is tokenized.
+        # Charged before any work (tokenizing included): the input by its size.
         cost = self._prompts.input_cost(which, request) + stopping.max_tokens
-        lease = self._limiter.acquire(tenant.name, cost)
+        lease = await self._limiter.admit(tenant.name, cost)
         try:
             prompt = await self._prompts.prompt_ids(tenant.name, which, request, limit)
             check_context(len(prompt), stopping.max_tokens, model, out)
             raise_if(out)
-            lease.charge_up_to(len(prompt) + stopping.max_tokens)
             engine_request = Request(
                 request_id=request_id,
                 tenant=tenant.name,
@@ -260,12 +259,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise_if(out)
             assert which is not None
             # Limited like Generate: a concurrency slot, and the input charged by its size.
-            lease = self._limiter.acquire(tenant.name, self._prompts.input_cost(which, request))
+            lease = await self._limiter.admit(tenant.name, self._prompts.input_cost(which, request))
             try:
                 ids = await self._prompts.prompt_ids(
                     tenant.name, which, request, limit, request.add_special_tokens
                 )
-                lease.charge_up_to(len(ids))
             finally:
                 lease.release()
             return inference_pb2.TokenizeResponse(

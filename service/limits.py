@@ -1,20 +1,21 @@
 """Per-tenant admission limits checked before a request reaches the engine.
 
 Two limits: concurrent calls (Generate streams and Tokenize calls), and a token bucket over
-``prompt + max_tokens`` refilled at ``tokens_per_minute``. Both are checked and taken
-together before any work on the request, so a refused request consumes nothing.
+``input + max_tokens`` refilled at ``tokens_per_minute``. Both are checked and taken together
+before any work on the request (tokenizing included), so a refused request consumes nothing.
+The input's token count is not known before tokenizing, so it is charged by its size:
+``byte_tokens``, one token per ``BYTES_PER_TOKEN`` bytes (token ids: one each). Everything
+here runs on the event-loop thread.
 
-The prompt's size is not known before tokenizing, so the input is charged first by its bytes
-(``byte_tokens``: one token per ``BYTES_PER_TOKEN`` bytes, about what English text costs),
-and ``Lease.charge`` adds the difference once the real count is known; nothing is refunded,
-since the tokenizer did that work either way. Everything here runs on the event-loop thread.
+``Limiter`` is what the servicers see. ``TenantLimiter`` keeps the limits in this process;
+``service.cluster_limits.ClusterLimiter`` keeps them in Redis, shared by every replica.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.errors import resource_exhausted
 from service.tenants import Quotas
@@ -24,7 +25,45 @@ BYTES_PER_TOKEN = 4
 
 def byte_tokens(n_bytes: int) -> int:
     """What an input of ``n_bytes`` is charged before it is tokenized."""
-    return math.ceil(n_bytes / BYTES_PER_TOKEN)
+    return -(-n_bytes // BYTES_PER_TOKEN)
+
+
+class LeaseLike(Protocol):
+    def release(self) -> None:
+        """Free the stream's concurrency slot; idempotent."""
+
+
+class Limiter(Protocol):
+    """Admission limits as the servicers and the server use them."""
+
+    def configure(self, tenant: str, quotas: Quotas) -> None:
+        """Set or update a tenant's quotas (on start and on tenants-file reload)."""
+
+    def active(self, tenant: str) -> int:
+        """Streams this process has admitted for ``tenant`` and not yet released."""
+
+    def total_active(self) -> int:
+        """Streams this process has admitted and not yet released, all tenants."""
+
+    async def admit(self, tenant: str, cost: int) -> LeaseLike:
+        """Take a stream slot and ``cost`` tokens, or raise a ServiceError."""
+
+    async def start(self) -> None:
+        """Begin background work (lease renewal); called once the server serves."""
+
+    async def close(self) -> None:
+        """Stop background work and drop connections."""
+
+
+def check_cost(quotas: Quotas, cost: int) -> None:
+    """A request that can never fit the tenant's bucket is refused without a retry hint."""
+    tpm = quotas.tokens_per_minute
+    if 0 < tpm < cost:
+        raise resource_exhausted(
+            "tokens_per_minute",
+            f"request needs {cost} tokens (prompt + max_tokens) but the tenant's "
+            f"limit is {tpm} per minute",
+        )
 
 
 @dataclass(slots=True)
@@ -53,21 +92,10 @@ class _TenantState:
 
 
 class Lease:
-    """One admitted call; ``release`` (idempotent) frees its concurrency slot."""
+    """One admitted stream; ``release`` (idempotent) frees its concurrency slot."""
 
-    def __init__(self, state: _TenantState, charged: int) -> None:
+    def __init__(self, state: _TenantState) -> None:
         self._state: _TenantState | None = state
-        self.charged = charged
-
-    def charge_up_to(self, cost: int) -> None:
-        """Raise what the call is charged to ``cost`` (once its prompt is tokenized). The
-        bucket may go below zero: the tenant's next calls wait it off."""
-        extra = cost - self.charged
-        if extra <= 0 or self._state is None:
-            return
-        self.charged = cost
-        if self._state.bucket is not None:
-            self._state.bucket.level -= extra
 
     def release(self) -> None:
         if self._state is not None:
@@ -110,6 +138,19 @@ class TenantLimiter:
     def total_active(self) -> int:
         return sum(state.active for state in self._states.values())
 
+    def quotas(self, tenant: str) -> Quotas | None:
+        state = self._states.get(tenant)
+        return None if state is None else state.quotas
+
+    async def admit(self, tenant: str, cost: int) -> Lease:
+        return self.acquire(tenant, cost)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
     def acquire(self, tenant: str, cost: int) -> Lease:
         """Take a stream slot and ``cost`` tokens, or raise RESOURCE_EXHAUSTED."""
         state = self._states.get(tenant)
@@ -124,12 +165,7 @@ class TenantLimiter:
             )
         bucket = state.bucket
         if bucket is not None:
-            if cost > bucket.capacity:
-                raise resource_exhausted(
-                    "tokens_per_minute",
-                    f"request needs {cost} tokens (input + max_tokens) but the tenant's "
-                    f"limit is {int(bucket.capacity)} per minute",
-                )
+            check_cost(state.quotas, cost)
             bucket.refill(self._clock())
             wait = bucket.wait_for(cost)
             if wait > 0:
@@ -140,4 +176,4 @@ class TenantLimiter:
                 )
             bucket.level -= cost
         state.active += 1
-        return Lease(state, cost)
+        return Lease(state)
