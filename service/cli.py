@@ -64,6 +64,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--tls-client-ca", None, "CA for client certificates: enables mTLS")
     _add(p, "--metrics-port", None, "serve Prometheus /metrics on this port", type=int)
     _add(p, "--metrics-host", "127.0.0.1", "address for /metrics")
+    _add(p, "--http-port", None, "serve the OpenAI-compatible HTTP API on this port", type=int)
     _add(p, "--grace-seconds", 10.0, "on SIGTERM, time in-flight streams get to finish", type=float)
     _add_switch(p, "--reflection", "enable gRPC server reflection (authenticated)")
     _add_switch(p, "--log-content", "DEBUG ONLY: log prompt and output text")
@@ -130,6 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
+        http_port=args.http_port,
     )
     sizing = EngineSizing(
         kv_memory=args.kv_memory,

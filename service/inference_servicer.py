@@ -15,6 +15,7 @@ from structlog.typing import FilteringBoundLogger
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
 from service import responses
 from service.auth import current_tenant
+from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
 from service.finish import finish_error, submit_error
@@ -22,6 +23,7 @@ from service.limits import TenantLimiter
 from service.metrics import Metrics
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
+from service.structured import compile_response_format
 from service.tenants import Tenant
 from service.validation import (
     Violations,
@@ -55,6 +57,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         options: InferenceOptions,
         is_draining: Callable[[], bool],
         clock: Callable[[], float],
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self._engine = engine
         self._prompts = prompts
@@ -64,6 +67,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._opts = options
         self._is_draining = is_draining
         self._clock = clock
+        self._grammars = grammars
         self._active: set[str] = set()  # request ids submitted to the engine, not finished
 
     def abort_all(self) -> int:
@@ -123,6 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt = await self._prompts.prompt_ids(which, request, limit)
         check_context(len(prompt), stopping.max_tokens, model, out)
         raise_if(out)
+        grammar = await compile_response_format(self._grammars, tenant.name, request)
 
         lease = self._limiter.acquire(tenant.name, len(prompt) + stopping.max_tokens)
         try:
@@ -135,6 +140,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 logprobs=request.logprobs,
                 deadline=self._deadline(context),
                 bypass_prefix_cache=request.bypass_prefix_cache,
+                grammar=grammar,
             )
             log.info(
                 "generate.accepted",

@@ -26,6 +26,7 @@ from service.tenants import TenantRegistry, load_tenants
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine
+    from service.engine.grammar import GrammarCompiler
     from service.model.loader import LoadedModel
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -90,6 +91,7 @@ class Stack:
     engine: Engine
     server: KVFenceServer
     model: LoadedModel
+    grammars: GrammarCompiler | None = None
 
 
 def build_server(
@@ -106,6 +108,7 @@ def build_server(
     from kvcache import CacheConfig, pages_for_fraction
     from service.engine.factory import build_engine
     from service.engine.types import EngineConfig
+    from service.structured import build_grammar_compiler
 
     cfg = loaded.model.config
     model_len = cfg.max_position_embeddings
@@ -156,6 +159,7 @@ def build_server(
     cache = engine.core.cache
     # NOTE: the engine thread touches the cache manager only under the core's lock.
     access = CacheAccess(cache, engine.core._lock)  # type: ignore[arg-type]
+    grammars = build_grammar_compiler(loaded.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
     served = ServedModel(
         name=loaded.name,
         architecture=cfg.arch,
@@ -177,8 +181,9 @@ def build_server(
         set_engine_policy=engine.set_tenant_policy,
         set_cache_policy=cache.set_tenant_policy,  # type: ignore[attr-defined]
         clock=clock,
+        grammars=grammars,
     )
-    return Stack(engine=engine, server=server, model=loaded)
+    return Stack(engine=engine, server=server, model=loaded, grammars=grammars)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +244,8 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
         if stop.is_set():
             return 0
         port = await server.start()
+        if stack.grammars is not None:
+            await asyncio.to_thread(stack.grammars.warm)
         opts = config.options
         tls = "mtls" if opts.tls and opts.tls.client_ca else "on" if opts.tls else "off"
         metrics = server.metrics_server.port if server.metrics_server is not None else "off"
@@ -247,6 +254,13 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
             f"(tls={tls}, tenants={len(registry.tenants)}, metrics={metrics})",
             flush=True,
         )
+        if server.http is not None:
+            scheme = "https" if opts.tls else "http"
+            print(
+                f"kvfence: OpenAI-compatible HTTP on "
+                f"{scheme}://{opts.http_host or opts.host}:{server.http.port}/v1",
+                flush=True,
+            )
         log.info("server.serving", model=loaded.name, host=opts.host, port=port, tls=tls)
         await stop.wait()
         await server.drain()

@@ -26,7 +26,10 @@ from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator, AuthInterceptor
 from service.cache_access import CacheAccess
 from service.cache_servicer import CacheServicer
+from service.engine.grammar import GrammarCompiler
 from service.engine.types import TenantSchedPolicy
+from service.http.front import FrontDeps, OpenAIFront
+from service.http.server import HttpServer
 from service.inference_servicer import InferenceOptions, InferenceServicer
 from service.limits import TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
@@ -67,6 +70,8 @@ class ServerOptions:
     alert_tenant_kv_pages: int = 0  # 0 = off
     alert_request_kv_pages: int = 0
     stats_interval_s: float = 1.0
+    http_host: str | None = None  # None = ``host``
+    http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +116,10 @@ class KVFenceServer:
         set_engine_policy: Callable[[str, TenantSchedPolicy], None] | None = None,
         set_cache_policy: Callable[[str, TenantCachePolicy], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self._engine = engine
+        self._grammars = grammars
         self._cache = cache
         self._model = model
         self._options = options
@@ -131,11 +138,14 @@ class KVFenceServer:
         self.authenticator = Authenticator(registry)
         self.limiter = TenantLimiter(clock)
         self.port = 0
+        self.http: HttpServer | None = None
+        self.http_front: OpenAIFront | None = None
         self._apply(registry)
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
+        self._prompts = PromptBuilder(model.tokenizer, model.chat_template, limits)
         self.inference = InferenceServicer(
             engine,
-            PromptBuilder(model.tokenizer, model.chat_template, limits),
+            self._prompts,
             self.limiter,
             self.metrics,
             log,
@@ -153,6 +163,7 @@ class KVFenceServer:
             ),
             lambda: self._draining,
             clock,
+            grammars,
         )
 
     @property
@@ -198,9 +209,37 @@ class KVFenceServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if opts.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics, opts.metrics_host, opts.metrics_port)
+        if opts.http_port is not None:
+            await self._start_http()
         await self.refresh_stats()
         self._stats_task = asyncio.create_task(self._stats_loop())
         return self.port
+
+    async def _start_http(self) -> None:
+        opts = self._options
+        self.http_front = OpenAIFront(
+            FrontDeps(
+                engine=self._engine,
+                prompts=self._prompts,
+                limiter=self.limiter,
+                authenticator=self.authenticator,
+                metrics=self.metrics,
+                log=self._log,
+                grammars=self._grammars,
+                is_draining=lambda: self._draining,
+                clock=self._clock,
+            )
+        )
+        tls = opts.tls
+        self.http = HttpServer(
+            self.http_front.app(),
+            opts.http_host or opts.host,
+            opts.http_port or 0,
+            tls_cert=tls.cert if tls else None,
+            tls_key=tls.key if tls else None,
+            client_ca=tls.client_ca if tls else None,
+        )
+        await self.http.start()
 
     def reload_tenants(self) -> bool:
         """Re-read the tenants file (SIGHUP). In-flight streams continue; a revoked key is
@@ -249,6 +288,8 @@ class KVFenceServer:
         self._log.info("server.draining", in_flight=self.limiter.total_active(), grace_s=grace)
         await self._wait_idle(grace)
         aborted = self.inference.abort_all()
+        if self.http_front is not None:
+            aborted += self.http_front.abort_all()
         await self._wait_idle(5.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)
@@ -261,6 +302,9 @@ class KVFenceServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats_task
             self._stats_task = None
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         if self._server is not None:
             await self._server.stop(grace=None)
         if self.metrics_server is not None:

@@ -20,6 +20,7 @@ import torch
 from kvcache.attention import AttentionFn
 from service.engine.cache_api import CacheManager
 from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.grammar import GrammarMatcher
 from service.engine.request import SeqStatus, Sequence
 from service.engine.runner import ForwardModel, ModelRunner, build_inputs, fence
 from service.engine.sampler import Sampler, SampleRow
@@ -114,6 +115,7 @@ class EngineCore:
             stop_ids=frozenset(stop_ids),
             max_tokens=max_tokens,
             arrival=self._clock(),
+            grammar=request.grammar.matcher() if request.grammar is not None else None,
         )
         with self._lock:
             if request.request_id in self._seqs:
@@ -189,8 +191,10 @@ class EngineCore:
                 generator=e.seq.generator,
                 prompt_ids=e.seq.request.prompt_ids,
                 output_ids=e.seq.output_ids,
-                banned_ids=e.seq.banned_ids(),
+                # A grammar that allows only EOS must win over min_tokens' ban on it.
+                banned_ids=e.seq.banned_ids() if e.seq.grammar is None else (),
                 num_logprobs=e.seq.request.logprobs,
+                grammar=e.seq.grammar,
             )
             for e in samplers
         ]
@@ -222,10 +226,21 @@ class EngineCore:
             elif seq.num_output >= seq.max_tokens:
                 reason = "length"
                 text += seq.detok.flush()
+            elif seq.grammar is not None and self._grammar_done(seq.grammar, token):
+                reason = "stop"
+                text += seq.detok.flush()
         lps = (logprob,) if logprob is not None else ()
         seq.sink(Delta((token,), text, lps))
         if reason is not None:
             self._finish(seq, reason)
+
+    @staticmethod
+    def _grammar_done(grammar: GrammarMatcher, token: int) -> bool:
+        """Advance the grammar; True once it is complete (only EOS could follow)."""
+        if not grammar.accept(token):  # the mask allows only accepted tokens: a bug
+            log.error("grammar_refused_token", error=grammar.error)
+            return True
+        return grammar.finished
 
     def _expire(self, now: float) -> None:
         for request_id in self._abort_ids:
