@@ -199,6 +199,9 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(
             self.warm(), grammar_text(spec), log_level=0, limits=self._parser_limits
         )
+        if not template.is_error():
+            # The lexer is built lazily by the first mask: build it here, off the engine thread.
+            template.compute_bitmask()
         if template.is_error():
             raise GrammarError(_first_line(template.get_error()))
         compiled = CompiledGrammar(template)

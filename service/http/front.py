@@ -81,10 +81,11 @@ class OpenAIFront:
         )
 
     def abort_all(self) -> int:
-        """Drain: abort every in-flight HTTP generation (pages freed in the next step)."""
+        """Drain: abort every in-flight HTTP generation (pages freed in the next step); each
+        response then ends with a 503 error."""
         active = list(self._active)
         for gen in active:
-            gen.close()
+            gen.abort()
         return len(active)
 
     async def health(self, request: HttpRequest) -> Response:

@@ -83,12 +83,16 @@ class Generation:
                 done += 1
             yield i, event
 
-    def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+    def abort(self) -> None:
+        """Abort the unfinished sequences; each still ends with its ``Finished`` event."""
         for i, req in enumerate(self._requests):
             if i not in self._finished:
                 self._engine.abort(req.request_id)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.abort()
         for lease in self._leases:
             lease.release()
         self._leases.clear()

@@ -69,9 +69,18 @@ def _completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{text(t): p for t, p in lp.top[:top_n]} for lp in lps],
+        "top_logprobs": [_top_by_text(lp.top[:top_n], text) for lp in lps],
         "text_offset": offsets,
     }
+
+
+def _top_by_text(top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """Keyed by text, as OpenAI's format is: of tokens that decode alike (partial UTF-8),
+    the most likely one (``top`` is sorted) keeps the key."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(text(token_id), logprob)
+    return out
 
 
 def logprobs_object(
