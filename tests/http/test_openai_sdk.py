@@ -142,3 +142,29 @@ def test_cached_tokens_are_the_callers_own(srv: ServerHandle) -> None:
     assert mine.usage is not None and mine.usage.prompt_tokens_details is not None
     full_pages = (first.usage.prompt_tokens // page) * page
     assert mine.usage.prompt_tokens_details.cached_tokens >= full_pages - page > 0
+
+
+def test_n_sequences_map_the_first_ones_prompt_pages(srv: ServerHandle) -> None:
+    """Sequences 1..n-1 are submitted after sequence 0 filled the prompt pages, and get
+    them from the tenant's prefix cache instead of computing them again."""
+    from service.engine.types import Admitted, Request, SamplingParams, StoppingParams
+    from service.http.generation import Generation
+
+    page = srv.cache.page_size
+    prompt = tuple(range(10, 10 + 3 * page + 5))  # 3 full pages and a partial one
+    base = Request("share-n", "acme", prompt, SamplingParams(seed=1), StoppingParams(max_tokens=4))
+
+    async def run() -> dict[int, int]:
+        gen = Generation(srv.engine, srv.server.limiter, base, 4)
+        gen.start()
+        cached: dict[int, int] = {}
+        try:
+            async for i, event in gen.events():
+                if isinstance(event, Admitted):
+                    cached[i] = event.cached_tokens
+        finally:
+            gen.close()
+        return cached
+
+    cached = srv.call(run())
+    assert cached == {0: 0, 1: 3 * page, 2: 3 * page, 3: 3 * page}
