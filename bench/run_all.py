@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench import continuous, isolation_cost, offline, online, overhead, prefix
+from bench import continuous, isolation_cost, offline, online, online_http, overhead, prefix
 from bench.common import results_dir
 from bench.summary import SUITE_ORDER, write_summary
 
@@ -21,6 +21,7 @@ SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
     "overhead": overhead.run,
     "continuous": continuous.run,
     "online": online.run,
+    "online_http": online_http.run,
     "prefix": prefix.run,
     "isolation_cost": isolation_cost.run,
 }

@@ -8,7 +8,9 @@ from typing import Any
 
 from bench.common import md_table
 
-SUITE_ORDER = ("offline", "overhead", "continuous", "online", "prefix", "isolation_cost")
+SUITE_ORDER = (
+    "offline", "overhead", "continuous", "online", "online_http", "prefix", "isolation_cost"
+)
 
 README_HEAD = """# Benchmark results
 
