@@ -11,6 +11,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.stamp-install
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 DEV_TENANTS ?= dev/tenants.toml
 
 .PHONY: install protos lint typecheck test serve parity verify bench model clean
@@ -40,7 +41,7 @@ test: $(STAMP) model lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 serve: $(STAMP) model
-	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT)
+	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 parity: $(STAMP) model
 	$(PY) bench/parity.py
