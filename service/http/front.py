@@ -30,11 +30,11 @@ from protos.kvfence.v1 import inference_pb2
 from service.auth import Authenticator
 from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, Finished
-from service.errors import ServiceError, internal, invalid_argument, unavailable
+from service.errors import ServiceError, invalid_argument, unavailable
 from service.finish import finish_error
 from service.http import render
 from service.http.errors import error_body, error_response
-from service.http.generation import Generation, SubmitRefused
+from service.http.generation import Generation
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
 from service.http.prepare import prepare_request
 from service.limits import TenantLimiter
@@ -227,9 +227,6 @@ class OpenAIFront:
     def _check_finish(self, event: Finished) -> None:
         if event.reason in ("stop", "length"):
             return
-        if isinstance(event.error, SubmitRefused):
-            cause = event.error.args[0]
-            raise cause if isinstance(cause, ServiceError) else internal()
         raise finish_error(event, self._d.is_draining())
 
     def _deadline(self, request: HttpRequest) -> float | None:

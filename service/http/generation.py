@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from service.engine.types import Delta, EngineError, EngineEvent, Finished, Request
+from service.errors import ServiceError
 from service.finish import submit_error
 from service.limits import Lease, TenantLimiter
 from service.protocols import EngineLike
@@ -32,7 +33,7 @@ class Generation:
         self._requests = [_nth(base, i, n) for i in range(n)]
         self._limiter = limiter
         self._leases: list[Lease] = []
-        self._queue: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, EngineEvent | ServiceError]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._finished: set[int] = set()
         self._rest_started = False
@@ -70,15 +71,18 @@ class Generation:
                 for j in range(1, len(self._requests)):
                     try:
                         self._submit(j)
-                    except Exception as exc:  # surfaces as that sequence's failure
+                    except ServiceError as err:  # raised by ``events`` in the caller's task
                         self._finished.add(j)
-                        self._queue.put_nowait((j, _refused(exc)))
+                        self._queue.put_nowait((j, err))
 
     async def events(self) -> AsyncIterator[tuple[int, EngineEvent]]:
-        """(sequence index, event) until every sequence has finished."""
+        """(sequence index, event) until every sequence has finished. Raises ServiceError if
+        a later sequence's submit was refused."""
         done = 0
         while done < len(self._requests):
             i, event = await self._queue.get()
+            if isinstance(event, ServiceError):
+                raise event
             if isinstance(event, Finished):
                 done += 1
             yield i, event
@@ -96,14 +100,6 @@ class Generation:
         for lease in self._leases:
             lease.release()
         self._leases.clear()
-
-
-class SubmitRefused(Exception):
-    """A later sequence's submit failed; carries the service error."""
-
-
-def _refused(exc: Exception) -> Finished:
-    return Finished("error", 0, 0, 0, 0.0, None, 0.0, error=SubmitRefused(exc))
 
 
 def _nth(base: Request, i: int, n: int) -> Request:
