@@ -49,6 +49,8 @@ FREE_TENANTS = ("free-a", "free-b")
 CONSTRAINED_TENANTS = ("json-a", "json-b")
 REGEX = "[a-z ,.]*"
 POISSON_FRACTION = 0.7
+FULL = (100, 128, 64)  # requests, mean prompt tokens, mean output tokens
+QUICK = (12, 32, 8)
 
 
 @asynccontextmanager
@@ -138,7 +140,7 @@ def _entry(front: str, label: str, rate: float | None, wall: float,
 
 
 async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
-    n, inp, out = (12, 32, 8) if quick else (100, 128, 64)
+    n, inp, out = QUICK if quick else FULL
     vocab = loaded.model.config.vocab_size
     work = random_work(0, n, (inp // 2, inp * 3 // 2), (out // 2, out * 3 // 2), vocab)
     warm = random_work(1, 6, (inp // 2, inp), (2, 4), vocab)
