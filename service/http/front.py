@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from protos.kvfence.v1 import inference_pb2
 from service.auth import Authenticator
 from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, Finished
-from service.errors import ServiceError, invalid_argument, unavailable
+from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.finish import finish_error
 from service.http import render
 from service.http.errors import error_body, error_response
@@ -141,6 +142,10 @@ class OpenAIFront:
         except ServiceError as err:
             self._count(tenant_name, method, err.code.name)
             return error_response(err)
+        except Exception as exc:  # a bug: 500, and nothing of the request in the log
+            self._d.log.error("http.failed", request_id=request_id, **_where(exc))
+            self._count(tenant_name, method, "INTERNAL")
+            return error_response(internal("SERVER"))
         log.info("http.accepted", endpoint=endpoint, prompt_tokens=len(base.prompt_ids),
                  max_tokens=base.stopping.max_tokens, n=opts.n, stream=opts.stream)
         self._active.add(gen)
@@ -159,6 +164,10 @@ class OpenAIFront:
         except ServiceError as err:
             self._count(tenant_name, method, err.code.name)
             return error_response(err)
+        except Exception as exc:
+            log.error("http.failed", **_where(exc))
+            self._count(tenant_name, method, "INTERNAL")
+            return error_response(internal("SERVER"))
         finally:
             gen.close()
             self._active.discard(gen)
@@ -219,6 +228,10 @@ class OpenAIFront:
             # Headers are out: the error goes in the stream, as OpenAI's API does.
             code = err.code.name
             yield _sse_data(error_body(err))
+        except Exception as exc:
+            self._d.log.error("http.failed", tenant=tenant, **_where(exc))
+            code = "INTERNAL"
+            yield _sse_data(error_body(internal("SERVER")))
         finally:
             gen.close()
             self._active.discard(gen)
@@ -244,6 +257,13 @@ class OpenAIFront:
     def _count(self, tenant: str, method: str, code: str) -> None:
         metrics = self._d.metrics
         metrics.requests.labels(metrics.label(tenant), method, code).inc()
+
+
+def _where(exc: BaseException) -> dict[str, str]:
+    """The exception type and the innermost frame, without the message (it may quote input)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return {"error": type(exc).__name__, "at": f"{frames[-1].filename}:{frames[-1].lineno}"
+            if frames else ""}
 
 
 def _sse_data(obj: dict[str, Any]) -> bytes:
