@@ -243,9 +243,9 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
     try:
         if stop.is_set():
             return 0
-        port = await server.start()
-        if stack.grammars is not None:
+        if stack.grammars is not None:  # before serving: no tenant times this build
             await asyncio.to_thread(stack.grammars.warm)
+        port = await server.start()
         opts = config.options
         tls = "mtls" if opts.tls and opts.tls.client_ca else "on" if opts.tls else "off"
         metrics = server.metrics_server.port if server.metrics_server is not None else "off"
