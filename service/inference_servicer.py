@@ -17,20 +17,16 @@ from service import responses
 from service.auth import current_tenant
 from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
-from service.errors import ServiceError, abort, internal, permission_denied
+from service.errors import ServiceError, abort, internal
 from service.finish import finish_error, submit_error
 from service.limits import TenantLimiter
 from service.metrics import Metrics
+from service.prepare import prepare_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
-from service.structured import compile_response_format
 from service.tenants import Tenant
 from service.validation import (
     Violations,
-    check_context,
-    check_request_fields,
-    parse_sampling,
-    parse_stopping,
     prompt_token_limit,
     raise_if,
 )
@@ -112,43 +108,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id: str,
         log: FilteringBoundLogger,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        model = self._prompts.model
-        if not tenant.may_use_model(model.name):
-            raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
-        limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
+        engine_request = await prepare_request(
+            self._prompts, self._grammars, tenant, request, request_id, self._deadline(context)
+        )
         which = request.WhichOneof("input")
-        out: Violations = []
-        check_request_fields(request, model, out)
-        sampling = parse_sampling(request.sampling, out)
-        stopping = parse_stopping(request.stopping, model.vocab_size, out)
-        self._prompts.check_input(which, request, limit, out)
-        raise_if(out)
-        assert which is not None
-        prompt = await self._prompts.prompt_ids(which, request, limit)
-        check_context(len(prompt), stopping.max_tokens, model, out)
-        raise_if(out)
-        grammar = await compile_response_format(self._grammars, tenant.name, request)
-
-        lease = self._limiter.acquire(tenant.name, len(prompt) + stopping.max_tokens)
+        max_tokens = engine_request.stopping.max_tokens
+        prompt_tokens = len(engine_request.prompt_ids)
+        lease = self._limiter.acquire(tenant.name, prompt_tokens + max_tokens)
         try:
-            engine_request = Request(
-                request_id=request_id,
-                tenant=tenant.name,
-                prompt_ids=tuple(prompt),
-                sampling=sampling,
-                stopping=stopping,
-                logprobs=request.logprobs,
-                deadline=self._deadline(context),
-                bypass_prefix_cache=request.bypass_prefix_cache,
-                grammar=grammar,
-            )
             log.info(
                 "generate.accepted",
-                prompt_tokens=len(prompt),
-                max_tokens=stopping.max_tokens,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
                 input=which,
             )
-            if self._opts.log_content:
+            if self._opts.log_content and which is not None:
                 log.info("generate.content", prompt=self._prompt_text(request, which))
             async for response in self._stream(engine_request, request, tenant, log):
                 yield response
@@ -167,7 +141,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._active.add(req.request_id)
         try:
             try:
-                events = self._engine.submit(req)
+                events = await self._engine.submit(req)
             except EngineError as exc:
                 raise submit_error(exc) from None
             last = self._clock()

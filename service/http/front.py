@@ -37,9 +37,9 @@ from service.http import render
 from service.http.errors import error_body, error_response
 from service.http.generation import Generation
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
-from service.http.prepare import prepare_request
 from service.limits import TenantLimiter
 from service.metrics import Metrics
+from service.prepare import prepare_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
 from service.tenants import Tenant
@@ -138,7 +138,7 @@ class OpenAIFront:
                 self._deadline(request),
             )
             gen = Generation(self._d.engine, self._d.limiter, base, opts.n)
-            gen.start()
+            await gen.start()
         except ServiceError as err:
             self._count(tenant_name, method, err.code.name)
             return error_response(err)

@@ -42,21 +42,21 @@ class Generation:
     def requests(self) -> Sequence[Request]:
         return self._requests
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Take the limiter slots and submit sequence 0. Raises ServiceError (nothing held)."""
         base = self._requests[0]
         cost = len(base.prompt_ids) + base.stopping.max_tokens
         try:
             for _ in self._requests:
                 self._leases.append(self._limiter.acquire(base.tenant, cost))
-            self._submit(0)
+            await self._submit(0)
         except BaseException:
             self.close()
             raise
 
-    def _submit(self, i: int) -> None:
+    async def _submit(self, i: int) -> None:
         try:
-            stream = self._engine.submit(self._requests[i])
+            stream = await self._engine.submit(self._requests[i])
         except EngineError as exc:
             raise submit_error(exc) from None
         self._tasks.append(asyncio.create_task(self._pump(i, stream)))
@@ -70,7 +70,7 @@ class Generation:
                 self._rest_started = True
                 for j in range(1, len(self._requests)):
                     try:
-                        self._submit(j)
+                        await self._submit(j)
                     except ServiceError as err:  # raised by ``events`` in the caller's task
                         self._finished.add(j)
                         self._queue.put_nowait((j, err))

@@ -45,10 +45,10 @@ def test_streaming_disconnect_frees_pages(srv: ServerHandle) -> None:
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"] is not None
         assert _in_use(srv, "globex") > 0
-    steps = srv.engine.core.num_steps
+    steps = srv.engine.counters().num_steps
     assert _wait(lambda: _in_use(srv, "globex") == 0)
     # Freed by the abort at the start of the next step or two, not by running to max_tokens.
-    assert srv.engine.core.num_steps - steps < 20
+    assert srv.engine.counters().num_steps - steps < 20
 
 
 def test_non_streaming_disconnect_frees_pages(srv: ServerHandle) -> None:
@@ -63,9 +63,9 @@ def test_non_streaming_disconnect_frees_pages(srv: ServerHandle) -> None:
     thread.start()
     assert _wait(lambda: _in_use(srv, "globex") > 0)
     thread.join()
-    steps = srv.engine.core.num_steps
+    steps = srv.engine.counters().num_steps
     assert _wait(lambda: _in_use(srv, "globex") == 0)
-    assert srv.engine.core.num_steps - steps < 20
+    assert srv.engine.counters().num_steps - steps < 20
 
 
 @pytest.fixture

@@ -129,7 +129,7 @@ def test_n_sequences_share_the_prompt_and_differ_by_seed(srv: ServerHandle) -> N
 
 
 def test_cached_tokens_are_the_callers_own(srv: ServerHandle) -> None:
-    page = srv.cache.page_size
+    page = srv.engine.page_size
     prompt = "1234567890 3.14159 2.71828 -42 +7 100% " * 6
     first = client(srv, "acme").completions.create(model=_model(srv), prompt=prompt, max_tokens=1)
     assert first.usage is not None and first.usage.prompt_tokens >= 2 * page
@@ -150,13 +150,13 @@ def test_n_sequences_map_the_first_ones_prompt_pages(srv: ServerHandle) -> None:
     from service.engine.types import Admitted, Request, SamplingParams, StoppingParams
     from service.http.generation import Generation
 
-    page = srv.cache.page_size
+    page = srv.engine.page_size
     prompt = tuple(range(10, 10 + 3 * page + 5))  # 3 full pages and a partial one
     base = Request("share-n", "acme", prompt, SamplingParams(seed=1), StoppingParams(max_tokens=4))
 
     async def run() -> dict[int, int]:
         gen = Generation(srv.engine, srv.server.limiter, base, 4)
-        gen.start()
+        await gen.start()
         cached: dict[int, int] = {}
         try:
             async for i, event in gen.events():

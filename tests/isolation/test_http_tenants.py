@@ -56,7 +56,7 @@ def _cached(srv: ServerHandle, tenant: str, prompt: str) -> int:
 @pytest.mark.timeout(size(300, 900))
 def test_http_cached_tokens_are_never_another_tenants(srv: ServerHandle, record: Recorder) -> None:
     rng = random.Random(11)
-    page = srv.cache.page_size
+    page = srv.engine.page_size
     b_hits: list[int] = []
     a_hits: list[int] = []
     for _ in range(TRIALS):

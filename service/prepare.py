@@ -1,7 +1,9 @@
-"""One ``GenerateRequest`` -> one validated engine ``Request``, for the HTTP front.
+"""One ``GenerateRequest`` -> one validated engine ``Request``: the single validator both
+fronts use (gRPC directly; HTTP after translating the OpenAI body into a ``GenerateRequest``).
 
-NOTE: the same checks, in the same order, as the gRPC servicer (``service.validation`` and
-``PromptBuilder``); the engine-ownership refactor moves both fronts onto one function.
+Everything is checked before any KV page is allocated: model permission, field ranges
+(``service.validation``), input sizes before tokenizing, the tokenized length and context,
+and last the response format (compiled with the tenant's own grammar cache).
 """
 
 from __future__ import annotations
