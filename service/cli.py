@@ -1,17 +1,25 @@
-"""``kvfence``: serve | tenants add | models pull, plus the client verbs from ``clients.cli``.
+"""``kvfence``: serve | tenants add | models pull | certs dev, plus the client verbs.
 
 Every ``serve`` flag can also be set by an environment variable ``KVFENCE_<FLAG>`` (upper
-case, dashes as underscores: ``--kv-memory`` -> ``KVFENCE_KV_MEMORY``); the flag wins.
-torch, the model and the engine are imported only inside ``serve`` and ``models pull``,
-so the client verbs run on the base install. Errors are one line on stderr and a non-zero
-exit (2 for bad input), never a traceback.
+case, dashes as underscores: ``--kv-memory`` -> ``KVFENCE_KV_MEMORY``); the flag wins. The
+variables are checked only when ``serve`` runs, so a bad ``KVFENCE_PORT`` cannot break
+``kvfence usage``. torch, the model and the engine are imported only inside ``serve`` and
+``models pull``, so the client verbs run on the base install. ``serve`` checks every flag,
+the tenants file and the port before it loads the model. Errors are one line on stderr and
+a non-zero exit (2 for bad input), never a traceback.
 """
 
 from __future__ import annotations
 
+import os
+
+# NOTE: set before grpc is imported (clients.cli imports it): gRPC core otherwise prints its
+# own log lines (`E1201 ... add_port.cc`, `Handshake failed`) next to our one-line errors.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 import argparse
 import asyncio
-import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +30,10 @@ from clients import cli as client_cli
 ENV_PREFIX = "KVFENCE_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+# Top-level modules of the `server` extra: missing one means the client-only install.
+SERVER_MODULES = {"torch", "gguf", "numpy", "tokenizers", "safetensors", "jinja2",
+                  "prometheus_client", "grpc_health", "grpc_reflection", "cryptography"}
 
 
 class UsageError(Exception):
@@ -32,34 +44,77 @@ def _env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
-    """A flag whose default comes from ``KVFENCE_<FLAG>`` when that is set."""
-    env = os.environ.get(_env_name(flag))
-    kind: Callable[[str], Any] | None = kw.get("type")
-    if env is not None:
+def _from_env(flag: str, env: str, kind: Callable[[str], Any] | None,
+              choices: Sequence[str] | None) -> Callable[[str], Any]:
+    """An argparse type that names the variable when the value came from it."""
+    name = _env_name(flag)
+
+    def convert(text: str) -> Any:
         try:
-            default = kind(env) if kind is not None else env
-        except ValueError:
-            raise UsageError(f"{_env_name(flag)}={env!r}: not a valid value for {flag}") from None
+            value = kind(text) if kind is not None else text
+        except (ValueError, argparse.ArgumentTypeError):
+            if text != env:
+                raise
+            raise argparse.ArgumentTypeError(f"{name}={env!r} is not a valid value") from None
+        if choices is not None and value not in choices and text == env:
+            raise argparse.ArgumentTypeError(
+                f"{name}={env!r}: use one of {', '.join(choices)}")
+        return value
+
+    convert.__name__ = getattr(kind, "__name__", "str")  # argparse's "invalid int value"
+    return convert
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
+    """A flag whose default comes from ``KVFENCE_<FLAG>`` when that is set.
+
+    The variable's text becomes the default, which argparse converts (with the flag's type)
+    only when this subcommand runs.
+    """
+    env = os.environ.get(_env_name(flag))
+    if env is not None:
+        kw["type"] = _from_env(flag, env, kw.get("type"), kw.get("choices"))
+        default = env
     parser.add_argument(flag, default=default, help=f"{help} [env {_env_name(flag)}]", **kw)
 
 
+class _EnvSwitch(str):
+    """A switch's unparsed ``KVFENCE_<FLAG>`` value; ``_switches`` checks it at serve time."""
+
+
 def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
-    env = os.environ.get(_env_name(flag), "").strip().lower()
-    if env not in _TRUE | _FALSE:
-        raise UsageError(f"{_env_name(flag)}={env!r}: use 1/0, true/false, yes/no")
-    parser.add_argument(
-        flag, action="store_true", default=env in _TRUE, help=f"{help} [env {_env_name(flag)}]"
-    )
+    env = os.environ.get(_env_name(flag))
+    parser.add_argument(flag, action="store_true",
+                        default=False if env is None else _EnvSwitch(env),
+                        help=f"{help} [env {_env_name(flag)}]")
+
+
+def _switches(args: argparse.Namespace) -> None:
+    for dest, value in vars(args).items():
+        if isinstance(value, _EnvSwitch):
+            text = value.strip().lower()
+            if text not in _TRUE | _FALSE:
+                name = _env_name(dest.replace("_", "-"))
+                raise UsageError(f"{name}={str(value)!r}: use 1/0, true/false, yes/no")
+            setattr(args, dest, text in _TRUE)
+
+
+def check_device(text: str) -> str:
+    """argparse type for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not _DEVICE_RE.match(text):
+        raise ValueError(text)
+    return text
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("serve", help="run the gRPC inference server")
+    from service.preflight import DTYPES
+
+    p = client_cli.add_command(sub, "serve", "run the gRPC inference server")
     _add(p, "--model", "default", "a .gguf file, an HF directory, or 'default'")
     _add(p, "--host", "127.0.0.1", "address to bind")
     _add(p, "--port", 50051, "port to bind (0 = any free port)", type=int)
-    _add(p, "--tenants", "tenants.toml", "tenants file (TOML)")
-    _add(p, "--tls-cert", None, "server certificate (PEM)")
+    _add(p, "--tenants", "tenants.toml", "tenants file (TOML; `kvfence tenants add` writes it)")
+    _add(p, "--tls-cert", None, "server certificate (PEM; `kvfence certs dev` makes one)")
     _add(p, "--tls-key", None, "server private key (PEM)")
     _add(p, "--tls-client-ca", None, "CA for client certificates: enables mTLS")
     _add(p, "--metrics-port", None, "serve Prometheus /metrics on this port", type=int)
@@ -67,48 +122,48 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--grace-seconds", 10.0, "on SIGTERM, time in-flight streams get to finish", type=float)
     _add_switch(p, "--reflection", "enable gRPC server reflection (authenticated)")
     _add_switch(p, "--log-content", "DEBUG ONLY: log prompt and output text")
-    _add(
-        p,
-        "--log-format",
-        "auto",
-        "json, console, or auto (console on a TTY)",
-        choices=["json", "console", "auto"],
-    )
+    _add(p, "--log-format", "auto", "json, console, or auto (console on a TTY, else json)",
+         choices=["json", "console", "auto"])
     _add(p, "--kv-memory", "512MiB", "KV pool size: bytes (512MiB, 2GB) or a fraction (0.5)")
     _add(p, "--max-num-seqs", 64, "most sequences in one batch", type=int)
     _add(p, "--max-num-batched-tokens", 512, "token budget of one engine step", type=int)
     _add(p, "--max-model-len", 0, "context length (0 = the model's)", type=int)
     _add(p, "--page-size", 16, "tokens per KV page", type=int)
-    _add(p, "--dtype", "auto", "auto, float32, bfloat16 or float16")
-    _add(p, "--device", "cpu", "torch device (cpu, cuda, cuda:1)")
-    _add(
-        p,
-        "--scrub-policy",
-        "reassign",
-        "when KV pages are zeroed",
-        choices=["reassign", "always", "off"],
-    )
+    _add(p, "--dtype", "auto", "weights and KV dtype (auto: bf16 where the hardware has it)",
+         choices=list(DTYPES))
+    _add(p, "--device", "cpu", "torch device: cpu, cuda or cuda:N", type=check_device,
+         metavar="{cpu,cuda,cuda:N}")
+    _add(p, "--scrub-policy", "reassign", "when KV pages are zeroed",
+         choices=["reassign", "always", "off"])
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
     _add(p, "--alert-tenant-kv-pages", 0, "warn when a tenant holds more pages (0 = off)", type=int)
-    _add(
-        p,
-        "--alert-request-kv-pages",
-        0,
-        "warn when one request holds more pages (0 = off)",
-        type=int,
-    )
+    _add(p, "--alert-request-kv-pages", 0, "warn when one request holds more pages (0 = off)",
+         type=int)
     p.set_defaults(func=_serve)
 
 
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from service.preflight import StartupFlags, check_all
+
+    _switches(args)
+    check_all(StartupFlags(
+        model=args.model, tenants=Path(args.tenants), host=args.host, port=args.port,
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
+        tls_client_ca=_path(args.tls_client_ca), grace_s=args.grace_seconds,
+        kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        page_size=args.page_size, prefix_ttl_s=args.prefix_ttl, dtype=args.dtype,
+        device=args.device))
+
     from service.logging import make_logger
     from service.serve import EngineSizing, ServeConfig, serve
     from service.server import ServerOptions, TlsFiles
 
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca is not None and args.tls_cert is None:
-        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     tls = None
     if args.tls_cert is not None:
         tls = TlsFiles(
@@ -116,9 +171,6 @@ def _serve(args: argparse.Namespace) -> int:
             Path(args.tls_key),
             Path(args.tls_client_ca) if args.tls_client_ca else None,
         )
-        for f in (tls.cert, tls.key, tls.client_ca):
-            if f is not None and not f.is_file():
-                raise UsageError(f"{f}: TLS file not found")
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -171,32 +223,71 @@ def _models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _certs_dev(args: argparse.Namespace) -> int:
+    from service.devcerts import add_identity, write_dev_certs
+
+    out = write_dev_certs(Path(args.dir), args.tenant, tuple(args.host), args.days)
+    print(f"wrote {out.ca} (CA), {out.server_cert} + {out.server_key} (server), "
+          f"{out.client_cert} + {out.client_key} (client of tenant {args.tenant!r})")
+    if args.tenants is not None:
+        add_identity(Path(args.tenants), args.tenant, out.identity)
+        print(f"mapped {out.identity} to tenant {args.tenant!r} in {args.tenants}")
+    else:
+        print(f'add to [tenants.{args.tenant}] in your tenants file: '
+              f'mtls_identities = ["{out.identity}"]')
+    print(f"serve:  kvfence serve --tls-cert {out.server_cert} --tls-key {out.server_key} "
+          f"--tls-client-ca {out.ca} ...")
+    print(f"call:   kvfence usage --tls-ca {out.ca} --tls-cert {out.client_cert} "
+          f"--tls-key {out.client_key}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfence", description="multi-tenant LLM inference")
+    parser = client_cli.new_parser(prog="kvfence", description="multi-tenant LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
-    tenants = sub.add_parser("tenants", help="manage the tenants file")
+    tenants = client_cli.add_command(sub, "tenants", "manage the tenants file")
     tsub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
-    add = tsub.add_parser("add", help="add a tenant with a fresh API key")
+    add = client_cli.add_command(tsub, "add", "add a tenant with a fresh API key")
     add.add_argument("name")
     add.add_argument("--file", default="tenants.toml", help="tenants file (created if absent)")
     add.set_defaults(func=_tenants_add)
-    models = sub.add_parser("models", help="manage local models")
+    models = client_cli.add_command(sub, "models", "manage local models")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    msub.add_parser("pull", help="download and verify the default model").set_defaults(
+    client_cli.add_command(msub, "pull", "download and verify the default model").set_defaults(
         func=_models_pull
     )
+    certs = client_cli.add_command(sub, "certs", "make TLS certificates")
+    csub = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    dev = client_cli.add_command(
+        csub, "dev", "write a development CA, a server certificate and a tenant's client "
+        "certificate (for trying TLS/mTLS locally; not for production)")
+    dev.add_argument("--dir", default="certs", help="directory to write the PEM files to")
+    dev.add_argument("--tenant", default="dev", help="tenant the client certificate is for")
+    dev.add_argument("--tenants", default=None,
+                     help="tenants file: map the client certificate to --tenant there")
+    dev.add_argument("--host", action="append", default=[],
+                     help="extra server name or IP (localhost, 127.0.0.1, ::1 always)")
+    dev.add_argument("--days", type=int, default=30, help="validity in days")
+    dev.set_defaults(func=_certs_dev)
     client_cli.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = client_cli.parse(build_parser(), argv)
         result: int = args.func(args)
         return result
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as err:
+        top = (err.name or "").partition(".")[0]
+        if top not in SERVER_MODULES:
+            raise
+        print(f"kvfence: error: this command needs the server install (no module named {top!r}):"
+              " pip install 'kvfence[server]'", file=sys.stderr)
+        return 1
     except Exception as err:
         if _is_user_error(err):
             print(f"kvfence: error: {err}", file=sys.stderr)
@@ -212,7 +303,7 @@ def _is_user_error(err: Exception) -> bool:
         return True
     names = {cls.__name__ for cls in type(err).__mro__}
     # ConfigError (service.serve) and ModelLoadError (service.model) without importing torch.
-    return bool(names & {"ConfigError", "ModelLoadError"})
+    return bool(names & {"ConfigError", "ModelLoadError", "StartupError"})
 
 
 if __name__ == "__main__":
