@@ -17,6 +17,7 @@ from clients.channel import TlsConfig
 
 PROBE_TIMEOUT_S = 2.0
 _MTLS_HINT = "pass --tls-cert and --tls-key"
+_CERT_REQUIRED = "client certificate required: the server uses mTLS; " + _MTLS_HINT
 
 
 def split_target(target: str) -> tuple[str, int] | None:
@@ -95,26 +96,35 @@ def _tls_client(sock: socket.socket, host: str, tls: TlsConfig) -> str | None:
 
 def _after_handshake(sock: ssl.SSLSocket, tls: TlsConfig) -> str | None:
     # NOTE: under TLS 1.3 the server checks the client certificate after the client has
-    # finished its handshake, so a refusal arrives as an alert on the first read.
+    # finished its handshake, so a refusal arrives on the first read: as an alert, or (from
+    # gRPC's BoringSSL) as the connection simply closing.
     sock.settimeout(PROBE_TIMEOUT_S / 2)
     try:
-        sock.recv(1)
+        data = sock.recv(1)
     except ssl.SSLError as err:
         return _alert(err, tls)
     except OSError:
         return None
-    return None
+    if data:
+        return None
+    if tls.cert_file is None:
+        return _CERT_REQUIRED
+    return _refused(tls)
 
 
 def _alert(err: ssl.SSLError, tls: TlsConfig) -> str | None:
     text = str(err).upper()
     if "CERTIFICATE_REQUIRED" in text or (
             "HANDSHAKE_FAILURE" in text and tls.cert_file is None):
-        return "client certificate required: the server uses mTLS; " + _MTLS_HINT
+        return _CERT_REQUIRED
     if "UNKNOWN_CA" in text or "BAD_CERTIFICATE" in text or "CERTIFICATE_UNKNOWN" in text:
-        cert = Path(str(tls.cert_file)).name if tls.cert_file is not None else "none"
-        return f"the server refused the client certificate {cert} (not signed by its client CA)"
+        return _refused(tls)
     return None
+
+
+def _refused(tls: TlsConfig) -> str:
+    cert = Path(str(tls.cert_file)).name
+    return f"the server refused the client certificate {cert} (not signed by its client CA)"
 
 
 def _not_tls(err: ssl.SSLError) -> str | None:
