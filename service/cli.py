@@ -102,7 +102,7 @@ def _switches(args: argparse.Namespace) -> None:
 def check_device(text: str) -> str:
     """argparse type for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
     if not _DEVICE_RE.match(text):
-        raise ValueError(text)
+        raise argparse.ArgumentTypeError(f"use cpu, cuda or cuda:N (got {text!r})")
     return text
 
 

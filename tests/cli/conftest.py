@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from tests.clients.fakeserver import FakeInference, serve
-from tests.serverutil import ROOT, ServerProcess, TenantSpec, start_server_process, write_tenants_file
+from tests.serverutil import (
+    ROOT,
+    ServerProcess,
+    TenantSpec,
+    start_server_process,
+    write_tenants_file,
+)
 
 # gRPC core's own log lines, e.g. `E1201 10:00:00.000000 123 add_port.cc:83] ...`.
 GRPC_CORE_LINE = re.compile(r"^[EWID]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
