@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import GRPC_CORE_LINE, RealServer, kvfence, plain_server  # noqa: F401
+from tests.cli.conftest import GRPC_CORE_LINE, RealServer, kvfence
 from tests.serverutil import start_server_process
 
 
