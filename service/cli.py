@@ -22,6 +22,7 @@ import asyncio
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,59 +45,50 @@ def _env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
 
 
-def _from_env(flag: str, env: str, kind: Callable[[str], Any] | None,
-              choices: Sequence[str] | None) -> Callable[[str], Any]:
-    """An argparse type that names the variable when the value came from it."""
-    name = _env_name(flag)
+@dataclass(frozen=True, slots=True)
+class _EnvDefault:
+    """A ``KVFENCE_<FLAG>`` value as a flag's default, converted by ``parse_args`` only when
+    that flag's subcommand runs (argparse would convert a plain string default itself)."""
 
-    def convert(text: str) -> Any:
+    name: str
+    flag: str
+    text: str
+    kind: Callable[[str], Any] | None = None
+    choices: Sequence[str] | None = None
+    switch: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+    def resolve(self) -> Any:
+        if self.switch:
+            text = self.text.strip().lower()
+            if text not in _TRUE | _FALSE:
+                raise UsageError(f"{self.name}={self.text!r}: use 1/0, true/false, yes/no")
+            return text in _TRUE
         try:
-            value = kind(text) if kind is not None else text
+            value = self.kind(self.text) if self.kind is not None else self.text
         except (ValueError, argparse.ArgumentTypeError):
-            if text != env:
-                raise
-            raise argparse.ArgumentTypeError(f"{name}={env!r} is not a valid value") from None
-        if choices is not None and value not in choices and text == env:
-            raise argparse.ArgumentTypeError(
-                f"{name}={env!r}: use one of {', '.join(choices)}")
+            raise UsageError(f"{self.name}={self.text!r}: not a valid value for {self.flag}"
+                             ) from None
+        if self.choices is not None and value not in self.choices:
+            raise UsageError(f"{self.name}={self.text!r}: use one of {', '.join(self.choices)}")
         return value
-
-    convert.__name__ = getattr(kind, "__name__", "str")  # argparse's "invalid int value"
-    return convert
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
-    """A flag whose default comes from ``KVFENCE_<FLAG>`` when that is set.
-
-    The variable's text becomes the default, which argparse converts (with the flag's type)
-    only when this subcommand runs.
-    """
+    """A flag whose default comes from ``KVFENCE_<FLAG>`` when that is set."""
     env = os.environ.get(_env_name(flag))
     if env is not None:
-        kw["type"] = _from_env(flag, env, kw.get("type"), kw.get("choices"))
-        default = env
+        default = _EnvDefault(_env_name(flag), flag, env, kw.get("type"), kw.get("choices"))
     parser.add_argument(flag, default=default, help=f"{help} [env {_env_name(flag)}]", **kw)
-
-
-class _EnvSwitch(str):
-    """A switch's unparsed ``KVFENCE_<FLAG>`` value; ``_switches`` checks it at serve time."""
 
 
 def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
     env = os.environ.get(_env_name(flag))
-    parser.add_argument(flag, action="store_true",
-                        default=False if env is None else _EnvSwitch(env),
+    default = False if env is None else _EnvDefault(_env_name(flag), flag, env, switch=True)
+    parser.add_argument(flag, action="store_true", default=default,
                         help=f"{help} [env {_env_name(flag)}]")
-
-
-def _switches(args: argparse.Namespace) -> None:
-    for dest, value in vars(args).items():
-        if isinstance(value, _EnvSwitch):
-            text = value.strip().lower()
-            if text not in _TRUE | _FALSE:
-                name = _env_name(dest.replace("_", "-"))
-                raise UsageError(f"{name}={str(value)!r}: use 1/0, true/false, yes/no")
-            setattr(args, dest, text in _TRUE)
 
 
 def check_device(text: str) -> str:
@@ -149,7 +141,6 @@ def _path(value: str | None) -> Path | None:
 def _serve(args: argparse.Namespace) -> int:
     from service.preflight import StartupFlags, check_all
 
-    _switches(args)
     check_all(StartupFlags(
         model=args.model, tenants=Path(args.tenants), host=args.host, port=args.port,
         metrics_host=args.metrics_host, metrics_port=args.metrics_port,
@@ -274,9 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; the chosen subcommand's ``KVFENCE_*`` defaults are converted here."""
+    args = client_cli.parse(build_parser(), argv)
+    for dest, value in vars(args).items():
+        if isinstance(value, _EnvDefault):
+            setattr(args, dest, value.resolve())
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = client_cli.parse(build_parser(), argv)
+        args = parse_args(argv)
         result: int = args.func(args)
         return result
     except KeyboardInterrupt:

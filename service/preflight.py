@@ -107,11 +107,14 @@ def check_cuda(device: str) -> None:
                           + (f" or cuda:0..{count - 1}" if count else ""))
 
 
-def check_tls(flags: StartupFlags) -> None:
+def check_tls_flags(flags: StartupFlags) -> None:
     if (flags.tls_cert is None) != (flags.tls_key is None):
         raise StartupError("--tls-cert and --tls-key go together")
     if flags.tls_client_ca is not None and flags.tls_cert is None:
         raise StartupError("--tls-client-ca needs --tls-cert and --tls-key")
+
+
+def check_tls_files(flags: StartupFlags) -> None:
     if flags.tls_cert is None or flags.tls_key is None:
         return
     for flag, path in (("--tls-cert", flags.tls_cert), ("--tls-key", flags.tls_key),
@@ -153,14 +156,15 @@ def check_model(model: str | None) -> None:
 
 
 def check_all(flags: StartupFlags) -> None:
-    """Every start-up check, the port first; only the last two import torch."""
+    """Every start-up check, cheapest first; only the last two import torch."""
+    check_tls_flags(flags)
+    check_tenants(flags.tenants)
+    check_model(flags.model)
+    check_tls_files(flags)
+    check_numbers(flags)
     check_port(flags.host, flags.port)
     if flags.metrics_port is not None:
         check_port(flags.metrics_host, flags.metrics_port, "--metrics-port")
-    check_model(flags.model)
-    check_tenants(flags.tenants)
-    check_tls(flags)
-    check_numbers(flags)
     from service.serve import ConfigError, parse_kv_memory
 
     try:
