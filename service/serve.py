@@ -22,6 +22,7 @@ from structlog.typing import FilteringBoundLogger
 
 from service.cache_access import CacheAccess
 from service.server import KVFenceServer, ServedModel, ServerOptions
+from service.startup import StartupInterrupted, until_stopped
 from service.tenants import TenantRegistry, load_tenants
 
 if TYPE_CHECKING:
@@ -214,25 +215,36 @@ def load_for_serving(
 async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
     """Run until SIGTERM/SIGINT, then drain. Returns the exit status.
 
-    Signal handlers go in first: a SIGTERM while the model loads exits 0 without serving,
-    and a SIGHUP before the server exists is ignored (the file is read at start anyway).
+    Signal handlers go in first: a signal while the model loads or warms up raises
+    ``StartupInterrupted`` at once (exit 0 for SIGTERM, 130 for SIGINT) without serving, and
+    a SIGHUP before the server exists is ignored (the file is read at start anyway).
     """
     stop = asyncio.Event()
+    signals: list[int] = []
     servers: list[KVFenceServer] = []
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_signal, signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGINT, on_signal, signal.SIGINT)
     loop.add_signal_handler(signal.SIGHUP, lambda: [s.reload_tenants() for s in servers])
-    loaded, registry = await asyncio.to_thread(load_for_serving, config, log)
-    stack = await asyncio.to_thread(
-        build_server,
-        loaded,
-        config.sizing,
-        registry,
-        config.options,
-        log,
-        tenants_path=config.tenants,
-    )
+
+    def start() -> tuple[Stack, TenantRegistry]:
+        loaded, registry = load_for_serving(config, log)
+        log.info("engine.starting", warmup=config.sizing.warmup)
+        stack = build_server(
+            loaded, config.sizing, registry, config.options, log, tenants_path=config.tenants
+        )
+        return stack, registry
+
+    started = await until_stopped(start, stop)
+    if started is None:
+        raise StartupInterrupted(130 if signals[0] == signal.SIGINT else 0)
+    stack, registry = started
+    loaded = stack.model
     server = stack.server
     servers.append(server)
     try:
