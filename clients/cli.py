@@ -148,7 +148,7 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mTLS")
     g.add_argument("--tls-key", default=None, help="client key (PEM) for mTLS")
     g.add_argument("--timeout", type=float, default=None,
-                   help="deadline per call, seconds (None = no deadline)")
+                   help="deadline per call, seconds (unset: none)")
     return p
 
 
@@ -159,7 +159,7 @@ def unescape(text: str) -> str:
 
 def _sampling_parser(max_tokens: int | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    g = p.add_argument_group("sampling (None = the server's default, shown in brackets)")
+    g = p.add_argument_group("sampling (unset: the server's default, shown in brackets)")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"most tokens to generate [{SERVER_MAX_TOKENS}]")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy [1.0]")

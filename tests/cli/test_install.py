@@ -32,11 +32,8 @@ def test_server_command_on_the_client_install_names_the_extra(
     assert run.returncode == 1
     assert run.stderr == ("kvfence: error: this command needs the server install (no module "
                           f"named {module!r}): pip install 'kvfence[server]'\n")
-
-
-def test_client_verbs_run_without_the_server_stack() -> None:
-    run = _without("torch", "tokenize", "--help")
-    assert run.returncode == 0 and run.stdout.startswith("usage: kvfence tokenize")
+    client_verb = _without(module, "tokenize", "--help")  # the client install itself works
+    assert client_verb.returncode == 0 and client_verb.stdout.startswith("usage: kvfence tokenize")
 
 
 def test_building_the_package_prints_no_warning(tmp_path: Path) -> None:
