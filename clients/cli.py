@@ -20,17 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
-from importlib import metadata
 from typing import TextIO
 
 import grpc
 import structlog
 
 from clients.channel import API_KEY_ENV, DEFAULT_TARGET, TARGET_ENV, TlsConfig, resolve_api_key
+from clients.cli_parser import add_command, new_parser, parse, unescape
 from clients.client import Client
 from clients.errors import ClientError, KvfenceError
 from clients.requests import GenerateOptions
@@ -45,8 +44,6 @@ SERVER_MAX_TOKENS = 16  # StoppingParams.max_tokens when unset (inference.proto)
 CHAT_MAX_TOKENS = 256  # a chat turn is a few sentences; 16 tokens would cut it mid-word
 
 Verb = Callable[[argparse.Namespace, Client], int]
-_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\"}
 
 
 def exit_code(error: Exception) -> int:
@@ -57,50 +54,6 @@ def exit_code(error: Exception) -> int:
 
 EXIT_CODES_HELP = ("exit codes: 0 ok, 1 local error, 2 usage error, 10+N the server's gRPC "
                    "status N (e.g. 24 UNAVAILABLE, 26 UNAUTHENTICATED), 130 interrupted")
-
-
-def version() -> str:
-    try:
-        return metadata.version("kvfence")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, unless it has none (None, False or an empty list)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def new_parser(**kwargs: object) -> argparse.ArgumentParser:
-    """The top-level parser: no abbreviated flags, `--version`, defaults shown in help."""
-    parser = argparse.ArgumentParser(allow_abbrev=False,
-                                     formatter_class=HelpFormatter,
-                                     **kwargs)  # type: ignore[arg-type]
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    return parser
-
-
-def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
-                help: str, **kwargs: object) -> argparse.ArgumentParser:
-    """A subcommand parser that knows itself, so `parse` reports errors with its usage."""
-    p = subparsers.add_parser(name, help=help, description=help, allow_abbrev=False,
-                              formatter_class=HelpFormatter,
-                              **kwargs)  # type: ignore[arg-type]
-    p.set_defaults(cli_parser=p)
-    return p
-
-
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Like `parse_args`, but an unknown flag is reported with the subcommand's usage."""
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        owner: argparse.ArgumentParser = getattr(args, "cli_parser", parser)
-        owner.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -150,11 +103,6 @@ def _common_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=None,
                    help="deadline per call, seconds (unset: none)")
     return p
-
-
-def unescape(text: str) -> str:
-    r"""`\n`, `\t`, `\r`, `\0` and `\\` as the characters they name (shells pass them literally)."""
-    return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
 
 
 def _sampling_parser(max_tokens: int | None) -> argparse.ArgumentParser:

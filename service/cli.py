@@ -21,74 +21,21 @@ import argparse
 import asyncio
 import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from clients import cli as client_cli
+from clients.cli_parser import add_command, new_parser, parse
+from service.env_flags import UsageError, add_flag, add_switch, resolve_env
 
-ENV_PREFIX = "KVFENCE_"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+# Short names for the flag table in _add_serve.
+_add = add_flag
+_add_switch = add_switch
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # Top-level modules of the `server` extra: missing one means the client-only install.
 SERVER_MODULES = {"torch", "gguf", "numpy", "tokenizers", "safetensors", "jinja2",
                   "prometheus_client", "grpc_health", "grpc_reflection", "cryptography"}
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-
-def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
-
-
-@dataclass(frozen=True, slots=True)
-class _EnvDefault:
-    """A ``KVFENCE_<FLAG>`` value as a flag's default, converted by ``parse_args`` only when
-    that flag's subcommand runs (argparse would convert a plain string default itself)."""
-
-    name: str
-    flag: str
-    text: str
-    kind: Callable[[str], Any] | None = None
-    choices: Sequence[str] | None = None
-    switch: bool = False
-
-    def __str__(self) -> str:
-        return self.text
-
-    def resolve(self) -> Any:
-        if self.switch:
-            text = self.text.strip().lower()
-            if text not in _TRUE | _FALSE:
-                raise UsageError(f"{self.name}={self.text!r}: use 1/0, true/false, yes/no")
-            return text in _TRUE
-        try:
-            value = self.kind(self.text) if self.kind is not None else self.text
-        except (ValueError, argparse.ArgumentTypeError):
-            raise UsageError(f"{self.name}={self.text!r}: not a valid value for {self.flag}"
-                             ) from None
-        if self.choices is not None and value not in self.choices:
-            raise UsageError(f"{self.name}={self.text!r}: use one of {', '.join(self.choices)}")
-        return value
-
-
-def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
-    """A flag whose default comes from ``KVFENCE_<FLAG>`` when that is set."""
-    env = os.environ.get(_env_name(flag))
-    if env is not None:
-        default = _EnvDefault(_env_name(flag), flag, env, kw.get("type"), kw.get("choices"))
-    parser.add_argument(flag, default=default, help=f"{help} [env {_env_name(flag)}]", **kw)
-
-
-def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
-    env = os.environ.get(_env_name(flag))
-    default = False if env is None else _EnvDefault(_env_name(flag), flag, env, switch=True)
-    parser.add_argument(flag, action="store_true", default=default,
-                        help=f"{help} [env {_env_name(flag)}]")
 
 
 def check_device(text: str) -> str:
@@ -101,7 +48,7 @@ def check_device(text: str) -> str:
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from service.preflight import DTYPES
 
-    p = client_cli.add_command(sub, "serve", "run the gRPC inference server")
+    p = add_command(sub, "serve", "run the gRPC inference server")
     _add(p, "--model", "default", "a .gguf file, an HF directory, or 'default'")
     _add(p, "--host", "127.0.0.1", "address to bind")
     _add(p, "--port", 50051, "port to bind (0 = any free port)", type=int)
@@ -265,23 +212,23 @@ def _certs_dev(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = client_cli.new_parser(prog="kvfence", description="multi-tenant LLM inference")
+    parser = new_parser(prog="kvfence", description="multi-tenant LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
-    tenants = client_cli.add_command(sub, "tenants", "manage the tenants file")
+    tenants = add_command(sub, "tenants", "manage the tenants file")
     tsub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
-    add = client_cli.add_command(tsub, "add", "add a tenant with a fresh API key")
+    add = add_command(tsub, "add", "add a tenant with a fresh API key")
     add.add_argument("name")
     add.add_argument("--file", default="tenants.toml", help="tenants file (created if absent)")
     add.set_defaults(func=_tenants_add)
-    models = client_cli.add_command(sub, "models", "manage local models")
+    models = add_command(sub, "models", "manage local models")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    client_cli.add_command(msub, "pull", "download and verify the default model").set_defaults(
+    add_command(msub, "pull", "download and verify the default model").set_defaults(
         func=_models_pull
     )
-    certs = client_cli.add_command(sub, "certs", "make TLS certificates")
+    certs = add_command(sub, "certs", "make TLS certificates")
     csub = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
-    dev = client_cli.add_command(
+    dev = add_command(
         csub, "dev", "write a development CA, a server certificate and a tenant's client "
         "certificate (for trying TLS/mTLS locally; not for production)")
     dev.add_argument("--dir", default="certs", help="directory to write the PEM files to")
@@ -298,11 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv``; the chosen subcommand's ``KVFENCE_*`` defaults are converted here."""
-    args = client_cli.parse(build_parser(), argv)
-    for dest, value in vars(args).items():
-        if isinstance(value, _EnvDefault):
-            setattr(args, dest, value.resolve())
-    return args
+    return resolve_env(parse(build_parser(), argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,7 +46,9 @@ def test_second_server_on_a_used_port_fails_in_one_line_under_3s(
     (["--model", "/nonexistent/model.gguf"],
      "--model /nonexistent/model.gguf: no such file or directory; give a .gguf file, "
      "a Hugging Face directory, or 'default'"),
-    (["--tls-cert", "/nonexistent/server.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-cert", "README.md", "--tls-key", "README.md"],
+     "--tls-cert README.md --tls-key README.md: not a PEM certificate and its key "
+     "(no PEM data found)"),
     (["--metrics-port", "70000"], "--metrics-port 70000: use 1-65535, or 0 for any free port"),
 ])
 def test_bad_flag_fails_in_one_line_before_the_model_loads(
