@@ -153,7 +153,7 @@ def build_server(
         )
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None
-    engine.start()
+    engine.start(progress=lambda done, total: log.info("engine.warmup", done=done, total=total))
     cache = engine.core.cache
     # NOTE: the engine thread touches the cache manager only under the core's lock.
     access = CacheAccess(cache, engine.core._lock)  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from service.engine.types import (
     Request,
     TenantSchedPolicy,
 )
-from service.engine.warmup import run_warmup
+from service.engine.warmup import WarmupProgress, run_warmup
 from service.model.llama import LlamaModel
 
 log = structlog.get_logger(__name__)
@@ -64,12 +64,13 @@ class Engine:
     def set_tenant_policy(self, tenant: str, policy: TenantSchedPolicy) -> None:
         self.core.set_tenant_policy(tenant, policy)
 
-    def start(self) -> None:
-        """Warm up (if configured), then start the engine thread. Returns when ready."""
+    def start(self, progress: WarmupProgress | None = None) -> None:
+        """Warm up (if configured; ``progress(done, total)`` after each warm-up batch), then
+        start the engine thread. Returns when ready."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
         if self.config.warmup:
-            run_warmup(self.core)
+            run_warmup(self.core, progress)
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 
