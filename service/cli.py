@@ -277,7 +277,7 @@ def _is_user_error(err: Exception) -> bool:
         return True
     names = {cls.__name__ for cls in type(err).__mro__}
     # ConfigError (service.serve) and ModelLoadError (service.model) without importing torch.
-    return bool(names & {"ConfigError", "ModelLoadError", "StartupError"})
+    return bool(names & {"ConfigError", "ModelLoadError"})
 
 
 if __name__ == "__main__":

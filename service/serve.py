@@ -9,7 +9,6 @@ on SIGTERM/SIGINT before exiting 0.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from structlog.typing import FilteringBoundLogger
 
 from service.cache_access import CacheAccess
+from service.preflight import ConfigError, parse_kv_memory
 from service.server import KVFenceServer, ServedModel, ServerOptions
 from service.startup import StartupInterrupted, until_stopped
 from service.tenants import TenantRegistry, load_tenants
@@ -28,44 +28,6 @@ from service.tenants import TenantRegistry, load_tenants
 if TYPE_CHECKING:
     from service.engine.engine import Engine
     from service.model.loader import LoadedModel
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "KI": 2**10,
-    "MI": 2**20,
-    "GI": 2**30,
-    "TI": 2**40,
-}
-
-
-class ConfigError(ValueError):
-    """A bad flag value; the message is one readable line."""
-
-
-def parse_kv_memory(text: str) -> tuple[Literal["bytes", "fraction"], float]:
-    """``512MiB``, ``2GB``, ``1073741824`` -> bytes; ``0.5`` (in (0, 1]) -> fraction of free
-    device memory."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if 0.0 < value <= 1.0 and "." in text:
-        return "fraction", value
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ConfigError(f"--kv-memory: cannot parse {text!r} (use e.g. 512MiB, 2GB or 0.5)")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    size = float(match.group(1)) * _UNITS[unit]
-    if size < 1:
-        raise ConfigError(f"--kv-memory: {text!r} is not a positive size")
-    return "bytes", size
-
 
 @dataclass(frozen=True, slots=True)
 class EngineSizing:
