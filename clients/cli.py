@@ -52,8 +52,10 @@ def exit_code(error: Exception) -> int:
     return EXIT_LOCAL_ERROR
 
 
-EXIT_CODES_HELP = ("exit codes: 0 ok, 1 local error, 2 usage error, 10+N the server's gRPC "
-                   "status N (e.g. 24 UNAVAILABLE, 26 UNAUTHENTICATED), 130 interrupted")
+EXIT_CODES_HELP = (
+    "exit codes: 0 ok, 1 local error, 2 usage error, 10+N the server's gRPC "
+    "status N (e.g. 24 UNAVAILABLE, 26 UNAUTHENTICATED), 130 interrupted"
+)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -162,9 +164,12 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
             # logs through stdlib logging instead: stderr, warnings and up, so the info-level
             # retry notices stay quiet and an error is the single line printed below.
             structlog.configure(
-                processors=[structlog.processors.add_log_level,
-                            structlog.dev.ConsoleRenderer(colors=False)],
-                logger_factory=structlog.stdlib.LoggerFactory())
+                processors=[
+                    structlog.processors.add_log_level,
+                    structlog.dev.ConsoleRenderer(colors=False),
+                ],
+                logger_factory=structlog.stdlib.LoggerFactory(),
+            )
         try:
             with Client(args.target, api_key=args.api_key, tls=_tls(args),
                         timeout=args.timeout) as client:
@@ -182,6 +187,7 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
         except KeyboardInterrupt:
             print("kvfence: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
+
     return run
 
 

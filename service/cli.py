@@ -23,7 +23,6 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from clients import cli as client_cli
 from clients.cli_parser import add_command, new_parser, parse
@@ -141,8 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from service.startup import StartupInterrupted
 
-    _module_logs_to_stderr(args.log_format)
-    log = make_logger(args.log_format)
+    log = make_logger(args.log_format, module_loggers=True)
     if args.log_content:
         log.warning("log_content.enabled", note="prompt and output text will be logged")
     try:
@@ -154,26 +152,6 @@ def _serve(args: argparse.Namespace) -> int:
         # NOTE: the abandoned loading thread may be inside torch; a normal interpreter exit
         # finalizes under it and can abort. Nothing is open that needs closing yet.
         os._exit(stopped.exit_code)
-
-
-def _module_logs_to_stderr(fmt: str) -> None:
-    """Send the module-level loggers (model loader, engine) where the server's logs go.
-
-    NOTE: unconfigured structlog prints to stdout, which carries only the serving line.
-    """
-    import logging
-
-    import structlog
-
-    if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer: Any = (structlog.dev.ConsoleRenderer(colors=False) if fmt == "console"
-                     else structlog.processors.JSONRenderer())
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True), renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
 
 
 def _tenants_add(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ def _discard(event: EngineEvent) -> None:
 def _run(core: EngineCore, requests: list[Request]) -> None:
     for request in requests:
         core.add(request, _discard, internal=True)
-    while core.num_requests() > 0:
+    while core.has_work():
         core.step()
 
 
@@ -56,8 +56,8 @@ def run_warmup(core: EngineCore, progress: WarmupProgress | None = None) -> None
     """
     config = core.config
     vocab = core.tokens.vocab_size
-    page_size = core.cache.page_size
-    free = core.cache.num_free_pages()
+    page_size = core.page_size
+    free = core.num_free_pages()
     decode_steps = 3
 
     def prompt(n: int, salt: int) -> tuple[int, ...]:
@@ -92,5 +92,5 @@ def run_warmup(core: EngineCore, progress: WarmupProgress | None = None) -> None
         counter += size
         if progress is not None:
             progress(counter, total)
-    core.cache.purge_tenant(WARMUP_TENANT)
+    core.purge(WARMUP_TENANT)
     log.info("engine_warmup_done", requests=counter, steps=core.num_steps)
