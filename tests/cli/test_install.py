@@ -21,7 +21,7 @@ def _without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("module", "argv"), [
-    ("torch", ("serve", "--kv-memory", "lots")),
+    ("torch", ("serve", "--port", "0")),
     ("jinja2", ("models", "pull")),
 ])
 def test_server_command_on_the_client_install_names_the_extra(
