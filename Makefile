@@ -15,7 +15,8 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify bench model clean
+.PHONY: install protos lint typecheck test serve parity verify bench model clean gpu-wheels gpu-check \
+	cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +40,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvcache clients service protos
 
 test: $(STAMP) model lint typecheck
+	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 serve: $(STAMP) model
@@ -54,5 +56,47 @@ bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
 
+# Scale-out: 3 replicas + HAProxy (deploy/haproxy/haproxy.cfg) + Redis on 127.0.0.1.
+CLUSTER_TOOLS := haproxy redis-server
+
+cluster-deps:
+	@missing=""; for t in $(CLUSTER_TOOLS); do \
+	  command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "kvfence: installing$$missing (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
+	else echo "kvfence: needs$$missing: install with 'sudo apt-get install$$missing'"; exit 1; fi
+
+cluster: $(STAMP) model cluster-deps
+	$(PY) -m bench.cluster up
+
+cluster-down: $(STAMP)
+	$(PY) -m bench.cluster down
+
+cluster-verify: $(STAMP) model cluster-deps
+	$(PY) -m bench.cluster_verify
+
+# The GPU check (bench/gpu_check.py). It runs where the GPU is, under that machine's own
+# python3 and torch (no venv, no network): packages missing there travel as wheels in .whl/
+# (git-ignored), fetched here by `make gpu-wheels` and installed there into GPU_SITE.
+# On a GPU dev box with the venv: make gpu-check GPU_PYTHON=.venv/bin/python
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/kvfence-gpu-site
+WHEEL_DIR ?= .whl
+WHEEL_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d $(WHEEL_DIR) -r bench/gpu/wheels.txt
+	@du -sh $(WHEEL_DIR)
+
+gpu-check:
+	@if ls $(WHEEL_DIR)/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+			--upgrade --target $(GPU_SITE) $(WHEEL_DIR)/*.whl; fi
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+		$(GPU_PYTHON) bench/gpu_check.py
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .cluster

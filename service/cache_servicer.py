@@ -9,7 +9,7 @@ import grpc
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc
 from service.auth import current_tenant
 from service.engine import TenantUsage
-from service.limits import TenantLimiter
+from service.limits import Limiter
 from service.metrics import Metrics
 from service.tenants import Tenant
 
@@ -21,7 +21,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         purge: Callable[[str], Awaitable[int]],
         page_size: int,
         default_ttl_s: float,
-        limiter: TenantLimiter,
+        limiter: Limiter,
         metrics: Metrics,
     ) -> None:
         self._usage = usage

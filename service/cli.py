@@ -23,6 +23,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from clients import cli as client_cli
 from clients.cli_parser import add_command, new_parser, parse
@@ -75,8 +76,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          choices=["reassign", "always", "off"])
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
     _add(p, "--alert-tenant-kv-pages", 0, "warn when a tenant holds more pages (0 = off)", type=int)
-    _add(p, "--alert-request-kv-pages", 0, "warn when one request holds more pages (0 = off)",
-         type=int)
+    _add(
+        p,
+        "--alert-request-kv-pages",
+        0,
+        "warn when one request holds more pages (0 = off)",
+        type=int,
+    )
+    # Scale-out: cluster-wide tenant limits (see "Running more than one replica" in README).
+    _add(p, "--redis-url", None, "keep tenant rate/stream limits in Redis, shared by replicas")
+    _add(
+        p,
+        "--limits-on-redis-failure",
+        "open",
+        "Redis unreachable: open = this replica's own limits, closed = refuse (UNAVAILABLE)",
+        choices=["open", "closed"],
+    )
+    _add(p, "--stream-lease-ttl", 10.0, "seconds a crashed replica's streams count", type=float)
     p.set_defaults(func=_serve)
 
 
@@ -96,6 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         page_size=args.page_size, prefix_ttl_s=args.prefix_ttl, dtype=args.dtype,
         device=args.device))
+    cluster_limits = _cluster_limits(args)  # --redis-url, also before anything loads
 
     from service.logging import make_logger
     from service.serve import EngineSizing, ServeConfig, serve
@@ -119,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
+        cluster_limits=cluster_limits,
     )
     sizing = EngineSizing(
         kv_memory=args.kv_memory,
@@ -152,6 +170,23 @@ def _serve(args: argparse.Namespace) -> int:
         # NOTE: the abandoned loading thread may be inside torch; a normal interpreter exit
         # finalizes under it and can abort. Nothing is open that needs closing yet.
         os._exit(stopped.exit_code)
+
+
+def _cluster_limits(args: argparse.Namespace) -> Any:
+    if not args.redis_url:
+        return None
+    from service.cluster_limits import ClusterLimitsConfig
+
+    if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(f"--redis-url {args.redis_url!r}: use redis://HOST:PORT/DB")
+    try:
+        return ClusterLimitsConfig(
+            redis_url=args.redis_url,
+            on_redis_failure=args.limits_on_redis_failure,
+            lease_ttl_s=args.stream_lease_ttl,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _tenants_add(args: argparse.Namespace) -> int:

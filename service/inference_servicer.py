@@ -18,7 +18,7 @@ from service.auth import current_tenant
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
 from service.finish import finish_error, submit_error
-from service.limits import TenantLimiter
+from service.limits import Limiter
 from service.metrics import Metrics
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
@@ -49,7 +49,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self,
         engine: EngineLike,
         prompts: PromptBuilder,
-        limiter: TenantLimiter,
+        limiter: Limiter,
         metrics: Metrics,
         log: FilteringBoundLogger,
         options: InferenceOptions,
@@ -124,7 +124,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         check_context(len(prompt), stopping.max_tokens, model, out)
         raise_if(out)
 
-        lease = self._limiter.acquire(tenant.name, len(prompt) + stopping.max_tokens)
+        lease = await self._limiter.admit(tenant.name, len(prompt) + stopping.max_tokens)
         try:
             engine_request = Request(
                 request_id=request_id,
