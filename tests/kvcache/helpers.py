@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
+from kvcache import CacheConfig, FenceViolation, KVCacheManager, PagePool, StepAttention, StepEntry
 from kvcache.config import ScrubPolicy
 from kvcache.prefix_cache import KeyFn, chain_key
 
@@ -61,9 +61,29 @@ def prefill(
     return cached
 
 
+def grow(mgr: KVCacheManager, seq_id: str, n: int) -> None:
+    """``allocate_slots`` that must fit."""
+    fit = mgr.allocate_slots(seq_id, n)
+    assert fit.ok, fit
+
+
+def attn_of(mgr: KVCacheManager, entries: Sequence[StepEntry]) -> StepAttention:
+    """``begin_step`` whose every entry must pass the fence; returns its attention."""
+    plan = mgr.begin_step(entries)
+    assert not plan.refused and plan.attn is not None, plan.refused
+    return plan.attn
+
+
+def refusal(mgr: KVCacheManager, entry: StepEntry) -> FenceViolation:
+    """``begin_step`` of one entry that the fence must refuse; returns the violation."""
+    plan = mgr.begin_step([entry])
+    assert plan.attn is None and not plan.entries and len(plan.refused) == 1, plan
+    return plan.refused[0][1]
+
+
 def run_tokens(mgr: KVCacheManager, seq_id: str, start: int, n: int, fill: float) -> None:
-    mgr.allocate_slots(seq_id, n)
-    step = mgr.begin_step([StepEntry(seq_id, start, n)])
+    grow(mgr, seq_id, n)
+    step = attn_of(mgr, [StepEntry(seq_id, start, n)])
     pool = mgr.pool
     kv = torch.full((n, pool.num_kv_heads, pool.head_dim), fill)
     for layer in range(pool.num_layers):

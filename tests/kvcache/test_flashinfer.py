@@ -10,7 +10,7 @@ import torch
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
 from kvcache.backends.torch_backend import TorchBackend
 
-from .helpers import SECRET, FakeClock
+from .helpers import SECRET, FakeClock, attn_of, grow
 
 pytestmark = pytest.mark.cuda
 
@@ -42,10 +42,10 @@ def test_flashinfer_matches_torch(page_size: int) -> None:
         order = rng.sample(sorted(plans), len(plans))
         entries = []
         for s in order:
-            mgr.allocate_slots(s, plans[s][step_no])
+            grow(mgr, s, plans[s][step_no])
             entries.append(StepEntry(s, done[s], plans[s][step_no]))
         t = sum(e.num_new for e in entries)
-        step = mgr.begin_step(entries)
+        step = attn_of(mgr, entries)
         reference = torch_backend.prepare(step.metadata)
         for layer in range(layers):
             q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)

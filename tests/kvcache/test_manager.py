@@ -7,16 +7,16 @@ import torch
 
 from kvcache import InvalidRequest, StepEntry, UnknownSequence
 
-from .helpers import make_manager, prefill
+from .helpers import attn_of, grow, make_manager, prefill
 
 
 def test_metadata_is_flashinfer_csr() -> None:
     mgr, _ = make_manager(num_pages=16, page_size=4)
     mgr.open("a", "t", list(range(6)), use_prefix_cache=False)
     mgr.open("b", "u", list(range(9)), use_prefix_cache=False)
-    mgr.allocate_slots("a", 6)  # pages 0, 1
-    mgr.allocate_slots("b", 3)  # page 2
-    step = mgr.begin_step([StepEntry("b", 0, 3), StepEntry("a", 0, 6)])
+    grow(mgr, "a", 6)  # pages 0, 1
+    grow(mgr, "b", 3)  # page 2
+    step = attn_of(mgr, [StepEntry("b", 0, 3), StepEntry("a", 0, 6)])
     m = step.metadata
     assert m.qo_indptr.tolist() == [0, 3, 9]
     assert m.kv_indptr.tolist() == [0, 1, 3]
@@ -25,8 +25,8 @@ def test_metadata_is_flashinfer_csr() -> None:
     assert m.slot_mapping.tolist() == [8, 9, 10, 0, 1, 2, 3, 4, 5]
     assert m.qo_indptr.dtype == torch.int32 and m.slot_mapping.dtype == torch.int64
     mgr.commit("b", 3)
-    mgr.allocate_slots("b", 2)  # grows into page 3
-    m = mgr.begin_step([StepEntry("b", 3, 2)]).metadata
+    grow(mgr, "b", 2)  # grows into page 3
+    m = attn_of(mgr, [StepEntry("b", 3, 2)]).metadata
     assert m.kv_indices.tolist() == [2, 3]
     assert m.kv_last_page_len.tolist() == [1]
     assert m.slot_mapping.tolist() == [11, 12]
@@ -44,17 +44,17 @@ def test_bad_calls_raise_typed_errors() -> None:
     with pytest.raises(InvalidRequest):
         mgr.open("a", "t", [1])
     with pytest.raises(InvalidRequest):
-        mgr.begin_step([StepEntry("a", 0, 2)])  # no slots yet
-    mgr.allocate_slots("a", 3)
+        attn_of(mgr, [StepEntry("a", 0, 2)])  # no slots yet
+    grow(mgr, "a", 3)
     with pytest.raises(InvalidRequest):
-        mgr.begin_step([StepEntry("a", 1, 2)])  # num_computed disagrees
+        attn_of(mgr, [StepEntry("a", 1, 2)])  # num_computed disagrees
     with pytest.raises(InvalidRequest):
-        mgr.begin_step([StepEntry("a", 0, 1), StepEntry("a", 0, 1)])
+        attn_of(mgr, [StepEntry("a", 0, 1), StepEntry("a", 0, 1)])
     with pytest.raises(InvalidRequest):
         mgr.begin_step([])
     with pytest.raises(InvalidRequest):
         mgr.commit("a", 5)  # beyond slots and tokens
-    step = mgr.begin_step([StepEntry("a", 0, 3)])
+    step = attn_of(mgr, [StepEntry("a", 0, 3)])
     with pytest.raises(InvalidRequest):
         step(0, torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), torch.zeros(2, 1, 4))
     mgr.free("a")
@@ -68,8 +68,8 @@ def test_decode_loop_appends_and_caches_generated_pages() -> None:
     for tok in (4, 5, 6):
         mgr.append_token("a", tok)
         n = len(mgr.table("a").token_ids) - 1
-        mgr.allocate_slots("a", 1)
-        mgr.begin_step([StepEntry("a", n, 1)])
+        grow(mgr, "a", 1)
+        attn_of(mgr, [StepEntry("a", n, 1)])
         mgr.commit("a", n + 1)
     # tokens [1..6] computed: the first page [1,2,3,4] is cached
     assert mgr.usage("t").cached_prefixes == 1

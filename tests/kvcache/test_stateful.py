@@ -17,16 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache import (
-    FenceViolation,
-    OutOfPages,
-    PageRef,
-    QuotaExceeded,
-    StepEntry,
-    TenantCachePolicy,
-)
+from kvcache import FenceViolation, PageRef, StepEntry, TenantCachePolicy
 
-from .helpers import make_manager
+from .helpers import attn_of, make_manager, refusal
 
 PAGE_SIZE = 2
 NUM_PAGES = 16
@@ -53,14 +46,12 @@ class CacheMachine(RuleBasedStateMachine):
         table = self.mgr.table(seq_id)
         start = table.num_computed
         pages_before, free_before = len(table.pages), self.mgr.num_free_pages()
-        try:
-            self.mgr.allocate_slots(seq_id, n)
-        except (QuotaExceeded, OutOfPages):
+        if not self.mgr.allocate_slots(seq_id, n).ok:
             assert len(table.pages) == pages_before  # all or nothing
             # nothing was taken (only expired pages may have gone back to the pool)
             assert self.mgr.num_free_pages() >= free_before
             return
-        step = self.mgr.begin_step([StepEntry(seq_id, start, n)])
+        step = attn_of(self.mgr, [StepEntry(seq_id, start, n)])
         kv = torch.full((n, 1, 2), MARK[table.tenant])
         out = step(0, kv.clone(), kv, kv)
         # every key this sequence reads holds its own tenant's mark
@@ -150,7 +141,7 @@ class CacheMachine(RuleBasedStateMachine):
         table.pages.append(ref)
         try:
             with pytest.raises(FenceViolation):
-                self.mgr.begin_step([StepEntry(table.seq_id, table.num_computed, 1)])
+                attn_of(self.mgr, [StepEntry(table.seq_id, table.num_computed, 1)])
         finally:
             table.pages.pop()
         self.faults += 1
@@ -167,7 +158,7 @@ class CacheMachine(RuleBasedStateMachine):
         thief.pages.insert(0, data.draw(st.sampled_from(refs)))
         try:
             with pytest.raises(FenceViolation):
-                self.mgr.begin_step([StepEntry(thief.seq_id, thief.num_computed, 1)])
+                attn_of(self.mgr, [StepEntry(thief.seq_id, thief.num_computed, 1)])
         finally:
             thief.pages.pop(0)
         self.faults += 1
