@@ -105,23 +105,22 @@ class KVCacheManager:
         if not token_ids:
             raise InvalidRequest("token_ids must be non-empty")
         self.evict_expired()
-        table = PageTable(seq_id, tenant, list(token_ids), self.page_size, use_prefix_cache)
+        table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)
+        cached = 0
         if self._caching(table):
-            self._self_match(table)
+            self._self_match(table, token_ids)
             table.num_cached_pages = len(table.pages)
-            table.num_computed = len(table.pages) * self.page_size
-            self._counters.add_lookup(
-                tenant, table.num_computed, len(token_ids) - table.num_computed
-            )
+            cached = len(table.pages) * self.page_size
+            self._counters.add_lookup(tenant, cached, len(token_ids) - cached)
         self._tables[seq_id] = table
-        return table.num_computed
+        return cached
 
-    def _self_match(self, table: PageTable) -> None:
+    def _self_match(self, table: PageTable, token_ids: Sequence[int]) -> None:
         """Take refs on the tenant's cached pages of the table's prefix, in chain order."""
         tenant = table.tenant
         try:
-            for index in range((len(table.token_ids) - 1) // self.page_size):
-                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(index))
+            for index in range((len(token_ids) - 1) // self.page_size):
+                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(token_ids, index))
                 if entry is None:
                     break
                 # NOTE: share() is the owner check behind the key-space separation.
@@ -136,10 +135,6 @@ class KVCacheManager:
                 if self.allocator.release(ref, tenant, table.seq_id) == 0:
                     self.evictable.push(ref.page_id, tenant, expires_at)
             raise
-
-    def append_token(self, seq_id: str, token_id: int) -> None:
-        """Record a sampled token; its KV is written by a later step."""
-        self._table(seq_id).token_ids.append(token_id)
 
     def num_cached_tokens(self, seq_id: str) -> int:
         """Tokens of the sequence that are in (or were served from) the prefix cache."""
@@ -163,22 +158,22 @@ class KVCacheManager:
             return Allocation(False, "out_of_pages", needed, available), 0
         return FITS, quota_evictions
 
-    def can_allocate(self, seq_id: str, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
         """Whether ``allocate_slots`` would fit now (counting evictable pages)."""
         table = self._table(seq_id)
-        needed = table.pages_needed(table.num_computed + num_new_tokens)
+        needed = table.pages_needed(num_tokens)
         return self._plan_reserve(table.tenant, needed)[0].ok
 
-    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> Allocation:
-        """Give tokens ``[0, num_computed + num_new_tokens)`` slots, all or nothing.
+    def allocate_slots(self, seq_id: str, num_tokens: int) -> Allocation:
+        """Give tokens ``[0, num_tokens)`` slots, all or nothing.
 
         Evicts expired, then (under quota) the tenant's own, then LRU unreferenced cached
         pages as needed. Returns ``Allocation(ok=False, reason=...)`` having allocated
         nothing when the tenant's quota or the pool cannot hold it."""
-        if num_new_tokens < 0:
-            raise InvalidRequest(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_tokens < 0:
+            raise InvalidRequest(f"num_tokens must be >= 0, got {num_tokens}")
         table = self._table(seq_id)
-        needed = table.pages_needed(table.num_computed + num_new_tokens)
+        needed = table.pages_needed(num_tokens)
         if needed == 0:
             return FITS
         self.evict_expired()
@@ -240,19 +235,21 @@ class KVCacheManager:
             attn = StepAttention(metadata, self.pool, self._backend.prepare(metadata))
         return StepPlan(tuple(passed), attn, tuple(refused))
 
-    def commit(self, seq_id: str, num_computed: int) -> None:
-        """Tokens ``[0, num_computed)`` now have KV; full pages enter the prefix cache."""
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Tokens ``[0, num_computed)`` of ``token_ids`` (the sequence's tokens, owned by the
+        caller) now have KV; full pages enter the prefix cache."""
         table = self._table(seq_id)
-        if not table.num_computed <= num_computed <= min(table.num_slots, len(table.token_ids)):
+        cached = table.num_cached_pages * self.page_size
+        if not cached <= num_computed <= min(table.num_slots, len(token_ids)):
             raise InvalidRequest(
                 f"commit of {num_computed} tokens for {seq_id!r} outside "
-                f"[{table.num_computed}, {min(table.num_slots, len(table.token_ids))}]"
+                f"[{cached}, {min(table.num_slots, len(token_ids))}]"
             )
-        table.num_computed = num_computed
         while self._caching(table) and table.num_cached_pages < num_computed // self.page_size:
             index = table.num_cached_pages
             page_id = table.pages[index].page_id
-            entry = self.prefix.insert(table.tenant, table.chain, table.page_tokens(index), page_id)
+            tokens = table.page_tokens(token_ids, index)
+            entry = self.prefix.insert(table.tenant, table.chain, tokens, page_id)
             if entry is None:
                 table.chain_open = False  # collision: stop caching this sequence's pages
                 break

@@ -135,12 +135,12 @@ class Scheduler:
         """After the forward: the entries' new tokens have KV (full pages enter the cache)."""
         for e in entries:
             e.seq.num_computed += e.num_new
-            self._cache.commit(e.seq.seq_id, e.seq.num_computed)
+            self._cache.commit(e.seq.seq_id, e.seq.token_ids, e.seq.num_computed)
 
     def append(self, seq: SeqState, token: int) -> None:
-        """Record a sampled token; its KV is written by a later step."""
+        """Record a sampled token (the sequence owns its tokens; the cache reads them at
+        commit); its KV is written by a later step."""
         seq.token_ids.append(token)
-        self._cache.append_token(seq.seq_id, token)
 
     def finish(self, seq: SeqState) -> None:
         """Take ``seq`` out of the queues and free its pages (waiting ones hold none)."""
@@ -197,7 +197,7 @@ class Scheduler:
     ) -> bool:
         """Grow ``seq``'s slots, preempting newer sequences as needed. False if ``seq`` left."""
         while True:
-            fit = self._cache.allocate_slots(seq.seq_id, num_new)
+            fit = self._cache.allocate_slots(seq.seq_id, seq.num_computed + num_new)
             if fit.ok:
                 return True
             if fit.reason == "out_of_pages":
@@ -255,7 +255,7 @@ class Scheduler:
             seq.in_cache = True
             seq.num_computed = cached
             num_new = self._chunk(seq, budget)
-            fit = self._cache.allocate_slots(seq.seq_id, num_new)
+            fit = self._cache.allocate_slots(seq.seq_id, seq.num_computed + num_new)
             if not fit.ok:
                 self._close(seq)
                 if fit.reason == "out_of_pages":

@@ -57,13 +57,13 @@ def prefill(
     """Open, allocate, run one step that writes ``fill`` as K and V in every layer, commit.
     Returns the cached token count."""
     cached = mgr.open(seq_id, tenant, tokens, use_prefix_cache=use_prefix_cache)
-    run_tokens(mgr, seq_id, cached, len(tokens) - cached, fill)
+    run_tokens(mgr, seq_id, tokens, cached, len(tokens) - cached, fill)
     return cached
 
 
-def grow(mgr: KVCacheManager, seq_id: str, n: int) -> None:
-    """``allocate_slots`` that must fit."""
-    fit = mgr.allocate_slots(seq_id, n)
+def grow(mgr: KVCacheManager, seq_id: str, num_tokens: int) -> None:
+    """``allocate_slots`` (tokens ``[0, num_tokens)``) that must fit."""
+    fit = mgr.allocate_slots(seq_id, num_tokens)
     assert fit.ok, fit
 
 
@@ -81,14 +81,17 @@ def refusal(mgr: KVCacheManager, entry: StepEntry) -> FenceViolation:
     return plan.refused[0][1]
 
 
-def run_tokens(mgr: KVCacheManager, seq_id: str, start: int, n: int, fill: float) -> None:
-    grow(mgr, seq_id, n)
+def run_tokens(
+    mgr: KVCacheManager, seq_id: str, tokens: Sequence[int], start: int, n: int, fill: float
+) -> None:
+    """Compute tokens ``[start, start + n)`` of ``tokens`` writing ``fill``, then commit."""
+    grow(mgr, seq_id, start + n)
     step = attn_of(mgr, [StepEntry(seq_id, start, n)])
     pool = mgr.pool
     kv = torch.full((n, pool.num_kv_heads, pool.head_dim), fill)
     for layer in range(pool.num_layers):
         step(layer, kv.clone(), kv, kv)
-    mgr.commit(seq_id, start + n)
+    mgr.commit(seq_id, tokens, start + n)
 
 
 def page_data(mgr: KVCacheManager, page_id: int) -> torch.Tensor:

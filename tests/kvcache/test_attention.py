@@ -65,7 +65,7 @@ def test_paged_matches_dense_for_mixed_batches(
         for s in rng.sample(sorted(lengths), len(lengths)):
             if chunk_plan[s]:
                 n = chunk_plan[s].pop(0)
-                grow(mgr, s, n)
+                grow(mgr, s, done[s] + n)
                 entries.append(StepEntry(s, done[s], n))
         step = attn_of(mgr, entries)
         for layer in range(num_layers):
@@ -93,7 +93,7 @@ def test_paged_matches_dense_for_mixed_batches(
                 row += e.num_new
         for e in entries:
             done[e.seq_id] += e.num_new
-            mgr.commit(e.seq_id, done[e.seq_id])
+            mgr.commit(e.seq_id, range(lengths[e.seq_id]), done[e.seq_id])
     assert done == {"s0": 37, "s1": 21, "s2": 5, "s3": 50}
     assert worst <= 1e-5
 
@@ -110,11 +110,11 @@ def test_decode_only_batch_matches_dense() -> None:
         qkv = [torch.randn(n, h, HEAD_DIM) for h in (4, 2, 2)]
         attn_of(mgr, [StepEntry(s, 0, n)])(0, *qkv)
         dense[s](0, *qkv)
-        mgr.commit(s, n)
+        mgr.commit(s, range(n + 3), n)
     for _ in range(3):
         entries = []
         for s in ("c", "a", "b"):
-            grow(mgr, s, 1)
+            grow(mgr, s, lens[s] + 1)
             entries.append(StepEntry(s, lens[s], 1))
         q, k, v = (
             torch.randn(3, 4, HEAD_DIM),
@@ -126,7 +126,7 @@ def test_decode_only_batch_matches_dense() -> None:
             ref = dense[e.seq_id](0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
             torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=0)
             lens[e.seq_id] += 1
-            mgr.commit(e.seq_id, lens[e.seq_id])
+            mgr.commit(e.seq_id, range(lens[e.seq_id]), lens[e.seq_id])
 
 
 def test_attention_reads_only_own_pages() -> None:
@@ -139,10 +139,10 @@ def test_attention_reads_only_own_pages() -> None:
     for s in ("mine", "other"):
         grow(mgr, s, 6)
         attn_of(mgr, [StepEntry(s, 0, 6)])(0, *[torch.randn(6, 1, HEAD_DIM) for _ in range(3)])
-        mgr.commit(s, 6)
+        mgr.commit(s, range(10), 6)
     own = {r.page_id for r in mgr.sequence_pages("mine")}
     q, k, v = (torch.randn(1, 1, HEAD_DIM) for _ in range(3))
-    grow(mgr, "mine", 1)
+    grow(mgr, "mine", 7)
     before = attn_of(mgr, [StepEntry("mine", 6, 1)])(0, q, k, v)
     for page in range(32):
         if page not in own:

@@ -58,7 +58,7 @@ def paged_greedy(
             if len(out[s]) == new_tokens:
                 continue
             n = min(chunk, len(tokens[s]) - computed[s])
-            grow(mgr, s, n)
+            grow(mgr, s, computed[s] + n)
             entries.append(StepEntry(s, computed[s], n))
             ids.extend(tokens[s][computed[s] : computed[s] + n])
             positions.extend(range(computed[s], computed[s] + n))
@@ -70,12 +70,11 @@ def paged_greedy(
         logits = model(torch.tensor(ids), torch.tensor(positions), attn, rows)
         for e in entries:
             computed[e.seq_id] += e.num_new
-            mgr.commit(e.seq_id, computed[e.seq_id])
+            mgr.commit(e.seq_id, tokens[e.seq_id], computed[e.seq_id])
         for s, row in zip(sampled, logits, strict=True):
             token = int(row.argmax())
             out[s].append(token)
-            tokens[s].append(token)
-            mgr.append_token(s, token)
+            tokens[s].append(token)  # the caller owns the tokens; the cache reads them at commit
     for s in prompts:
         mgr.free(s)
     return out

@@ -42,7 +42,7 @@ def test_flashinfer_matches_torch(page_size: int) -> None:
         order = rng.sample(sorted(plans), len(plans))
         entries = []
         for s in order:
-            grow(mgr, s, plans[s][step_no])
+            grow(mgr, s, done[s] + plans[s][step_no])
             entries.append(StepEntry(s, done[s], plans[s][step_no]))
         t = sum(e.num_new for e in entries)
         step = attn_of(mgr, entries)
@@ -56,4 +56,4 @@ def test_flashinfer_matches_torch(page_size: int) -> None:
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         for e in entries:
             done[e.seq_id] += e.num_new
-            mgr.commit(e.seq_id, done[e.seq_id])
+            mgr.commit(e.seq_id, range(sum(plans[e.seq_id])), done[e.seq_id])
