@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import traceback
 import uuid
@@ -64,14 +65,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._opts = options
         self._is_draining = is_draining
         self._clock = clock
-        self._active: set[str] = set()  # request ids submitted to the engine, not finished
-
-    def abort_all(self) -> int:
-        """Abort every in-flight request in the engine (drain); returns how many."""
-        ids = list(self._active)
-        for request_id in ids:
-            self._engine.abort(request_id)
-        return len(ids)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -157,13 +150,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         log: FilteringBoundLogger,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         label = self._metrics.label(tenant.name)
-        finished = False
-        self._active.add(req.request_id)
         try:
-            try:
-                events = await self._engine.submit(req)
-            except EngineError as exc:
-                raise submit_error(exc) from None
+            events = await self._engine.submit(req)
+        except EngineError as exc:
+            raise submit_error(exc) from None
+        # NOTE: closing the engine's stream before its Finished is the one abort path
+        # (Engine.abort frees the pages at the next step boundary); aclosing closes it at
+        # once when this RPC is cancelled, past its deadline, or the stream breaks.
+        async with contextlib.aclosing(events):
             last = self._clock()
             completion = 0
             alerted = False
@@ -186,13 +180,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     )
                     yield responses.chunk(event, self._prompts.token_text)
                 else:
-                    finished = True
                     yield self._finish(event, tenant, log, "".join(output))
-        finally:
-            self._active.discard(req.request_id)
-            if not finished:
-                # Cancelled, past its deadline, or the stream broke: free the pages now.
-                self._engine.abort(req.request_id)
 
     def _finish(
         self, event: Finished, tenant: Tenant, log: FilteringBoundLogger, output: str
