@@ -39,9 +39,9 @@ from kvcache.stats import CacheStats, TenantUsage
 from kvcache.step import StepAttention
 
 __all__ = [
+    "Allocation",
     "AttentionBackend",
     "AttentionFn",
-    "Allocation",
     "AttentionMetadata",
     "CacheConfig",
     "CacheStats",

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import grpc
 from structlog.typing import FilteringBoundLogger
 
-from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+from protos.kvfence.v1 import inference_pb2
 from service import responses
-from service.auth import current_tenant
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
 from service.finish import finish_error, submit_error
@@ -45,7 +44,7 @@ class InferenceOptions:
     alert_request_kv_pages: int = 0  # 0 = off
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+class InferenceServicer:
     def __init__(
         self,
         engine: EngineLike,
@@ -67,9 +66,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._clock = clock
 
     async def Generate(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        tenant = current_tenant()
         request_id = uuid.uuid4().hex
         log = self._log.bind(tenant=tenant.name, request_id=request_id, peer=context.peer())
         code = "CANCELLED"
@@ -230,9 +231,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return " ".join(map(str, request.token_ids.ids))
 
     async def Tokenize(
-        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.TokenizeRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> inference_pb2.TokenizeResponse:
-        tenant = current_tenant()
         code = "OK"
         try:
             limit = prompt_token_limit(self._prompts.model, tenant.quotas.max_prompt_tokens)
@@ -259,9 +262,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._metrics.requests.labels(self._metrics.label(tenant.name), "Tokenize", code).inc()
 
     async def ListModels(
-        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.ListModelsRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> inference_pb2.ListModelsResponse:
-        tenant = current_tenant()
         self._metrics.requests.labels(self._metrics.label(tenant.name), "ListModels", "OK").inc()
         models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
         return inference_pb2.ListModelsResponse(models=models)

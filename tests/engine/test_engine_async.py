@@ -123,7 +123,9 @@ def test_abort_all_finishes_running_and_waiting_requests(tiny: LoadedModel) -> N
     try:
 
         async def main() -> tuple[int, list[EngineEvent], list[EngineEvent], list[EngineEvent]]:
-            run = await engine.submit(req("run", prompt_ids(1, 10, V), max_tokens=10_000, ignore_eos=True))
+            run = await engine.submit(
+                req("run", prompt_ids(1, 10, V), max_tokens=10_000, ignore_eos=True)
+            )
             await run.__anext__()  # admitted
             queued = await engine.submit(req("queued", [5, 6], max_tokens=3))
             aborted = await engine.abort_all()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from kvcache import Allocation, TenantCachePolicy
 
 from .helpers import grow, make_manager, prefill
