@@ -25,7 +25,9 @@ from service.startup import StartupInterrupted, until_stopped
 from service.tenants import TenantRegistry, load_tenants
 
 if TYPE_CHECKING:
+    from kvcache import CacheConfig
     from service.engine.engine import Engine
+    from service.engine.types import EngineConfig
     from service.model.loader import LoadedModel
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,30 @@ class EngineSizing:
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
+
+
+def cache_config(sizing: EngineSizing) -> CacheConfig:
+    """The KV cache's config, derived from the serve flags (raises ValueError if bad)."""
+    from kvcache import CacheConfig
+
+    return CacheConfig(
+        page_size=sizing.page_size,
+        scrub_policy=sizing.scrub_policy,
+        default_ttl_s=sizing.prefix_ttl_s,
+    )
+
+
+def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
+    """The engine's config, derived from the serve flags; ``max_model_len`` 0 means the
+    model's own length (the engine caps larger values to it)."""
+    from service.engine.types import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=sizing.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
+        max_model_len=sizing.max_model_len or model_len,
+        warmup=sizing.warmup,
+    )
 
 
 @dataclass(slots=True)
@@ -65,32 +91,20 @@ def build_server(
     clock: Callable[[], float] = time.monotonic,
 ) -> Stack:
     """Size the KV pool, start (warm up) the engine and build the server around it."""
-    from kvcache import CacheConfig
     from service.engine.factory import build_engine
-    from service.engine.types import EngineConfig
 
     cfg = loaded.model.config
     try:
-        cache_config = CacheConfig(
-            page_size=sizing.page_size,
-            scrub_policy=sizing.scrub_policy,
-            default_ttl_s=sizing.prefix_ttl_s,
-        )
-        engine_config = EngineConfig(
-            max_num_seqs=sizing.max_num_seqs,
-            max_num_batched_tokens=sizing.max_num_batched_tokens,
-            # 0 = the model's own length; the engine caps larger values to the model's.
-            max_model_len=sizing.max_model_len or cfg.max_position_embeddings,
-            warmup=sizing.warmup,
-        )
+        cache = cache_config(sizing)
+        engine_cfg = engine_config(sizing, cfg.max_position_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     kind, amount = parse_kv_memory(sizing.kv_memory)
     try:
         engine = build_engine(
             loaded,
-            engine_config,
-            cache_config,
+            engine_cfg,
+            cache,
             kv_fraction=amount if kind == "fraction" else None,
             kv_bytes=int(amount) if kind == "bytes" else None,
             clock=clock,

@@ -244,7 +244,7 @@ class KVFenceServer:
         await self._health.enter_graceful_shutdown()
         self._log.info("server.draining", in_flight=self.limiter.total_active(), grace_s=grace)
         await self._wait_idle(grace)
-        aborted = self.inference.abort_all()
+        aborted = await self._engine.abort_all()
         await self._wait_idle(5.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)

@@ -18,7 +18,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TypeVar
 
 import structlog
@@ -102,7 +102,7 @@ class Engine:
         self._counters = self._core.counters()
 
     # ---- requests ----------------------------------------------------------------------------
-    async def submit(self, request: Request) -> AsyncIterator[EngineEvent]:
+    async def submit(self, request: Request) -> AsyncGenerator[EngineEvent, None]:
         """Queue ``request`` and return its event stream: Admitted, Delta..., Finished.
 
         Raises QueueFull, InvalidRequest or RequestTooLarge once the engine thread has
@@ -128,7 +128,7 @@ class Engine:
 
     async def _stream(
         self, request_id: str, events: asyncio.Queue[EngineEvent]
-    ) -> AsyncIterator[EngineEvent]:
+    ) -> AsyncGenerator[EngineEvent, None]:
         finished = False
         try:
             while True:
@@ -145,6 +145,10 @@ class Engine:
         """Finish the request with reason "abort" at the next step boundary. Unknown ids
         are ignored. Does not wait."""
         self._post(lambda core: core.abort(request_id))
+
+    async def abort_all(self) -> int:
+        """Finish every request with reason "abort" (drain); returns how many there were."""
+        return await self._ask(lambda core: core.finish_all("abort"))
 
     # ---- tenants and queries -----------------------------------------------------------------
     def set_tenant_policy(
