@@ -10,7 +10,7 @@ from service.cluster_limits import DEFAULT_FAILURE_MODE, ClusterLimitsConfig
 
 
 def _parse(*argv: str) -> ClusterLimitsConfig | None:
-    args = cli.build_parser().parse_args(["serve", *argv])
+    args = cli.parse_args(["serve", *argv])
     result: ClusterLimitsConfig | None = cli._cluster_limits(args)
     return result
 
