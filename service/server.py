@@ -24,12 +24,13 @@ from structlog.typing import FilteringBoundLogger
 from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator, AuthInterceptor
 from service.cache_servicer import CacheServicer
+from service.cluster_limits import ClusterLimitsConfig, build_cluster_limiter
 from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.engine.grammar import GrammarCompiler
 from service.http.front import FrontDeps, OpenAIFront
 from service.http.server import HttpServer
 from service.inference_servicer import InferenceOptions, InferenceServicer
-from service.limits import TenantLimiter
+from service.limits import Limiter, TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import EngineLike
@@ -70,6 +71,7 @@ class ServerOptions:
     stats_interval_s: float = 1.0
     http_host: str | None = None  # None = ``host``
     http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
+    cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,13 @@ class KVFenceServer:
         self.metrics = Metrics(registry.names())
         self.metrics_server: MetricsServer | None = None
         self.authenticator = Authenticator(registry)
-        self.limiter = TenantLimiter(clock)
+        self.limiter: Limiter = (
+            TenantLimiter(clock)
+            if options.cluster_limits is None
+            else build_cluster_limiter(
+                options.cluster_limits, registry=self.metrics.registry, log=log, clock=clock
+            )
+        )
         self.port = 0
         self.http: HttpServer | None = None
         self.http_front: OpenAIFront | None = None
@@ -205,6 +213,7 @@ class KVFenceServer:
             await self._start_http()
         await self.refresh_stats()
         self._stats_task = asyncio.create_task(self._stats_loop())
+        await self.limiter.start()
         return self.port
 
     async def _start_http(self) -> None:
@@ -274,9 +283,7 @@ class KVFenceServer:
         await self._health.enter_graceful_shutdown()
         self._log.info("server.draining", in_flight=self.limiter.total_active(), grace_s=grace)
         await self._wait_idle(grace)
-        aborted = self.inference.abort_all()
-        if self.http_front is not None:
-            aborted += self.http_front.abort_all()
+        aborted = await self._engine.abort_all()
         await self._wait_idle(5.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)
@@ -292,6 +299,7 @@ class KVFenceServer:
         if self.http is not None:
             await self.http.stop()
             self.http = None
+        await self.limiter.close()
         if self._server is not None:
             await self._server.stop(grace=None)
         if self.metrics_server is not None:

@@ -37,7 +37,7 @@ from service.http import render
 from service.http.errors import error_body, error_response
 from service.http.generation import Generation
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
-from service.limits import TenantLimiter
+from service.limits import Limiter
 from service.metrics import Metrics
 from service.prepare import prepare_request
 from service.prompt import PromptBuilder
@@ -55,7 +55,7 @@ class FrontDeps:
 
     engine: EngineLike
     prompts: PromptBuilder
-    limiter: TenantLimiter
+    limiter: Limiter
     authenticator: Authenticator
     metrics: Metrics
     log: FilteringBoundLogger
@@ -68,7 +68,6 @@ class FrontDeps:
 class OpenAIFront:
     def __init__(self, deps: FrontDeps) -> None:
         self._d = deps
-        self._active: set[Generation] = set()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -80,14 +79,6 @@ class OpenAIFront:
             ],
             exception_handlers={404: _not_found, 405: _not_allowed},
         )
-
-    def abort_all(self) -> int:
-        """Drain: abort every in-flight HTTP generation (pages freed in the next step); each
-        response then ends with a 503 error."""
-        active = list(self._active)
-        for gen in active:
-            gen.abort()
-        return len(active)
 
     async def health(self, request: HttpRequest) -> Response:
         if self._d.is_draining():
@@ -148,7 +139,6 @@ class OpenAIFront:
             return error_response(internal("SERVER"))
         log.info("http.accepted", endpoint=endpoint, prompt_tokens=len(base.prompt_ids),
                  max_tokens=base.stopping.max_tokens, n=opts.n, stream=opts.stream)
-        self._active.add(gen)
         ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
         head = render.ChunkHeader(
             endpoint, ident, int(self._d.wall()), self._d.prompts.model.name, opts.include_usage
@@ -170,7 +160,6 @@ class OpenAIFront:
             return error_response(internal("SERVER"))
         finally:
             gen.close()
-            self._active.discard(gen)
         if body is None:  # the client went away; its pages are already being freed
             self._count(tenant_name, method, "CANCELLED")
             return Response(status_code=499)
@@ -234,7 +223,6 @@ class OpenAIFront:
             yield _sse_data(error_body(internal("SERVER")))
         finally:
             gen.close()
-            self._active.discard(gen)
             self._count(tenant, method, code)
 
     def _check_finish(self, event: Finished) -> None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from service.engine.types import Delta, EngineError, EngineEvent, Finished, Request
 from service.errors import ServiceError
 from service.finish import submit_error
-from service.limits import Lease, TenantLimiter
+from service.limits import LeaseLike, Limiter
 from service.protocols import EngineLike
 
 
@@ -25,14 +25,14 @@ class Generation:
     def __init__(
         self,
         engine: EngineLike,
-        limiter: TenantLimiter,
+        limiter: Limiter,
         base: Request,
         n: int,
     ) -> None:
         self._engine = engine
         self._requests = [_nth(base, i, n) for i in range(n)]
         self._limiter = limiter
-        self._leases: list[Lease] = []
+        self._leases: list[LeaseLike] = []
         self._queue: asyncio.Queue[tuple[int, EngineEvent | ServiceError]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._finished: set[int] = set()
@@ -48,7 +48,7 @@ class Generation:
         cost = len(base.prompt_ids) + base.stopping.max_tokens
         try:
             for _ in self._requests:
-                self._leases.append(self._limiter.acquire(base.tenant, cost))
+                self._leases.append(await self._limiter.admit(base.tenant, cost))
             await self._submit(0)
         except BaseException:
             self.close()
@@ -68,6 +68,10 @@ class Generation:
             self._queue.put_nowait((i, event))
             if i == 0 and not self._rest_started and isinstance(event, Delta | Finished):
                 self._rest_started = True
+                if isinstance(event, Finished) and event.reason not in ("stop", "length"):
+                    # Aborted (drain, deadline) or failed: the caller ends the response on
+                    # this event; submitting the rest would only start work nobody reads.
+                    continue
                 for j in range(1, len(self._requests)):
                     try:
                         await self._submit(j)
