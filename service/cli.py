@@ -83,6 +83,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--device", "cpu", "torch device (cpu, cuda, cuda:1)")
     _add(
         p,
+        "--weights",
+        "auto",
+        "decode weights: auto keeps the file's 4/8-bit blocks on CPU; bf16, int4, int8",
+        choices=["auto", "bf16", "int4", "int8"],
+    )
+    _add(
+        p,
         "--scrub-policy",
         "reassign",
         "when KV pages are zeroed",
@@ -139,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         dtype=args.dtype,
         device=args.device,
+        weights=args.weights,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,
     )
