@@ -40,11 +40,19 @@ def main() -> None:
     torch.set_num_threads(threads)
     loaded = load_model(default_model_file(), weights=args.weights, progress=False)
     engine_s, raw_s = measure_step_overhead(loaded, 1, args.context, repeats=args.repeats)
-    print(json.dumps({
-        "weights": args.weights, "resolved": loaded.weights, "threads": threads,
-        "context": args.context, "engine_step_ms": round(1000 * engine_s, 2),
-        "raw_forward_ms": round(1000 * raw_s, 2), **{k: round(v, 1) for k, v in rss_mib().items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "weights": args.weights,
+                "resolved": loaded.weights,
+                "threads": threads,
+                "context": args.context,
+                "engine_step_ms": round(1000 * engine_s, 2),
+                "raw_forward_ms": round(1000 * raw_s, 2),
+                **{k: round(v, 1) for k, v in rss_mib().items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ N_BATCH = 512
 @dataclass(slots=True)
 class _Slot:
     work: Work
-    out: list[int]          # the request's generated ids, appended as they are sampled
-    fed: int = 0            # prompt tokens already placed in a batch
-    generated: int = 0      # tokens sampled so far
-    last: int = 0           # last sampled token, fed on the next step
-    index: int = 0          # the request's position in the work list
+    out: list[int]  # the request's generated ids, appended as they are sampled
+    fed: int = 0  # prompt tokens already placed in a batch
+    generated: int = 0  # tokens sampled so far
+    last: int = 0  # last sampled token, fed on the next step
+    index: int = 0  # the request's position in the work list
 
 
 def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -47,8 +47,14 @@ class LlamaCppRunner:
     """One model + context with `n_seq` parallel sequences of up to `max_len` tokens each."""
 
     def __init__(
-        self, gguf: Path, n_seq: int, threads: int, max_len: int = 512, *,
-        kv_unified: bool = False, flash_attn: bool | None = None,
+        self,
+        gguf: Path,
+        n_seq: int,
+        threads: int,
+        max_len: int = 512,
+        *,
+        kv_unified: bool = False,
+        flash_attn: bool | None = None,
     ) -> None:
         import llama_cpp
 
@@ -71,7 +77,8 @@ class LlamaCppRunner:
         cparams.kv_unified = kv_unified
         if flash_attn is not None:
             cparams.flash_attn_type = (
-                llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                if flash_attn
                 else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             )
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
@@ -166,6 +173,8 @@ def run_llamacpp(runner: LlamaCppRunner, work: Sequence[Work]) -> Throughput:
     runner.generate(work)
     wall = time.perf_counter() - start
     return throughput(
-        f"llama.cpp n_seq={runner.n_seq}", work, wall,
+        f"llama.cpp n_seq={runner.n_seq}",
+        work,
+        wall,
         f"batched llama_decode, {runner.n_seq} slots, n_batch={N_BATCH}, threads={runner.threads}",
     )

@@ -85,9 +85,15 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
         ids = torch.tensor([w.prompt_ids])
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           max_new_tokens=w.max_tokens, min_new_tokens=w.max_tokens,
-                           do_sample=False, pad_token_id=0, logits_processor=[stamp])
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=w.max_tokens,
+                min_new_tokens=w.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=[stamp],
+            )
         return sample(start, stamps)
 
     return one
@@ -115,16 +121,21 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
     vocab = gguf_vocab_size(path)
     tokens = 32 if quick else 128
     runs = 3
-    work = [random_work(100 + r, 1, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
-            for r in range(runs + 1)]  # work[0] warms every system up
-    sizing = Sizing(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512,
-                    kv_bytes=64 << 20)
+    work = [
+        random_work(100 + r, 1, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab) for r in range(runs + 1)
+    ]  # work[0] warms every system up
+    sizing = Sizing(
+        max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512, kv_bytes=64 << 20
+    )
     auto = load_model(str(path), weights="auto", progress=False)
     dense = load_model(str(path), weights="bf16", progress=False)
     dtype = str(auto.dtype).removeprefix("torch.")
     samples: dict[str, list[Sample]] = {}
     async with grpc_server(auto, ["bench"], sizing) as (target, keys, _):
-        with started_engine(auto, sizing) as engine_auto, started_engine(dense, sizing) as engine_bf16:
+        with (
+            started_engine(auto, sizing) as engine_auto,
+            started_engine(dense, sizing) as engine_bf16,
+        ):
 
             async def inproc(engine: Any, w: Work) -> Sample:
                 _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
@@ -147,8 +158,11 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
                     got = await result if asyncio.iscoroutine(result) else result
                     if r > 0:
                         samples.setdefault(name, []).append(got)
-                        print(f"[{SUITE}] run {r} {name}: TTFT {1000 * got.ttft_s:.1f} ms, "
-                              f"{got.decode_tok_s:.1f} tok/s", flush=True)
+                        print(
+                            f"[{SUITE}] run {r} {name}: TTFT {1000 * got.ttft_s:.1f} ms, "
+                            f"{got.decode_tok_s:.1f} tok/s",
+                            flush=True,
+                        )
     return samples, dtype
 
 
@@ -169,24 +183,41 @@ def run(quick: bool = False) -> dict[str, Any]:
     overhead = [i.decode_tok_s / g.decode_tok_s for g, i in zip(grpc, inproc, strict=True)]
     targets = [
         Target("single-stream gRPC decode vs llama.cpp tg128 (worst run)", min(vs_llama), 1.0),
-        Target("gRPC per-token time / in-process (worst run)", max(overhead), 1.15,
-               higher_is_better=False),
+        Target(
+            "gRPC per-token time / in-process (worst run)",
+            max(overhead),
+            1.15,
+            higher_is_better=False,
+        ),
     ]
     names = list(figures)
-    plot = bar_plot(out, f"{SUITE}_decode", names,
-                    [figures[n]["decode_tok_s"]["median"] for n in names],
-                    "Single-stream decode (median of runs)", "tokens/s")
-    md = "\n\n".join([
-        f"# Single-stream decode{' (quick)' if quick else ''}",
-        f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(grpc)} interleaved "
-        f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. "
-        "Figures: median [min–max]; targets judged on the worst run.",
-        md_table(("system", "TTFT ms", "decode tok/s"), rows),
-        targets_table(targets),
-        f"![decode]({plot})",
-    ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "dtype": dtype,
-            "systems": figures, "targets": targets}
+    plot = bar_plot(
+        out,
+        f"{SUITE}_decode",
+        names,
+        [figures[n]["decode_tok_s"]["median"] for n in names],
+        "Single-stream decode (median of runs)",
+        "tokens/s",
+    )
+    md = "\n\n".join(
+        [
+            f"# Single-stream decode{' (quick)' if quick else ''}",
+            f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(grpc)} interleaved "
+            f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. "
+            "Figures: median [min–max]; targets judged on the worst run.",
+            md_table(("system", "TTFT ms", "decode tok/s"), rows),
+            targets_table(targets),
+            f"![decode]({plot})",
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "dtype": dtype,
+        "systems": figures,
+        "targets": targets,
+    }
     write_suite(out, SUITE, data, md)
     return data
 

@@ -66,7 +66,9 @@ def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
 
 
 def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
-    return torch.from_numpy(blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32))
+    return torch.from_numpy(
+        blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    )
 
 
 def _nibbles(qs: np.ndarray, rows: int) -> torch.Tensor:

@@ -42,14 +42,17 @@ def srv(medium: Any) -> Iterator[ServerHandle]:
 
 def _ttft(srv: ServerHandle, tenant: str, prompt: list[int]) -> StreamResult:
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
-    result = collect(stub.Generate(gen_request(prompt, max_tokens=1), metadata=srv.auth(tenant),
-                                   timeout=120))
+    result = collect(
+        stub.Generate(gen_request(prompt, max_tokens=1), metadata=srv.auth(tenant), timeout=120)
+    )
     assert result.ok and result.ttft is not None and result.started is not None, result.code
     return result
 
 
 @pytest.mark.timeout(size(240, 900))
-def test_cross_tenant_cached_prefix_is_invisible_in_ttft(srv: ServerHandle, record: Recorder) -> None:
+def test_cross_tenant_cached_prefix_is_invisible_in_ttft(
+    srv: ServerHandle, record: Recorder
+) -> None:
     rng = random.Random(5)
 
     def novel() -> list[int]:
@@ -84,13 +87,23 @@ def test_cross_tenant_cached_prefix_is_invisible_in_ttft(srv: ServerHandle, reco
     # runs on a noisy machine; a median ratio within 25% cannot be a cache hit (which removes
     # ~95% of the prefill), so it also counts as indistinguishable.
     same = p_same >= ALPHA or 0.8 <= ratio <= 1.25
-    assert record("Mann-Whitney p, B on A's prefix vs B novel", round(p_same, 4),
-                  f">= {ALPHA}, or median ratio in [0.8, 1.25]", same), ratio
+    assert record(
+        "Mann-Whitney p, B on A's prefix vs B novel",
+        round(p_same, 4),
+        f">= {ALPHA}, or median ratio in [0.8, 1.25]",
+        same,
+    ), ratio
     record.info("median ratio, B on A's prefix / B novel", round(ratio, 3))
     assert record("cached tokens reported to B", sum(b_hits), "== 0", sum(b_hits) == 0)
-    assert record("A warm TTFT median (s)", median(a_warm), "< 0.5 x B cold",
-                  median(a_warm) < 0.5 * cold)
-    assert record("A cached tokens on its repeat (control)", min(a_hits), f"== {PROMPT - 16}",
-                  min(a_hits) == PROMPT - 16)
-    assert record("Mann-Whitney p, A warm vs B cold (power)", round(p_power, 4), f"< {ALPHA}",
-                  p_power < ALPHA)
+    assert record(
+        "A warm TTFT median (s)", median(a_warm), "< 0.5 x B cold", median(a_warm) < 0.5 * cold
+    )
+    assert record(
+        "A cached tokens on its repeat (control)",
+        min(a_hits),
+        f"== {PROMPT - 16}",
+        min(a_hits) == PROMPT - 16,
+    )
+    assert record(
+        "Mann-Whitney p, A warm vs B cold (power)", round(p_power, 4), f"< {ALPHA}", p_power < ALPHA
+    )

@@ -55,9 +55,11 @@ class VerifyReport:
         for line in render_table(rows):
             write(line)
         write("")
-        write(f"kvfence verify ({mode()}): {'PASS' if self.passed() else 'FAIL'}; "
-              f"{sum(1 for r in rows if r['passed'])}/{len(rows)} rows pass; "
-              f"wrote {self.results_dir / 'verify.json'} and verify.md")
+        write(
+            f"kvfence verify ({mode()}): {'PASS' if self.passed() else 'FAIL'}; "
+            f"{sum(1 for r in rows if r['passed'])}/{len(rows)} rows pass; "
+            f"wrote {self.results_dir / 'verify.json'} and verify.md"
+        )
         self.write(rows)
 
     def rows(self) -> list[dict[str, Any]]:
@@ -65,11 +67,27 @@ class VerifyReport:
         failing = {f.test for f in self.figures if not f.passed}
         for test, state in self.outcomes.items():
             if state.outcome == "failed" and test not in failing:
-                rows.append({"test": test, "name": f"{test.split('::')[-1]} outcome", "value": "failed",
-                             "expected": "passed", "passed": False, "note": state.message})
+                rows.append(
+                    {
+                        "test": test,
+                        "name": f"{test.split('::')[-1]} outcome",
+                        "value": "failed",
+                        "expected": "passed",
+                        "passed": False,
+                        "note": state.message,
+                    }
+                )
             elif state.outcome == "skipped":
-                rows.append({"test": test, "name": f"{test.split('::')[-1]} outcome", "value": "skipped",
-                             "expected": "run", "passed": False, "note": state.message})
+                rows.append(
+                    {
+                        "test": test,
+                        "name": f"{test.split('::')[-1]} outcome",
+                        "value": "skipped",
+                        "expected": "run",
+                        "passed": False,
+                        "note": state.message,
+                    }
+                )
         return rows
 
     def passed(self) -> bool:
@@ -83,8 +101,10 @@ class VerifyReport:
             "passed": self.passed(),
             "seconds": round(time.monotonic() - self.started, 1),
             "machine": {"python": platform.python_version(), "platform": platform.platform()},
-            "tests": {t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
-                      for t, o in self.outcomes.items()},
+            "tests": {
+                t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
+                for t, o in self.outcomes.items()
+            },
             "figures": rows,
         }
         (self.results_dir / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -115,12 +135,18 @@ def _value(value: Any) -> str:
 def render_table(rows: list[dict[str, Any]]) -> list[str]:
     header = ("area", "figure", "value", "expected", "result")
     body = [
-        (_area(r["test"]), r["name"], _value(r["value"]), r["expected"],
-         "pass" if r["passed"] else "FAIL")
+        (
+            _area(r["test"]),
+            r["name"],
+            _value(r["value"]),
+            r["expected"],
+            "pass" if r["passed"] else "FAIL",
+        )
         for r in rows
     ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
-              for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)
+    ]
     widths = [min(w, 60) for w in widths]
 
     def fmt(cells: tuple[str, ...]) -> str:
@@ -139,7 +165,12 @@ def render_markdown(rows: list[dict[str, Any]], doc: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = (_area(r["test"]), r["name"], _value(r["value"]), r["expected"],
-                 "pass" if r["passed"] else "**FAIL**")
+        cells = (
+            _area(r["test"]),
+            r["name"],
+            _value(r["value"]),
+            r["expected"],
+            "pass" if r["passed"] else "**FAIL**",
+        )
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from tests.serverutil import ServerHandle
 
@@ -32,7 +31,10 @@ class PoolState:
     @property
     def at_baseline(self) -> bool:
         return (
-            self.requests == 0 and self.waiting == 0 and self.running == 0 and self.leases == 0
+            self.requests == 0
+            and self.waiting == 0
+            and self.running == 0
+            and self.leases == 0
             and self.pages_in_use == 0
             and self.free_pages + self.pages_cached == self.total_pages
         )
@@ -49,7 +51,7 @@ def pool_state(srv: ServerHandle) -> PoolState:
     engine = srv.engine
     stats = srv.stats()
     return PoolState(
-        requests=engine.core.num_requests(),
+        requests=engine.counters().num_requests,
         waiting=engine.num_waiting(),
         running=engine.num_running(),
         leases=srv.server.limiter.total_active(),
@@ -88,20 +90,12 @@ class FreeProbe:
 
     @contextmanager
     def installed(self, srv: ServerHandle) -> Iterator[FreeProbe]:
-        cache: Any = srv.cache
-        original = cache.free
+        def freed(seq_id: str) -> None:
+            with self._lock:
+                self.freed.setdefault(seq_id, []).append(self._clock())
 
-        def free(seq_id: str) -> None:
-            try:
-                original(seq_id)
-            finally:
-                with self._lock:
-                    self.freed.setdefault(seq_id, []).append(self._clock())
-
-        with srv.paused_engine():
-            cache.free = free
+        srv.engine.observe_frees(freed)
         try:
             yield self
         finally:
-            with srv.paused_engine():
-                del cache.free
+            srv.engine.observe_frees(None)
