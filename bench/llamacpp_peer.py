@@ -173,7 +173,7 @@ def run_llamacpp(runner: LlamaCppRunner, work: Sequence[Work]) -> Throughput:
     runner.generate(work)
     wall = time.perf_counter() - start
     return throughput(
-        f"llama.cpp n_seq={runner.n_seq}",
+        f"llama.cpp {runner.config}",
         work,
         wall,
         f"batched llama_decode, {runner.n_seq} slots, n_batch={N_BATCH}, threads={runner.threads}",
