@@ -75,13 +75,20 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
 
     model = load_hf_model(path, dtype)
 
-    def one(w: Work) -> Sample:
-        stamps: list[float] = []
+    from transformers import LogitsProcessor
 
-        def stamp(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            stamps.append(time.perf_counter())  # called once per token, after its forward
+    class Stamp(LogitsProcessor):
+        """Records the time of each token: generate() calls it once per step, after the forward."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
             return scores
 
+    def one(w: Work) -> Sample:
+        stamp = Stamp()
         ids = torch.tensor([w.prompt_ids])
         start = time.perf_counter()
         with torch.inference_mode():
@@ -94,7 +101,7 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
                 pad_token_id=0,
                 logits_processor=[stamp],
             )
-        return sample(start, stamps)
+        return sample(start, stamp.times)
 
     return one
 
