@@ -12,8 +12,11 @@ STAMP := $(VENV)/.stamp-install
 HOST ?= 127.0.0.1
 PORT ?= 50051
 DEV_TENANTS ?= dev/tenants.toml
+# Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
+ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify bench model clean gpu-wheels gpu-check
+.PHONY: install protos lint typecheck test serve parity verify bench model clean gpu-wheels gpu-check \
+	cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,10 +40,11 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvcache clients service protos
 
 test: $(STAMP) model lint typecheck
+	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 serve: $(STAMP) model
-	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT)
+	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) $(ARGS)
 
 parity: $(STAMP) model
 	$(PY) bench/parity.py
@@ -51,6 +55,27 @@ verify: $(STAMP) model
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
+
+# Scale-out: 3 replicas + HAProxy (deploy/haproxy/haproxy.cfg) + Redis on 127.0.0.1.
+CLUSTER_TOOLS := haproxy redis-server
+
+cluster-deps:
+	@missing=""; for t in $(CLUSTER_TOOLS); do \
+	  command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "kvfence: installing$$missing (apt-get)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
+	else echo "kvfence: needs$$missing: install with 'sudo apt-get install$$missing'"; exit 1; fi
+
+cluster: $(STAMP) model cluster-deps
+	$(PY) -m bench.cluster up
+
+cluster-down: $(STAMP)
+	$(PY) -m bench.cluster down
+
+cluster-verify: $(STAMP) model cluster-deps
+	$(PY) -m bench.cluster_verify
 
 # The GPU check (bench/gpu_check.py). It runs where the GPU is, under that machine's own
 # python3 and torch (no venv, no network): packages missing there travel as wheels in .whl/
@@ -74,4 +99,4 @@ gpu-check:
 		$(GPU_PYTHON) bench/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .cluster

@@ -130,6 +130,11 @@ def from_rpc_error(error: grpc.RpcError) -> KvfenceError:
     """Convert a failed call (sync `grpc.RpcError` or `grpc.aio.AioRpcError`)."""
     code: grpc.StatusCode = error.code()
     message = str(error.details() or "")
+    if code == grpc.StatusCode.UNKNOWN and message.startswith("Stream removed"):
+        # NOTE: a proxy whose upstream replica dies mid-stream ends the client's stream with
+        # no grpc-status, which gRPC reports as UNKNOWN "Stream removed". It is a lost
+        # connection, reported as the UNAVAILABLE a direct connection would get.
+        code = grpc.StatusCode.UNAVAILABLE
     return error_for(code, message, _parse_details(error))
 
 

@@ -2,15 +2,15 @@
 
 The interceptor wraps every handler except ``grpc.health.v1.Health``. The wrapper has the
 servicer context (metadata *and* the TLS auth context, which ``handler_call_details`` lacks),
-resolves the tenant, and puts it in a ``ContextVar`` the servicers read with
-``current_tenant()``. The variable is task-local, so concurrent RPCs never see each other's.
+resolves the tenant, and hands it to kvfence's own handlers as an explicit third argument,
+``handler(request, context, tenant)`` (see ``service/wire.py``); other services' handlers
+(reflection) are called as usual once the tenant passes.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -21,17 +21,8 @@ from service.tenants import Tenant, TenantRegistry
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
+KVFENCE_PREFIX = "/kvfence."  # handlers of these services take the tenant explicitly
 _SAN_KEYS = ("x509_subject_alternative_name", "peer_uri", "peer_dns")
-
-_current_tenant: ContextVar[Tenant] = ContextVar("kvfence_tenant")
-
-
-def current_tenant() -> Tenant:
-    """The tenant of the RPC being served (set by ``AuthInterceptor``)."""
-    try:
-        return _current_tenant.get()
-    except LookupError:
-        raise RuntimeError("no authenticated tenant: is AuthInterceptor installed?") from None
 
 
 class Authenticator:
@@ -90,6 +81,7 @@ def _client_identities(auth_context: Mapping[str, Iterable[bytes]]) -> tuple[str
 
 
 Check = Callable[[grpc.aio.ServicerContext, str], Awaitable[Tenant]]
+Authorize = Callable[[grpc.aio.ServicerContext], Awaitable[tuple[Tenant, ...]]]
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -138,11 +130,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 )
                 self._on_denied(err.code.name)
             await abort(context, err)
-        _current_tenant.set(tenant)
         return tenant
 
 
 def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.RpcMethodHandler:
+    explicit = method.startswith(KVFENCE_PREFIX)
+
+    async def authorize(context: grpc.aio.ServicerContext) -> tuple[Tenant, ...]:
+        """The extra handler arguments: the checked tenant for kvfence's own handlers."""
+        tenant = await check(context, method)
+        return (tenant,) if explicit else ()
+
     kwargs: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -151,39 +149,35 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.Rpc
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(context, method)
-            return await inner_uu(request, context)
+            return await inner_uu(request, context, *await authorize(context))
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            _streaming(handler.unary_stream, method, check), **kwargs
+            _streaming(handler.unary_stream, authorize), **kwargs
         )
     if handler.stream_stream is not None:
         return grpc.stream_stream_rpc_method_handler(
-            _streaming(handler.stream_stream, method, check), **kwargs
+            _streaming(handler.stream_stream, authorize), **kwargs
         )
     inner_su = handler.stream_unary
 
     async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context, method)
-        return await inner_su(request_iterator, context)
+        return await inner_su(request_iterator, context, *await authorize(context))
 
     return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
 
 
-def _streaming(inner: Any, method: str, check: Check) -> Any:
+def _streaming(inner: Any, authorize: Authorize) -> Any:
     if inspect.isasyncgenfunction(inner):
 
         async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await check(context, method)
-            async for item in inner(request, context):
+            async for item in inner(request, context, *await authorize(context)):
                 yield item
 
         return gen
 
     async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context, method)
-        return await inner(request, context)
+        return await inner(request, context, *await authorize(context))
 
     return coro

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import traceback
 import uuid
@@ -12,13 +13,12 @@ from dataclasses import dataclass
 import grpc
 from structlog.typing import FilteringBoundLogger
 
-from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+from protos.kvfence.v1 import inference_pb2
 from service import responses
-from service.auth import current_tenant
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
 from service.finish import finish_error, submit_error
-from service.limits import TenantLimiter
+from service.limits import Limiter
 from service.metrics import Metrics
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
@@ -44,12 +44,12 @@ class InferenceOptions:
     alert_request_kv_pages: int = 0  # 0 = off
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+class InferenceServicer:
     def __init__(
         self,
         engine: EngineLike,
         prompts: PromptBuilder,
-        limiter: TenantLimiter,
+        limiter: Limiter,
         metrics: Metrics,
         log: FilteringBoundLogger,
         options: InferenceOptions,
@@ -64,19 +64,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._opts = options
         self._is_draining = is_draining
         self._clock = clock
-        self._active: set[str] = set()  # request ids submitted to the engine, not finished
-
-    def abort_all(self) -> int:
-        """Abort every in-flight request in the engine (drain); returns how many."""
-        ids = list(self._active)
-        for request_id in ids:
-            self._engine.abort(request_id)
-        return len(ids)
 
     async def Generate(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        tenant = current_tenant()
         request_id = uuid.uuid4().hex
         log = self._log.bind(tenant=tenant.name, request_id=request_id, peer=context.peer())
         code = "CANCELLED"
@@ -124,7 +118,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         check_context(len(prompt), stopping.max_tokens, model, out)
         raise_if(out)
 
-        lease = self._limiter.acquire(tenant.name, len(prompt) + stopping.max_tokens)
+        lease = await self._limiter.admit(tenant.name, len(prompt) + stopping.max_tokens)
         try:
             engine_request = Request(
                 request_id=request_id,
@@ -157,13 +151,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         log: FilteringBoundLogger,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         label = self._metrics.label(tenant.name)
-        finished = False
-        self._active.add(req.request_id)
         try:
-            try:
-                events = await self._engine.submit(req)
-            except EngineError as exc:
-                raise submit_error(exc) from None
+            events = await self._engine.submit(req)
+        except EngineError as exc:
+            raise submit_error(exc) from None
+        # NOTE: closing the engine's stream before its Finished is the one abort path
+        # (Engine.abort frees the pages at the next step boundary); aclosing closes it at
+        # once when this RPC is cancelled, past its deadline, or the stream breaks.
+        async with contextlib.aclosing(events):
             last = self._clock()
             completion = 0
             alerted = False
@@ -186,13 +181,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     )
                     yield responses.chunk(event, self._prompts.token_text)
                 else:
-                    finished = True
                     yield self._finish(event, tenant, log, "".join(output))
-        finally:
-            self._active.discard(req.request_id)
-            if not finished:
-                # Cancelled, past its deadline, or the stream broke: free the pages now.
-                self._engine.abort(req.request_id)
 
     def _finish(
         self, event: Finished, tenant: Tenant, log: FilteringBoundLogger, output: str
@@ -242,9 +231,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return " ".join(map(str, request.token_ids.ids))
 
     async def Tokenize(
-        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.TokenizeRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> inference_pb2.TokenizeResponse:
-        tenant = current_tenant()
         code = "OK"
         try:
             limit = prompt_token_limit(self._prompts.model, tenant.quotas.max_prompt_tokens)
@@ -271,9 +262,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._metrics.requests.labels(self._metrics.label(tenant.name), "Tokenize", code).inc()
 
     async def ListModels(
-        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.ListModelsRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> inference_pb2.ListModelsResponse:
-        tenant = current_tenant()
         self._metrics.requests.labels(self._metrics.label(tenant.name), "ListModels", "OK").inc()
         models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
         return inference_pb2.ListModelsResponse(models=models)

@@ -3,15 +3,57 @@
 Two limits: concurrent Generate streams, and a token bucket over ``prompt + max_tokens``
 refilled at ``tokens_per_minute``. Both are checked and taken together, so a refused
 request consumes nothing. Everything here runs on the event-loop thread.
+
+``Limiter`` is what the servicers see. ``TenantLimiter`` keeps the limits in this process;
+``service.cluster_limits.ClusterLimiter`` keeps them in Redis, shared by every replica.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.errors import resource_exhausted
 from service.tenants import Quotas
+
+
+class LeaseLike(Protocol):
+    def release(self) -> None:
+        """Free the stream's concurrency slot; idempotent."""
+
+
+class Limiter(Protocol):
+    """Admission limits as the servicers and the server use them."""
+
+    def configure(self, tenant: str, quotas: Quotas) -> None:
+        """Set or update a tenant's quotas (on start and on tenants-file reload)."""
+
+    def active(self, tenant: str) -> int:
+        """Streams this process has admitted for ``tenant`` and not yet released."""
+
+    def total_active(self) -> int:
+        """Streams this process has admitted and not yet released, all tenants."""
+
+    async def admit(self, tenant: str, cost: int) -> LeaseLike:
+        """Take a stream slot and ``cost`` tokens, or raise a ServiceError."""
+
+    async def start(self) -> None:
+        """Begin background work (lease renewal); called once the server serves."""
+
+    async def close(self) -> None:
+        """Stop background work and drop connections."""
+
+
+def check_cost(quotas: Quotas, cost: int) -> None:
+    """A request that can never fit the tenant's bucket is refused without a retry hint."""
+    tpm = quotas.tokens_per_minute
+    if 0 < tpm < cost:
+        raise resource_exhausted(
+            "tokens_per_minute",
+            f"request needs {cost} tokens (prompt + max_tokens) but the tenant's "
+            f"limit is {tpm} per minute",
+        )
 
 
 @dataclass(slots=True)
@@ -86,6 +128,19 @@ class TenantLimiter:
     def total_active(self) -> int:
         return sum(state.active for state in self._states.values())
 
+    def quotas(self, tenant: str) -> Quotas | None:
+        state = self._states.get(tenant)
+        return None if state is None else state.quotas
+
+    async def admit(self, tenant: str, cost: int) -> Lease:
+        return self.acquire(tenant, cost)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
     def acquire(self, tenant: str, cost: int) -> Lease:
         """Take a stream slot and ``cost`` tokens, or raise RESOURCE_EXHAUSTED."""
         state = self._states.get(tenant)
@@ -100,12 +155,7 @@ class TenantLimiter:
             )
         bucket = state.bucket
         if bucket is not None:
-            if cost > bucket.capacity:
-                raise resource_exhausted(
-                    "tokens_per_minute",
-                    f"request needs {cost} tokens (prompt + max_tokens) but the tenant's "
-                    f"limit is {int(bucket.capacity)} per minute",
-                )
+            check_cost(state.quotas, cost)
             bucket.refill(self._clock())
             wait = bucket.wait_for(cost)
             if wait > 0:

@@ -1,7 +1,8 @@
 """Structured logs: one JSON object per line (console rendering on a TTY).
 
-No global structlog configuration: ``make_logger`` returns a logger bound to its own stream
-and processors, which the server passes to whatever logs. Prompt and output text are never
+``make_logger`` returns a logger bound to its own stream and processors, which the server
+passes to whatever logs. Only the ``serve`` process also configures structlog globally, so the
+engine's and model's module loggers print in the same format from the first line. Prompt and output text are never
 logged unless the server runs with ``--log-content``; callers bind ``tenant``,
 ``request_id``, ``peer`` and timings instead.
 """
@@ -16,6 +17,21 @@ import structlog
 from structlog.typing import FilteringBoundLogger, Processor
 
 LogFormat = Literal["json", "console", "auto"]
+
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at write time.
+
+    NOTE: the global structlog configuration outlives the call that made it; binding the
+    stream object itself would keep writing to a stream that was replaced and closed since
+    (pytest's capture does exactly that between tests).
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def make_logger(
@@ -49,7 +65,9 @@ def make_logger(
     if module_loggers:
         structlog.configure(
             processors=processors,
-            logger_factory=structlog.PrintLoggerFactory(file=out),
+            logger_factory=structlog.PrintLoggerFactory(
+                file=out if stream is not None else _CurrentStderr()  # type: ignore[arg-type]
+            ),
             wrapper_class=structlog.make_filtering_bound_logger(level),
             cache_logger_on_first_use=False,
         )

@@ -9,7 +9,6 @@ on SIGTERM/SIGINT before exiting 0.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import sys
 import time
@@ -20,50 +19,16 @@ from typing import TYPE_CHECKING, Literal
 
 from structlog.typing import FilteringBoundLogger
 
+from service.preflight import ConfigError, parse_kv_memory
 from service.server import KVFenceServer, ServedModel, ServerOptions
+from service.startup import StartupInterrupted, until_stopped
 from service.tenants import TenantRegistry, load_tenants
 
 if TYPE_CHECKING:
+    from kvcache import CacheConfig
     from service.engine.engine import Engine
+    from service.engine.types import EngineConfig
     from service.model.loader import LoadedModel
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "KI": 2**10,
-    "MI": 2**20,
-    "GI": 2**30,
-    "TI": 2**40,
-}
-
-
-class ConfigError(ValueError):
-    """A bad flag value; the message is one readable line."""
-
-
-def parse_kv_memory(text: str) -> tuple[Literal["bytes", "fraction"], float]:
-    """``512MiB``, ``2GB``, ``1073741824`` -> bytes; ``0.5`` (in (0, 1]) -> fraction of free
-    device memory."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if 0.0 < value <= 1.0 and "." in text:
-        return "fraction", value
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ConfigError(f"--kv-memory: cannot parse {text!r} (use e.g. 512MiB, 2GB or 0.5)")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    size = float(match.group(1)) * _UNITS[unit]
-    if size < 1:
-        raise ConfigError(f"--kv-memory: {text!r} is not a positive size")
-    return "bytes", size
-
 
 @dataclass(frozen=True, slots=True)
 class EngineSizing:
@@ -81,6 +46,30 @@ class EngineSizing:
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
+
+
+def cache_config(sizing: EngineSizing) -> CacheConfig:
+    """The KV cache's config, derived from the serve flags (raises ValueError if bad)."""
+    from kvcache import CacheConfig
+
+    return CacheConfig(
+        page_size=sizing.page_size,
+        scrub_policy=sizing.scrub_policy,
+        default_ttl_s=sizing.prefix_ttl_s,
+    )
+
+
+def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
+    """The engine's config, derived from the serve flags; ``max_model_len`` 0 means the
+    model's own length (the engine caps larger values to it)."""
+    from service.engine.types import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=sizing.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
+        max_model_len=sizing.max_model_len or model_len,
+        warmup=sizing.warmup,
+    )
 
 
 @dataclass(slots=True)
@@ -103,32 +92,20 @@ def build_server(
     clock: Callable[[], float] = time.monotonic,
 ) -> Stack:
     """Size the KV pool, start (warm up) the engine and build the server around it."""
-    from kvcache import CacheConfig
     from service.engine.factory import build_engine
-    from service.engine.types import EngineConfig
 
     cfg = loaded.model.config
     try:
-        cache_config = CacheConfig(
-            page_size=sizing.page_size,
-            scrub_policy=sizing.scrub_policy,
-            default_ttl_s=sizing.prefix_ttl_s,
-        )
-        engine_config = EngineConfig(
-            max_num_seqs=sizing.max_num_seqs,
-            max_num_batched_tokens=sizing.max_num_batched_tokens,
-            # 0 = the model's own length; the engine caps larger values to the model's.
-            max_model_len=sizing.max_model_len or cfg.max_position_embeddings,
-            warmup=sizing.warmup,
-        )
+        cache = cache_config(sizing)
+        engine_cfg = engine_config(sizing, cfg.max_position_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     kind, amount = parse_kv_memory(sizing.kv_memory)
     try:
         engine = build_engine(
             loaded,
-            engine_config,
-            cache_config,
+            engine_cfg,
+            cache,
             kv_fraction=amount if kind == "fraction" else None,
             kv_bytes=int(amount) if kind == "bytes" else None,
             clock=clock,
@@ -136,7 +113,7 @@ def build_server(
         )
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None
-    engine.start()
+    engine.start(progress=lambda done, total: log.info("engine.warmup", done=done, total=total))
     served = ServedModel(
         name=loaded.name,
         architecture=cfg.arch,
@@ -193,25 +170,36 @@ def load_for_serving(
 async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
     """Run until SIGTERM/SIGINT, then drain. Returns the exit status.
 
-    Signal handlers go in first: a SIGTERM while the model loads exits 0 without serving,
-    and a SIGHUP before the server exists is ignored (the file is read at start anyway).
+    Signal handlers go in first: a signal while the model loads or warms up raises
+    ``StartupInterrupted`` at once (exit 0 for SIGTERM, 130 for SIGINT) without serving, and
+    a SIGHUP before the server exists is ignored (the file is read at start anyway).
     """
     stop = asyncio.Event()
+    signals: list[int] = []
     servers: list[KVFenceServer] = []
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_signal, signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGINT, on_signal, signal.SIGINT)
     loop.add_signal_handler(signal.SIGHUP, lambda: [s.reload_tenants() for s in servers])
-    loaded, registry = await asyncio.to_thread(load_for_serving, config, log)
-    stack = await asyncio.to_thread(
-        build_server,
-        loaded,
-        config.sizing,
-        registry,
-        config.options,
-        log,
-        tenants_path=config.tenants,
-    )
+
+    def start() -> tuple[Stack, TenantRegistry]:
+        loaded, registry = load_for_serving(config, log)
+        log.info("engine.starting", warmup=config.sizing.warmup)
+        stack = build_server(
+            loaded, config.sizing, registry, config.options, log, tenants_path=config.tenants
+        )
+        return stack, registry
+
+    started = await until_stopped(start, stop)
+    if started is None:
+        raise StartupInterrupted(130 if signals[0] == signal.SIGINT else 0)
+    stack, registry = started
+    loaded = stack.model
     server = stack.server
     servers.append(server)
     try:

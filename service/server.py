@@ -24,9 +24,10 @@ from structlog.typing import FilteringBoundLogger
 from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator, AuthInterceptor
 from service.cache_servicer import CacheServicer
+from service.cluster_limits import ClusterLimitsConfig, build_cluster_limiter
 from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.inference_servicer import InferenceOptions, InferenceServicer
-from service.limits import TenantLimiter
+from service.limits import Limiter, TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import EngineLike
@@ -65,6 +66,7 @@ class ServerOptions:
     alert_tenant_kv_pages: int = 0  # 0 = off
     alert_request_kv_pages: int = 0
     stats_interval_s: float = 1.0
+    cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,13 @@ class KVFenceServer:
         self.metrics = Metrics(registry.names())
         self.metrics_server: MetricsServer | None = None
         self.authenticator = Authenticator(registry)
-        self.limiter = TenantLimiter(clock)
+        self.limiter: Limiter = (
+            TenantLimiter(clock)
+            if options.cluster_limits is None
+            else build_cluster_limiter(
+                options.cluster_limits, registry=self.metrics.registry, log=log, clock=clock
+            )
+        )
         self.port = 0
         self._apply(registry)
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
@@ -192,6 +200,7 @@ class KVFenceServer:
             self.metrics_server = MetricsServer(self.metrics, opts.metrics_host, opts.metrics_port)
         await self.refresh_stats()
         self._stats_task = asyncio.create_task(self._stats_loop())
+        await self.limiter.start()
         return self.port
 
     def reload_tenants(self) -> bool:
@@ -235,7 +244,7 @@ class KVFenceServer:
         await self._health.enter_graceful_shutdown()
         self._log.info("server.draining", in_flight=self.limiter.total_active(), grace_s=grace)
         await self._wait_idle(grace)
-        aborted = self.inference.abort_all()
+        aborted = await self._engine.abort_all()
         await self._wait_idle(5.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)
@@ -248,6 +257,7 @@ class KVFenceServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats_task
             self._stats_task = None
+        await self.limiter.close()
         if self._server is not None:
             await self._server.stop(grace=None)
         if self.metrics_server is not None:

@@ -353,12 +353,14 @@ class EngineCore:
         for seq in list(self._scheduler.running):
             self._finish(seq, "error", failure)
 
-    def finish_all(self, reason: FinishReason) -> None:
-        """Finish every request (shutdown)."""
-        for seq in list(self._seqs.values()):
+    def finish_all(self, reason: FinishReason) -> int:
+        """Finish every request (drain, shutdown); returns how many."""
+        seqs = list(self._seqs.values())
+        for seq in seqs:
             self._finish(seq, reason)
         self._deadlines.clear()
         self._num_deadlined = 0
+        return len(seqs)
 
 
 def check_policy(policy: TenantSchedPolicy) -> None:

@@ -1,0 +1,1 @@
+"""The loopback cluster behind ``make cluster`` and ``make cluster-verify``."""
