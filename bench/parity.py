@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -43,7 +44,13 @@ def _quiet() -> None:
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
 
+def stage(text: str, started: float) -> None:
+    """One progress line on stderr, so a run of several minutes is never silent."""
+    print(f"parity [{time.monotonic() - started:5.0f}s] {text}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
+    started = time.monotonic()
     _quiet()
     import torch
 
@@ -55,19 +62,25 @@ def main() -> int:
     path = ensure_default_model()
     prompts = PROMPTS[:4]
     ok = True
+    stage("loading the same GGUF with transformers (the fp32 oracle)", started)
     hf_model, hf_tok = load_hf_oracle(path)
+    stage(f"kvfence fp32 dense vs the oracle: logits, greedy, tokenizer, template ({path.name})",
+          started)
     dense = load_model(path, dtype="float32", weights="bf16", progress=False)
     report = run_parity(dense, hf_model, hf_tok)
     print("fp32 --weights bf16: " + report.line().removeprefix("parity: "), flush=True)
     ok &= report.ok
     del dense
+    stage("kvfence fp32 int4 packs vs the oracle", started)
     packed = load_model(path, dtype="float32", weights="int4", progress=False)
     row = decode_parity(packed, hf_model, prompts)
     print(row.line("fp32 --weights int4"), flush=True)
     ok &= row.identical == row.prompts and row.max_abs_logit_diff <= LOGITS_TOL
     del packed, hf_model
+    stage("loading the bf16 oracle", started)
     hf_bf16, _ = load_hf_oracle(path, torch.bfloat16)
     for weights in ("bf16", "auto"):
+        stage(f"kvfence bf16 --weights {weights} vs the bf16 oracle", started)
         loaded = load_model(path, dtype="bfloat16", weights=weights, progress=False)
         row = decode_parity(loaded, hf_bf16, prompts)
         print(row.line(f"bf16 --weights {weights} ({loaded.weights})"), flush=True)
