@@ -73,6 +73,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          choices=list(DTYPES))
     _add(p, "--device", "cpu", "torch device: cpu, cuda or cuda:N", type=check_device,
          metavar="{cpu,cuda,cuda:N}")
+    _add(p, "--weights", "auto",
+         "decode weights: auto keeps the file's 4/8-bit blocks on CPU; bf16, int4, int8",
+         choices=["auto", "bf16", "int4", "int8"])
     _add(p, "--scrub-policy", "reassign", "when KV pages are zeroed",
          choices=["reassign", "always", "off"])
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
@@ -148,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         dtype=args.dtype,
         device=args.device,
+        weights=args.weights,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,
     )

@@ -42,6 +42,7 @@ class EngineSizing:
     page_size: int = 16
     dtype: str = "auto"
     device: str = "cpu"
+    weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
     scrub_policy: Literal["reassign", "always", "off"] = "reassign"
     prefix_ttl_s: float = 600.0
     warmup: bool = True
@@ -165,6 +166,7 @@ def load_for_serving(
         model_path,
         dtype=config.sizing.dtype,
         device=config.sizing.device,
+        weights=config.sizing.weights,
         progress=sys.stderr.isatty(),
     )
     return loaded, registry
