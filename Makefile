@@ -11,7 +11,10 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.stamp-install
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 DEV_TENANTS ?= dev/tenants.toml
+# Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
+ARGS ?=
 
 .PHONY: install protos lint typecheck test serve parity verify bench model clean gpu-wheels gpu-check \
 	cluster cluster-down cluster-verify cluster-deps
@@ -42,7 +45,7 @@ test: $(STAMP) model lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 serve: $(STAMP) model
-	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT)
+	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
 
 parity: $(STAMP) model
 	$(PY) bench/parity.py

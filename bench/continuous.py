@@ -47,6 +47,19 @@ def workload(quick: bool, vocab: int) -> list[Work]:
     ]
 
 
+def _grow(cache: Any, seq_id: str, num_tokens: int) -> None:
+    fit = cache.allocate_slots(seq_id, num_tokens)
+    if not fit.ok:
+        raise RuntimeError(f"static batch does not fit the KV pool ({fit.reason})")
+
+
+def _attn(cache: Any, entries: Sequence[Any]) -> Any:
+    plan = cache.begin_step(entries)
+    if plan.refused:
+        raise RuntimeError(f"fence refused {plan.refused[0][1]}")
+    return plan.attn
+
+
 def static_batch(loaded: Any, cache: Any, batch: Sequence[Work], tag: str) -> int:
     """Greedy-run one static batch to its longest member; returns decode positions computed."""
     from kvcache import StepEntry
@@ -55,7 +68,8 @@ def static_batch(loaded: Any, cache: Any, batch: Sequence[Work], tag: str) -> in
     ids = [f"{tag}-{i}" for i in range(len(batch))]
     for sid, w in zip(ids, batch, strict=True):
         cache.open(sid, TENANT, w.prompt_ids, use_prefix_cache=False)
-        cache.allocate_slots(sid, len(w.prompt_ids))
+        _grow(cache, sid, len(w.prompt_ids))
+    seqs = [list(w.prompt_ids) for w in batch]  # each sequence's tokens (the caller owns them)
     lens = [len(w.prompt_ids) for w in batch]
     entries = [StepEntry(sid, 0, n) for sid, n in zip(ids, lens, strict=True)]
     input_ids = torch.tensor([t for w in batch for t in w.prompt_ids], dtype=torch.long)
@@ -64,16 +78,16 @@ def static_batch(loaded: Any, cache: Any, batch: Sequence[Work], tag: str) -> in
     computed = list(lens)
     positions_run = 0
     with torch.inference_mode():
-        logits = model(input_ids, positions, cache.begin_step(entries), last_rows)
+        logits = model(input_ids, positions, _attn(cache, entries), last_rows)
         for _ in range(max(w.max_tokens for w in batch) - 1):
             tokens = logits.argmax(dim=-1)
-            for sid, n, tok in zip(ids, computed, tokens.tolist(), strict=True):
-                cache.commit(sid, n)
-                cache.append_token(sid, tok)
-                cache.allocate_slots(sid, 1)
+            for sid, seq, n, tok in zip(ids, seqs, computed, tokens.tolist(), strict=True):
+                cache.commit(sid, seq, n)
+                seq.append(tok)
+                _grow(cache, sid, n + 1)
             entries = [StepEntry(sid, n, 1) for sid, n in zip(ids, computed, strict=True)]
             positions = torch.tensor(computed, dtype=torch.long)
-            logits = model(tokens, positions, cache.begin_step(entries), None)
+            logits = model(tokens, positions, _attn(cache, entries), None)
             computed = [n + 1 for n in computed]
             positions_run += len(batch)
     for sid in ids:

@@ -30,6 +30,7 @@ class _Slot:
     fed: int = 0  # prompt tokens already placed in a batch
     generated: int = 0  # tokens sampled so far
     last: int = 0  # last sampled token, fed on the next step
+    index: int = 0  # the request's position in the work list
 
 
 def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -45,7 +46,16 @@ def _quiet_logs(llama_cpp: Any) -> Any:
 class LlamaCppRunner:
     """One model + context with `n_seq` parallel sequences of up to `max_len` tokens each."""
 
-    def __init__(self, gguf: Path, n_seq: int, threads: int, max_len: int = 512) -> None:
+    def __init__(
+        self,
+        gguf: Path,
+        n_seq: int,
+        threads: int,
+        max_len: int = 512,
+        *,
+        kv_unified: bool = False,
+        flash_attn: bool | None = None,
+    ) -> None:
         import llama_cpp
 
         self._ll = llama_cpp
@@ -62,8 +72,15 @@ class LlamaCppRunner:
         cparams.n_seq_max = n_seq
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # Separate per-sequence KV: recommended when sequences share no prefix.
-        cparams.kv_unified = False
+        # Separate per-sequence KV is recommended when sequences share no prefix; the unified
+        # buffer is llama-server's default. flash_attn None keeps the library's default (auto).
+        cparams.kv_unified = kv_unified
+        if flash_attn is not None:
+            cparams.flash_attn_type = (
+                llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                if flash_attn
+                else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -73,6 +90,13 @@ class LlamaCppRunner:
         self.n_seq = n_seq
         self.threads = threads
         self.max_len = max_len
+        self.kv_unified = kv_unified
+        self.flash_attn = flash_attn
+
+    @property
+    def config(self) -> str:
+        fa = {None: "auto", True: "on", False: "off"}[self.flash_attn]
+        return f"n_seq={self.n_seq} kv_unified={'on' if self.kv_unified else 'off'} fa={fa}"
 
     def close(self) -> None:
         self._ll.llama_batch_free(self._batch)
@@ -91,8 +115,11 @@ class LlamaCppRunner:
         ptr = self._ll.llama_get_logits_ith(self._ctx, row)
         return int(np.ctypeslib.as_array(ptr, shape=(self._vocab,)).argmax())
 
-    def generate(self, work: Sequence[Work]) -> list[list[int]]:
-        """Run every request to exactly its max_tokens greedily; returns the generated ids."""
+    def generate(
+        self, work: Sequence[Work], token_times: list[list[float]] | None = None
+    ) -> list[list[int]]:
+        """Run every request to exactly its max_tokens greedily; returns the generated ids.
+        ``token_times`` (one list per request) receives each token's perf_counter time."""
         for w in work:
             if len(w.prompt_ids) + w.max_tokens > self.max_len:
                 raise ValueError(f"request of {len(w.prompt_ids)}+{w.max_tokens} > {self.max_len}")
@@ -104,7 +131,7 @@ class LlamaCppRunner:
             for i, s in enumerate(slots):
                 if s is None and queue:
                     index, w = queue.popleft()
-                    slots[i] = _Slot(w, outputs[index])
+                    slots[i] = _Slot(w, outputs[index], index=index)
             n, rows = 0, []
             for seq, s in enumerate(slots):  # decodes first, one token each
                 if s is not None and s.generated > 0:
@@ -132,6 +159,8 @@ class LlamaCppRunner:
                 assert s is not None
                 s.last = self._argmax(row)
                 s.out.append(s.last)
+                if token_times is not None:
+                    token_times[s.index].append(time.perf_counter())
                 s.generated += 1
                 if s.generated >= s.work.max_tokens:
                     self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
@@ -144,7 +173,7 @@ def run_llamacpp(runner: LlamaCppRunner, work: Sequence[Work]) -> Throughput:
     runner.generate(work)
     wall = time.perf_counter() - start
     return throughput(
-        f"llama.cpp n_seq={runner.n_seq}",
+        f"llama.cpp {runner.config}",
         work,
         wall,
         f"batched llama_decode, {runner.n_seq} slots, n_batch={N_BATCH}, threads={runner.threads}",

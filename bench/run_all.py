@@ -12,15 +12,26 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench import continuous, isolation_cost, offline, online, overhead, prefix
+from bench import (
+    continuous,
+    isolation_cost,
+    offline,
+    online,
+    online_http,
+    overhead,
+    prefix,
+    single_stream,
+)
 from bench.common import results_dir
 from bench.summary import SUITE_ORDER, write_summary
 
 SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "single_stream": single_stream.run,
     "offline": offline.run,
     "overhead": overhead.run,
     "continuous": continuous.run,
     "online": online.run,
+    "online_http": online_http.run,
     "prefix": prefix.run,
     "isolation_cost": isolation_cost.run,
 }

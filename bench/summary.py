@@ -8,7 +8,16 @@ from typing import Any
 
 from bench.common import md_table
 
-SUITE_ORDER = ("offline", "overhead", "continuous", "online", "prefix", "isolation_cost")
+SUITE_ORDER = (
+    "single_stream",
+    "offline",
+    "overhead",
+    "continuous",
+    "online",
+    "online_http",
+    "prefix",
+    "isolation_cost",
+)
 
 README_HEAD = """# Benchmark results
 
@@ -20,7 +29,8 @@ all cores as threads, and runs alone after its own warm-up pass.
 
 | suite | what it measures |
 |---|---|
-| [offline](offline.md) | 64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, ignore_eos: kvfence engine in process, kvfence over gRPC, transformers `generate()` in static left-padded batches of 8 and 32 (dense weights in kvfence's dtype), llama.cpp batched `llama_decode` with n_seq in {1, 8, 16, 32}. transformers batches run to their longest member; only each request's own output counts. |
+| [single_stream](single_stream.md) | one request at a time (32-token prompt, 128 tokens greedy, 3 interleaved runs after a warm-up): TTFT and decode tok/s of kvfence in process (`--weights auto` and `bf16`) and over gRPC, llama.cpp n_seq=1, transformers `generate()`; median [min–max] |
+| [offline](offline.md) | 64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, ignore_eos: kvfence engine in process, kvfence over gRPC, transformers `generate()` in static left-padded batches of 8 and 32 (dense weights in kvfence's dtype), llama.cpp batched `llama_decode`: swept over n_seq in {1, 2, 4, 8, 16, 32} x (library defaults; flash attention on with split or unified KV) on a quarter of the work, then its best configuration timed in full. Every system timed 3 times: median [min–max]; ratio targets use kvfence's worst run against the peer's best. |
 | [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512} (median of 15 steps) |
 | [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward |
 | [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity |
@@ -62,13 +72,30 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
         "## Targets",
         md_table(("suite", "target", "measured", "goal", "result", "margin"), rows),
     ]
+    single = results.get("single_stream")
+    if single:
+        parts += [
+            "## Single-stream decode (median [min–max] of runs)",
+            md_table(
+                ("system", "TTFT ms", "decode tok/s"),
+                [
+                    (name, _spread(f["ttft_ms"]), _spread(f["decode_tok_s"]))
+                    for name, f in single["systems"].items()
+                ],
+            ),
+        ]
     offline = results.get("offline")
     if offline:
         parts += [
-            "## Offline throughput (output tok/s)",
+            "## Offline throughput (output tok/s, median [min–max])",
             md_table(
                 ("system", "output tok/s", "total tok/s"),
-                [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]],
+                [
+                    (name, _spread(f["output_tok_s"]), _spread(f["total_tok_s"]))
+                    for name, f in offline["systems"].items()
+                ]
+                if "systems" in offline
+                else [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]],
             ),
         ]
     cont = results.get("continuous")
@@ -120,6 +147,10 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
     if errors:
         parts += ["## Errors", "\n".join(errors)]
     return "\n\n".join(parts)
+
+
+def _spread(s: dict[str, float]) -> str:
+    return f"{s['median']:.3g} [{s['min']:.3g}–{s['max']:.3g}]"
 
 
 def write_summary(out: Path, failures: dict[str, str]) -> str:

@@ -4,7 +4,7 @@ service/cli.py builds the top-level parser and calls `register`; `python -m clie
 runs the same verbs on their own.
 
 Exit codes:
-    0        success
+    0        success (also when the reader of stdout goes away, as in `| head`)
     1        a local error (unreadable TLS file, bad option value, protocol violation)
     2        command-line usage error (argparse)
     10 + N   the server answered with gRPC status code N, for example
@@ -25,18 +25,23 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import TextIO
 
+import grpc
 import structlog
 
-from clients.channel import API_KEY_ENV, DEFAULT_TARGET, TARGET_ENV, TlsConfig
+from clients.channel import API_KEY_ENV, DEFAULT_TARGET, TARGET_ENV, TlsConfig, resolve_api_key
+from clients.cli_parser import add_command, new_parser, parse, unescape
 from clients.client import Client
 from clients.errors import ClientError, KvfenceError
 from clients.requests import GenerateOptions
+from clients.tls_probe import explain_unavailable
 from clients.types import Chunk, Finished, GenerateEvent, ProtocolError, Started
 
 EXIT_OK = 0
 EXIT_LOCAL_ERROR = 1
 EXIT_STATUS_BASE = 10
 EXIT_INTERRUPTED = 130
+SERVER_MAX_TOKENS = 16  # StoppingParams.max_tokens when unset (inference.proto)
+CHAT_MAX_TOKENS = 256  # a chat turn is a few sentences; 16 tokens would cut it mid-word
 
 Verb = Callable[[argparse.Namespace, Client], int]
 
@@ -56,26 +61,21 @@ EXIT_CODES_HELP = (
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the client verbs to the `kvfence` parser; each sets `func(args) -> int`."""
     common = _common_parser()
-    sampling = _sampling_parser()
-    add_parser = subparsers.add_parser
 
-    def add(
-        name: str, parents: list[argparse.ArgumentParser], help: str
-    ) -> argparse.ArgumentParser:
-        return add_parser(
-            name, parents=parents, help=help, description=help, epilog=EXIT_CODES_HELP
-        )
+    def add(name: str, parents: list[argparse.ArgumentParser],
+            help: str) -> argparse.ArgumentParser:
+        return add_command(subparsers, name, help, parents=parents, epilog=EXIT_CODES_HELP)
 
-    p = add("generate", [common, sampling], "stream a completion of PROMPT to stdout")
+    p = add("generate", [common, _sampling_parser(None)],
+            "stream a completion of PROMPT to stdout")
     p.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
+    p.add_argument("--chat", action="store_true",
+                   help="send PROMPT as one user message through the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per event")
     p.set_defaults(func=_runner(_generate))
 
-    p = add(
-        "chat",
-        [common, sampling],
-        "interactive chat (server-side chat template); /exit or EOF ends it",
-    )
+    p = add("chat", [common, _sampling_parser(CHAT_MAX_TOKENS)],
+            "interactive chat (server-side chat template); /exit or EOF ends it")
     p.add_argument("--system", help="a system message that starts the conversation")
     p.set_defaults(func=_runner(_chat))
 
@@ -86,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=_runner(_tokenize))
 
     p = add("usage", [common], "your KV pages, cached prefixes and quotas")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     p.set_defaults(func=_runner(_usage))
 
     p = add("purge", [common], "drop your cached prefixes")
@@ -94,30 +94,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _common_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     g = p.add_argument_group("connection")
-    g.add_argument(
-        "--target",
-        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
-        help=f"server host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
-    )
+    g.add_argument("--target", default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+                   help=f"server host:port (env {TARGET_ENV})")
     g.add_argument("--api-key", default=None, help=f"API key (env {API_KEY_ENV})")
     g.add_argument("--tls-ca", default=None, help="CA certificate (PEM); enables TLS")
     g.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mTLS")
     g.add_argument("--tls-key", default=None, help="client key (PEM) for mTLS")
-    g.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="deadline per call, seconds (unset: none)")
     return p
 
 
-def _sampling_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+def _sampling_parser(max_tokens: int | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    g = p.add_argument_group("sampling (unset: the server's default, shown in brackets)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"most tokens to generate [{SERVER_MAX_TOKENS}]")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy [1.0]")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass [1.0]")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest [0 = off]")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed [random]")
+    g.add_argument("--stop", action="append", default=[], type=unescape,
+                   help=r"stop string, repeatable; \n \t \r \\ are escapes (--stop '\n\n')")
     return p
 
 
@@ -136,11 +136,25 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
     return options
 
 
-def _client(args: argparse.Namespace) -> Client:
-    tls = None
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
     if args.tls_ca or args.tls_cert or args.tls_key:
-        tls = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key)
-    return Client(args.target, api_key=args.api_key, tls=tls, timeout=args.timeout)
+        return TlsConfig(args.tls_ca, args.tls_cert, args.tls_key)
+    return None
+
+
+def _explain(error: KvfenceError, args: argparse.Namespace) -> str:
+    """The error line, with a hint where the raw status alone does not say what to do."""
+    line = str(error)
+    if error.code == grpc.StatusCode.UNAUTHENTICATED:
+        if resolve_api_key(args.api_key) is None:
+            return f"{line} (no API key given: pass --api-key KEY or set {API_KEY_ENV})"
+        source = "--api-key" if args.api_key is not None else API_KEY_ENV
+        return f"{line} (the key came from {source})"
+    if error.code == grpc.StatusCode.UNAVAILABLE:
+        reason = explain_unavailable(args.target, _tls(args))
+        if reason is not None:
+            return f"UNAVAILABLE: {reason}"
+    return line
 
 
 def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
@@ -157,10 +171,17 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
                 logger_factory=structlog.stdlib.LoggerFactory(),
             )
         try:
-            with _client(args) as client:
+            with Client(args.target, api_key=args.api_key, tls=_tls(args),
+                        timeout=args.timeout) as client:
                 return verb(args, client)
-        except (KvfenceError, ClientError, ProtocolError) as e:
-            sys.stdout.flush()
+        except BrokenPipeError:
+            return _reader_gone()
+        except KvfenceError as e:
+            _flush()
+            print(f"kvfence: error: {_explain(e, args)}", file=sys.stderr)
+            return exit_code(e)
+        except (ClientError, ProtocolError) as e:
+            _flush()
             print(f"kvfence: error: {e}", file=sys.stderr)
             return exit_code(e)
         except KeyboardInterrupt:
@@ -170,14 +191,35 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _flush() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader left (`| head`): that is how pipelines end, not an error.
+
+    NOTE: stdout is pointed at /dev/null so the interpreter's final flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_OK
+
+
 def _generate(args: argparse.Namespace, client: Client) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    events = client.generate(prompt, **_options(args))
+    if args.chat:
+        events = client.generate(messages=[{"role": "user", "content": prompt}], **_options(args))
+    else:
+        events = client.generate(prompt, **_options(args))
     if args.json:
         for event in events:
             print(json.dumps(event_json(event)), flush=True)
     else:
-        _stream_text(events, sys.stdout)
+        _stream_text(events, sys.stdout, args)
     return EXIT_OK
 
 
@@ -186,17 +228,38 @@ def event_json(event: GenerateEvent) -> dict[str, object]:
     return {"event": kind, **asdict(event)}
 
 
-def _stream_text(events: Iterable[GenerateEvent], out: TextIO) -> str:
-    """Write chunk text as it arrives; returns the whole text."""
+def _stream_text(events: Iterable[GenerateEvent], out: TextIO, args: argparse.Namespace) -> str:
+    """Write chunk text as it arrives, then say on stderr why it ended if it was cut short;
+    returns the whole text."""
     parts: list[str] = []
+    finished: Finished | None = None
     for event in events:
         if isinstance(event, Chunk):
             parts.append(event.text)
             out.write(event.text)
             out.flush()
+        elif isinstance(event, Finished):
+            finished = event
     out.write("\n")
     out.flush()
+    if finished is not None:
+        note = finish_note(finished, args)
+        if note:
+            print(f"kvfence: {note}", file=sys.stderr, flush=True)
     return "".join(parts)
+
+
+def finish_note(finished: Finished, args: argparse.Namespace) -> str | None:
+    """Why the text ended, when it did not end by itself (None for end of text)."""
+    if finished.reason == "length":
+        limit = args.max_tokens if args.max_tokens is not None else SERVER_MAX_TOKENS
+        return (f"[stopped: reached --max-tokens {limit} "
+                f"({finished.usage.completion_tokens} tokens); raise it for more]")
+    if finished.reason == "stop" and args.stop:
+        return "[stopped: a --stop string or the end of the text]"
+    if finished.reason in ("abort", "deadline", "error"):
+        return f"[stopped: {finished.reason}]"
+    return None
 
 
 def _chat(args: argparse.Namespace, client: Client) -> int:
@@ -213,7 +276,8 @@ def _chat(args: argparse.Namespace, client: Client) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line.rstrip("\n")})
-        reply = _stream_text(client.generate(messages=history, **_options(args)), sys.stdout)
+        reply = _stream_text(client.generate(messages=history, **_options(args)), sys.stdout,
+                             args)
         history.append({"role": "assistant", "content": reply})
 
 
@@ -226,6 +290,13 @@ def _tokenize(args: argparse.Namespace, client: Client) -> int:
     return EXIT_OK
 
 
+def figure(value: object) -> str:
+    """A figure for people: floats to 3 decimals without trailing zeros (0.604, 600)."""
+    if isinstance(value, float):
+        return f"{round(value, 3):g}"
+    return str(value)
+
+
 def _usage(args: argparse.Namespace, client: Client) -> int:
     usage = asdict(client.usage())
     if args.json:
@@ -233,7 +304,7 @@ def _usage(args: argparse.Namespace, client: Client) -> int:
         return EXIT_OK
     quotas = usage.pop("quotas")
     for key, value in {**usage, **{f"quota.{k}": v for k, v in quotas.items()}}.items():
-        print(f"{key}: {value}")
+        print(f"{key}: {figure(value)}")
     return EXIT_OK
 
 
@@ -243,9 +314,9 @@ def _purge(args: argparse.Namespace, client: Client) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvfence", description="kvfence client")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    parser = new_parser(prog="kvfence", description="kvfence client")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parse(parser, argv)
     code: int = args.func(args)
     return code
 

@@ -1,6 +1,6 @@
 """Run several prompts at once with the asyncio client.
 
-KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=sk-... python examples/generate_async.py
+    KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=kvf_... python examples/generate_async.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stream a completion with the blocking client.
 
-KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=sk-... python examples/generate_sync.py "Hi"
+    KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=kvf_... python examples/generate_sync.py "Hi"
 """
 
 from __future__ import annotations

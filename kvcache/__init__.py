@@ -7,7 +7,8 @@ Modules (one noun each):
 - ``attention``: the AttentionFn protocol the model calls.
 - ``dense``: contiguous single-sequence reference attention (test oracle).
 - ``config``: CacheConfig, TenantCachePolicy.
-- ``errors``: KVCacheError and its typed subclasses.
+- ``errors``: KVCacheError and its typed subclasses (raised only on bugs).
+- ``results``: Allocation, StepPlan (expected outcomes, returned).
 - ``pool``: PagePool (the KV tensor) and sizing helpers.
 - ``allocator``: PageRef, refcounts, owners, generations, the fence, the LRU free list.
 - ``eviction``: EvictionQueue of unreferenced cached pages (LRU + TTL).
@@ -29,17 +30,17 @@ from kvcache.errors import (
     FenceViolation,
     InvalidRequest,
     KVCacheError,
-    OutOfPages,
-    QuotaExceeded,
     UnknownSequence,
 )
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import AttentionMetadata, StepEntry, write_kv
 from kvcache.pool import PagePool, pages_for_budget, pages_for_fraction, size_pool
+from kvcache.results import Allocation, StepPlan
 from kvcache.stats import CacheStats, TenantUsage
 from kvcache.step import StepAttention
 
 __all__ = [
+    "Allocation",
     "AttentionBackend",
     "AttentionFn",
     "AttentionMetadata",
@@ -49,13 +50,12 @@ __all__ = [
     "InvalidRequest",
     "KVCacheError",
     "KVCacheManager",
-    "OutOfPages",
     "PagePool",
     "PageRef",
-    "QuotaExceeded",
     "ScrubPolicy",
     "StepAttention",
     "StepEntry",
+    "StepPlan",
     "TenantCachePolicy",
     "TenantUsage",
     "TorchBackend",

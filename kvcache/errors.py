@@ -1,7 +1,9 @@
 """Typed errors raised by the KV cache.
 
 Every error here is raised *before* any KV memory is read or handed out: a caller that
-gets an exception never also gets data.
+gets an exception never also gets data. Raised exceptions mean a bug in the caller; expected
+outcomes (no room, a fenced sequence) are results (``kvcache.results``). ``FenceViolation``
+is also the value ``begin_step`` reports a refused sequence with.
 """
 
 from __future__ import annotations
@@ -19,28 +21,6 @@ class FenceViolation(KVCacheError):
         super().__init__(f"fence violation on page {page_id}: {reason}")
         self.page_id = page_id
         self.reason = reason
-
-
-class QuotaExceeded(KVCacheError):
-    """The tenant would hold more than ``limit_pages`` even after evicting its own cache.
-    ``requested`` is the number of pages the tenant would then hold (running + cached)."""
-
-    def __init__(self, tenant: str, limit_pages: int, requested: int) -> None:
-        super().__init__(
-            f"tenant {tenant!r} page quota exceeded: requested {requested}, limit {limit_pages}"
-        )
-        self.tenant = tenant
-        self.limit_pages = limit_pages
-        self.requested = requested
-
-
-class OutOfPages(KVCacheError):
-    """The pool is exhausted even after evicting every unreferenced cached page."""
-
-    def __init__(self, requested: int, available: int) -> None:
-        super().__init__(f"out of KV pages: requested {requested}, available {available}")
-        self.requested = requested
-        self.available = available
 
 
 class UnknownSequence(KVCacheError):

@@ -2,8 +2,9 @@
 
 It ties the pieces together: the allocator (refcounts, owners, generation fences), the
 per-tenant prefix cache, the eviction queue (TTL and LRU over unreferenced cached pages),
-per-tenant quotas, scrubbing, and per-step attention metadata. Each public call either
-completes or raises having changed nothing that matters (allocation is all-or-nothing).
+per-tenant quotas, scrubbing, and per-step attention metadata. Expected outcomes come back
+as results (an ``Allocation`` that did not fit, a ``StepPlan`` with refused sequences);
+exceptions mean a bug in the caller and leave nothing that matters changed.
 """
 
 from __future__ import annotations
@@ -15,18 +16,13 @@ from kvcache.allocator import PageAllocator, PageRef
 from kvcache.backends.base import AttentionBackend
 from kvcache.backends.torch_backend import TorchBackend
 from kvcache.config import CacheConfig, TenantCachePolicy
-from kvcache.errors import (
-    FenceViolation,
-    InvalidRequest,
-    OutOfPages,
-    QuotaExceeded,
-    UnknownSequence,
-)
+from kvcache.errors import FenceViolation, InvalidRequest, UnknownSequence
 from kvcache.eviction import EvictionQueue
 from kvcache.metadata import SeqSpan, StepEntry, build_metadata
 from kvcache.page_table import PageTable
 from kvcache.pool import PagePool
 from kvcache.prefix_cache import ChainPos, KeyFn, PrefixCache, chain_key
+from kvcache.results import FITS, Allocation, StepPlan
 from kvcache.stats import CacheStats, Counters, TenantUsage
 from kvcache.step import StepAttention
 
@@ -109,23 +105,22 @@ class KVCacheManager:
         if not token_ids:
             raise InvalidRequest("token_ids must be non-empty")
         self.evict_expired()
-        table = PageTable(seq_id, tenant, list(token_ids), self.page_size, use_prefix_cache)
+        table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)
+        cached = 0
         if self._caching(table):
-            self._self_match(table)
+            self._self_match(table, token_ids)
             table.num_cached_pages = len(table.pages)
-            table.num_computed = len(table.pages) * self.page_size
-            self._counters.add_lookup(
-                tenant, table.num_computed, len(token_ids) - table.num_computed
-            )
+            cached = len(table.pages) * self.page_size
+            self._counters.add_lookup(tenant, cached, len(token_ids) - cached)
         self._tables[seq_id] = table
-        return table.num_computed
+        return cached
 
-    def _self_match(self, table: PageTable) -> None:
+    def _self_match(self, table: PageTable, token_ids: Sequence[int]) -> None:
         """Take refs on the tenant's cached pages of the table's prefix, in chain order."""
         tenant = table.tenant
         try:
-            for index in range((len(table.token_ids) - 1) // self.page_size):
-                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(index))
+            for index in range((len(token_ids) - 1) // self.page_size):
+                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(token_ids, index))
                 if entry is None:
                     break
                 # NOTE: share() is the owner check behind the key-space separation.
@@ -141,17 +136,14 @@ class KVCacheManager:
                     self.evictable.push(ref.page_id, tenant, expires_at)
             raise
 
-    def append_token(self, seq_id: str, token_id: int) -> None:
-        """Record a sampled token; its KV is written by a later step."""
-        self._table(seq_id).token_ids.append(token_id)
-
     def num_cached_tokens(self, seq_id: str) -> int:
         """Tokens of the sequence that are in (or were served from) the prefix cache."""
         return self._table(seq_id).num_cached_pages * self.page_size
 
-    def _plan_reserve(self, tenant: str, needed: int) -> int:
+    def _plan_reserve(self, tenant: str, needed: int) -> tuple[Allocation, int]:
         """Check quota and pool for ``needed`` new pages without changing anything.
-        Returns how many of the tenant's own cached pages must be evicted for its quota."""
+        Returns the answer and how many of the tenant's own cached pages must be evicted
+        for its quota."""
         policy = self._policies.get(tenant)
         quota_evictions = 0
         if policy is not None and policy.max_pages is not None:
@@ -159,35 +151,37 @@ class KVCacheManager:
             excess = owned + needed - policy.max_pages
             if excess > 0:
                 if excess > self.evictable.count(tenant):
-                    raise QuotaExceeded(tenant, policy.max_pages, owned + needed)
+                    return Allocation(False, "quota", owned + needed, policy.max_pages), 0
                 quota_evictions = excess
         available = self.allocator.num_free() + len(self.evictable)
         if needed > available:
-            raise OutOfPages(needed, available)
-        return quota_evictions
+            return Allocation(False, "out_of_pages", needed, available), 0
+        return FITS, quota_evictions
 
-    def can_allocate(self, seq_id: str, num_new_tokens: int) -> bool:
-        """Whether ``allocate_slots`` would succeed now (counting evictable pages)."""
+    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether ``allocate_slots`` would fit now (counting evictable pages)."""
         table = self._table(seq_id)
-        try:
-            self._plan_reserve(
-                table.tenant, table.pages_needed(table.num_computed + num_new_tokens)
-            )
-        except (QuotaExceeded, OutOfPages):
-            return False
-        return True
+        needed = table.pages_needed(num_tokens)
+        return self._plan_reserve(table.tenant, needed)[0].ok
 
-    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> None:
-        """Give tokens ``[0, num_computed + num_new_tokens)`` slots. All or nothing."""
-        if num_new_tokens < 0:
-            raise InvalidRequest(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+    def allocate_slots(self, seq_id: str, num_tokens: int) -> Allocation:
+        """Give tokens ``[0, num_tokens)`` slots, all or nothing.
+
+        Evicts expired, then (under quota) the tenant's own, then LRU unreferenced cached
+        pages as needed. Returns ``Allocation(ok=False, reason=...)`` having allocated
+        nothing when the tenant's quota or the pool cannot hold it."""
+        if num_tokens < 0:
+            raise InvalidRequest(f"num_tokens must be >= 0, got {num_tokens}")
         table = self._table(seq_id)
-        needed = table.pages_needed(table.num_computed + num_new_tokens)
+        needed = table.pages_needed(num_tokens)
         if needed == 0:
-            return
+            return FITS
         self.evict_expired()
         tenant = table.tenant
-        for _ in range(self._plan_reserve(tenant, needed)):
+        answer, quota_evictions = self._plan_reserve(tenant, needed)
+        if not answer.ok:
+            return answer
+        for _ in range(quota_evictions):
             page_id = self.evictable.oldest(tenant)
             assert page_id is not None
             self._evict(page_id, "quota")
@@ -204,41 +198,58 @@ class KVCacheManager:
         self._zero(to_scrub)
         for ref in table.pages[-needed:]:
             self.allocator.mark_written(ref.page_id, tenant)
+        return FITS
 
-    def begin_step(self, entries: Sequence[StepEntry]) -> StepAttention:
-        """Fence every page of every sequence in the batch, then build the step's metadata.
+    def begin_step(self, entries: Sequence[StepEntry]) -> StepPlan:
+        """Fence every page of every sequence in the batch, then build the step's metadata
+        for the sequences that passed.
 
-        Raises FenceViolation (and builds nothing) if any page's owner or generation does
-        not match the sequence that would read it.
+        A sequence with any page whose owner or generation does not match it is refused
+        (with the violation, counted in ``stats().fence_violations``) and nothing of it is
+        in the step. Raises only on a malformed batch (unknown or repeated sequence, a span
+        that disagrees with the sequence's state).
         """
         if not entries:
             raise InvalidRequest("a step needs at least one sequence")
         spans: list[SeqSpan] = []
+        passed: list[StepEntry] = []
+        refused: list[tuple[StepEntry, FenceViolation]] = []
         seen: set[str] = set()
         for e in entries:
             table = self._table(e.seq_id)
             if e.seq_id in seen:
                 raise InvalidRequest(f"sequence {e.seq_id!r} appears twice in one step")
             seen.add(e.seq_id)
-            for ref in table.pages:
-                self.allocator.check(ref, table.tenant, e.seq_id)
-            spans.append(table.span(e.num_computed, e.num_new))
-        metadata = build_metadata(spans, self.page_size, self.pool.device)
-        return StepAttention(metadata, self.pool, self._backend.prepare(metadata))
+            span = table.span(e.num_computed, e.num_new)
+            try:
+                for ref in table.pages:
+                    self.allocator.check(ref, table.tenant, e.seq_id)
+            except FenceViolation as violation:
+                refused.append((e, violation))
+                continue
+            passed.append(e)
+            spans.append(span)
+        attn = None
+        if spans:
+            metadata = build_metadata(spans, self.page_size, self.pool.device)
+            attn = StepAttention(metadata, self.pool, self._backend.prepare(metadata))
+        return StepPlan(tuple(passed), attn, tuple(refused))
 
-    def commit(self, seq_id: str, num_computed: int) -> None:
-        """Tokens ``[0, num_computed)`` now have KV; full pages enter the prefix cache."""
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Tokens ``[0, num_computed)`` of ``token_ids`` (the sequence's tokens, owned by the
+        caller) now have KV; full pages enter the prefix cache."""
         table = self._table(seq_id)
-        if not table.num_computed <= num_computed <= min(table.num_slots, len(table.token_ids)):
+        cached = table.num_cached_pages * self.page_size
+        if not cached <= num_computed <= min(table.num_slots, len(token_ids)):
             raise InvalidRequest(
                 f"commit of {num_computed} tokens for {seq_id!r} outside "
-                f"[{table.num_computed}, {min(table.num_slots, len(table.token_ids))}]"
+                f"[{cached}, {min(table.num_slots, len(token_ids))}]"
             )
-        table.num_computed = num_computed
         while self._caching(table) and table.num_cached_pages < num_computed // self.page_size:
             index = table.num_cached_pages
             page_id = table.pages[index].page_id
-            entry = self.prefix.insert(table.tenant, table.chain, table.page_tokens(index), page_id)
+            tokens = table.page_tokens(token_ids, index)
+            entry = self.prefix.insert(table.tenant, table.chain, tokens, page_id)
             if entry is None:
                 table.chain_open = False  # collision: stop caching this sequence's pages
                 break

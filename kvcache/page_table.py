@@ -1,7 +1,11 @@
-"""One sequence's page table: its tokens, its page refs and how far its KV is computed."""
+"""One sequence's page table: its page refs and how far the prefix cache holds them.
+
+The sequence's token ids and how many of them have KV belong to the engine (its SeqState);
+the manager takes them as arguments where it needs them (prefix hashing, commit)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache.allocator import PageRef
@@ -16,11 +20,9 @@ class PageTable:
 
     seq_id: str
     tenant: str
-    token_ids: list[int]
     page_size: int
     use_prefix_cache: bool
     pages: list[PageRef] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is written (set by open on a hit, then commit)
     num_cached_pages: int = 0  # leading pages already matched or inserted in the prefix cache
     chain: ChainPos = field(default_factory=ChainPos)  # set by the manager as pages are cached
     chain_open: bool = True  # False after a collision: later pages are not cached
@@ -33,9 +35,9 @@ class PageTable:
         """Extra pages needed so tokens ``[0, num_tokens)`` have slots."""
         return max(0, -(-num_tokens // self.page_size) - len(self.pages))
 
-    def page_tokens(self, index: int) -> list[int]:
+    def page_tokens(self, token_ids: Sequence[int], index: int) -> Sequence[int]:
         """Token ids stored in full page ``index``."""
-        return self.token_ids[index * self.page_size : (index + 1) * self.page_size]
+        return token_ids[index * self.page_size : (index + 1) * self.page_size]
 
     def slots(self, start: int, end: int) -> list[int]:
         """Flat KV slots (``page_id * page_size + offset``) of tokens ``[start, end)``."""
@@ -44,13 +46,14 @@ class PageTable:
 
     def span(self, num_computed: int, num_new: int) -> SeqSpan:
         """The step span for ``num_new`` tokens after ``num_computed``; refuses a span that
-        disagrees with the table (uncommitted KV, or tokens without slots)."""
+        disagrees with the table (tokens without slots, or rewriting prefix-cached pages that
+        other sequences may share)."""
         end = num_computed + num_new
-        if num_new < 1 or num_computed != self.num_computed or end > self.num_slots:
+        cached = self.num_cached_pages * self.page_size
+        if num_new < 1 or num_computed < cached or end > self.num_slots:
             raise InvalidRequest(
                 f"step entry for {self.seq_id!r} (computed {num_computed}, new {num_new}) "
-                f"does not match its state (computed {self.num_computed}, "
-                f"slots {self.num_slots})"
+                f"does not match its state (cached {cached}, slots {self.num_slots})"
             )
         return SeqSpan(
             q_start=num_computed,

@@ -2,9 +2,13 @@
 
 Top-level modules (one noun each; ``model/`` and ``engine/`` are their own packages):
 
-- ``cli``: the ``kvfence`` command (serve, tenants add, models pull, client verbs).
+- ``cli``: the ``kvfence`` command (serve, tenants add, models pull, certs dev, client verbs);
+  ``env_flags``: ``KVFENCE_<FLAG>`` variables as flag defaults, checked only when used.
 - ``devserve``: ``make serve``: a dev tenant, a paste-ready command, then ``serve``.
-- ``serve``: builds model -> KV pool -> engine -> server; the ``serve`` process lifecycle.
+- ``devcerts``: ``kvfence certs dev``: a development CA, server and tenant client certificates.
+- ``preflight``: every ``serve`` flag, the tenants file and the port, checked before loading.
+- ``serve``: builds model -> KV pool -> engine -> server; the ``serve`` process lifecycle;
+  ``startup``: the slow start on a thread that Ctrl-C / SIGTERM can leave.
 - ``server``: ``KVFenceServer``: gRPC server, health, reflection, metrics, reload, drain.
 - ``inference_servicer`` / ``cache_servicer``: the ``Inference`` and ``Cache`` services.
 - ``responses``: engine events -> ``GenerateResponse`` messages.
@@ -13,7 +17,6 @@ Top-level modules (one noun each; ``model/`` and ``engine/`` are their own packa
 - ``tenants``: the tenants file; ``auth``: credentials -> tenant, the auth interceptor.
 - ``limits``: per-tenant concurrency and token-rate limits.
 - ``errors``: ``ServiceError`` and the status-code table; ``finish``: engine outcomes -> errors.
-- ``cache_access``: KV-cache reads and purges from the event loop, under the engine lock.
 - ``metrics``: Prometheus metrics on a dedicated registry; ``logging``: structlog setup.
 - ``protocols``: the engine and cache methods the service layer uses.
 """

@@ -1,14 +1,13 @@
 """Who is calling: API key or mTLS client identity -> ``Tenant``.
 
 ``AuthInterceptor`` (``service.interceptor``) asks the ``Authenticator`` on every RPC but
-health and puts the tenant in a ``ContextVar`` the servicers read with ``current_tenant()``.
-The variable is task-local, so concurrent RPCs never see each other's.
+health and hands the tenant to kvfence's own handlers as an explicit third argument,
+``handler(request, context, tenant)`` (see ``service/wire.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from contextvars import ContextVar
 
 from service.errors import unauthenticated
 from service.tenants import Tenant, TenantRegistry
@@ -17,22 +16,6 @@ from service.tenants import Tenant, TenantRegistry
 # ``x509_subject_alternative_name`` list is deliberately not read: it would let a DNS SAN
 # match an identity written for a URI (or an email) of the same spelling.
 _SAN_KEYS = (("uri", "peer_uri"), ("dns", "peer_dns"), ("email", "peer_email"))
-
-_current_tenant: ContextVar[Tenant] = ContextVar("kvfence_tenant")
-
-
-def set_current_tenant(tenant: Tenant) -> None:
-    """Bind the RPC's tenant for this task (the interceptor's wrapper calls it)."""
-    _current_tenant.set(tenant)
-
-
-def current_tenant() -> Tenant:
-    """The tenant of the RPC being served (set by ``AuthInterceptor``)."""
-    try:
-        return _current_tenant.get()
-    except LookupError:
-        raise RuntimeError("no authenticated tenant: is AuthInterceptor installed?") from None
-
 
 class Authenticator:
     """Maps credentials to tenants. ``replace`` swaps in a reloaded tenants file atomically."""

@@ -6,15 +6,14 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc
-from service.auth import current_tenant
+from protos.kvfence.v1 import cache_pb2
 from service.engine import TenantUsage
 from service.limits import Limiter
 from service.metrics import Metrics
 from service.tenants import Tenant
 
 
-class CacheServicer(cache_pb2_grpc.CacheServicer):
+class CacheServicer:
     def __init__(
         self,
         usage: Callable[[str], Awaitable[TenantUsage]],
@@ -32,9 +31,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self._metrics = metrics
 
     async def GetUsage(
-        self, request: cache_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
+        self,
+        request: cache_pb2.GetUsageRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> cache_pb2.GetUsageResponse:
-        tenant = current_tenant()
         usage = await self._usage(tenant.name)
         self._count(tenant, "GetUsage")
         return cache_pb2.GetUsageResponse(
@@ -50,9 +51,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         )
 
     async def Purge(
-        self, request: cache_pb2.PurgeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: cache_pb2.PurgeRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> cache_pb2.PurgeResponse:
-        tenant = current_tenant()
         purged = await self._purge(tenant.name)
         self._count(tenant, "Purge")
         return cache_pb2.PurgeResponse(pages_purged=purged)

@@ -1,93 +1,83 @@
-"""``kvfence``: serve | tenants add | models pull, plus the client verbs from ``clients.cli``.
+"""``kvfence``: serve | tenants add | models pull | certs dev, plus the client verbs.
 
 Every ``serve`` flag can also be set by an environment variable ``KVFENCE_<FLAG>`` (upper
-case, dashes as underscores: ``--kv-memory`` -> ``KVFENCE_KV_MEMORY``); the flag wins.
-torch, the model and the engine are imported only inside ``serve`` and ``models pull``,
-so the client verbs run on the base install. Errors are one line on stderr and a non-zero
-exit (2 for bad input), never a traceback.
+case, dashes as underscores: ``--kv-memory`` -> ``KVFENCE_KV_MEMORY``); the flag wins. The
+variables are checked only when ``serve`` runs, so a bad ``KVFENCE_PORT`` cannot break
+``kvfence usage``. torch, the model and the engine are imported only inside ``serve`` and
+``models pull``, so the client verbs run on the base install. ``serve`` checks every flag,
+the tenants file and the port before it loads the model. Errors are one line on stderr and
+a non-zero exit (2 for bad input), never a traceback.
 """
 
 from __future__ import annotations
 
+import os
+
+# NOTE: set before grpc is imported (clients.cli imports it): gRPC core otherwise prints its
+# own log lines (`E1201 ... add_port.cc`, `Handshake failed`) next to our one-line errors.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 import argparse
 import asyncio
-import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from clients import cli as client_cli
+from clients.cli_parser import add_command, new_parser, parse
+from service.env_flags import UsageError, add_flag, add_switch, resolve_env
 
-ENV_PREFIX = "KVFENCE_"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-
-def _env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+# Short names for the flag table in _add_serve.
+_add = add_flag
+_add_switch = add_switch
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+# Top-level modules of the `server` extra: missing one means the client-only install.
+SERVER_MODULES = {"torch", "gguf", "numpy", "tokenizers", "safetensors", "jinja2",
+                  "prometheus_client", "grpc_health", "grpc_reflection", "cryptography"}
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
-    """A flag whose default comes from ``KVFENCE_<FLAG>`` when that is set."""
-    env = os.environ.get(_env_name(flag))
-    kind: Callable[[str], Any] | None = kw.get("type")
-    if env is not None:
-        try:
-            default = kind(env) if kind is not None else env
-        except ValueError:
-            raise UsageError(f"{_env_name(flag)}={env!r}: not a valid value for {flag}") from None
-    parser.add_argument(flag, default=default, help=f"{help} [env {_env_name(flag)}]", **kw)
-
-
-def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
-    env = os.environ.get(_env_name(flag), "").strip().lower()
-    if env not in _TRUE | _FALSE:
-        raise UsageError(f"{_env_name(flag)}={env!r}: use 1/0, true/false, yes/no")
-    parser.add_argument(
-        flag, action="store_true", default=env in _TRUE, help=f"{help} [env {_env_name(flag)}]"
-    )
+def check_device(text: str) -> str:
+    """argparse type for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not _DEVICE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"use cpu, cuda or cuda:N (got {text!r})")
+    return text
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("serve", help="run the gRPC inference server")
+    from service.preflight import DTYPES
+
+    p = add_command(sub, "serve", "run the gRPC inference server")
     _add(p, "--model", "default", "a .gguf file, an HF directory, or 'default'")
     _add(p, "--host", "127.0.0.1", "address to bind")
     _add(p, "--port", 50051, "port to bind (0 = any free port)", type=int)
-    _add(p, "--tenants", "tenants.toml", "tenants file (TOML)")
-    _add(p, "--tls-cert", None, "server certificate (PEM)")
+    _add(p, "--tenants", "tenants.toml", "tenants file (TOML; `kvfence tenants add` writes it)")
+    _add(p, "--tls-cert", None, "server certificate (PEM; `kvfence certs dev` makes one)")
     _add(p, "--tls-key", None, "server private key (PEM)")
     _add(p, "--tls-client-ca", None, "CA for client certificates: enables mTLS")
     _add(p, "--metrics-port", None, "serve Prometheus /metrics on this port", type=int)
     _add(p, "--metrics-host", "127.0.0.1", "address for /metrics")
+    _add(p, "--http-port", None, "serve the OpenAI-compatible HTTP API on this port", type=int)
     _add(p, "--grace-seconds", 10.0, "on SIGTERM, time in-flight streams get to finish", type=float)
     _add_switch(p, "--reflection", "enable gRPC server reflection (authenticated)")
     _add_switch(p, "--log-content", "DEBUG ONLY: log prompt and output text")
-    _add(
-        p,
-        "--log-format",
-        "auto",
-        "json, console, or auto (console on a TTY)",
-        choices=["json", "console", "auto"],
-    )
+    _add(p, "--log-format", "auto", "json, console, or auto (console on a TTY, else json)",
+         choices=["json", "console", "auto"])
     _add(p, "--kv-memory", "512MiB", "KV pool size: bytes (512MiB, 2GB) or a fraction (0.5)")
     _add(p, "--max-num-seqs", 64, "most sequences in one batch", type=int)
     _add(p, "--max-num-batched-tokens", 512, "token budget of one engine step", type=int)
     _add(p, "--max-model-len", 0, "context length (0 = the model's)", type=int)
     _add(p, "--page-size", 16, "tokens per KV page", type=int)
-    _add(p, "--dtype", "auto", "auto, float32, bfloat16 or float16")
-    _add(p, "--device", "cpu", "torch device (cpu, cuda, cuda:1)")
-    _add(
-        p,
-        "--scrub-policy",
-        "reassign",
-        "when KV pages are zeroed",
-        choices=["reassign", "always", "off"],
-    )
+    _add(p, "--dtype", "auto", "weights and KV dtype (auto: bf16 where the hardware has it)",
+         choices=list(DTYPES))
+    _add(p, "--device", "cpu", "torch device: cpu, cuda or cuda:N", type=check_device,
+         metavar="{cpu,cuda,cuda:N}")
+    _add(p, "--weights", "auto",
+         "decode weights: auto keeps the file's 4/8-bit blocks on CPU; bf16, int4, int8",
+         choices=["auto", "bf16", "int4", "int8"])
+    _add(p, "--scrub-policy", "reassign", "when KV pages are zeroed",
+         choices=["reassign", "always", "off"])
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
     _add(p, "--alert-tenant-kv-pages", 0, "warn when a tenant holds more pages (0 = off)", type=int)
     _add(
@@ -126,15 +116,28 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=_serve)
 
 
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from service.preflight import StartupFlags, check_all
+
+    check_all(StartupFlags(
+        model=args.model, tenants=Path(args.tenants), host=args.host, port=args.port,
+        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
+        tls_client_ca=_path(args.tls_client_ca), grace_s=args.grace_seconds,
+        kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        page_size=args.page_size, prefix_ttl_s=args.prefix_ttl, dtype=args.dtype,
+        device=args.device, http_port=args.http_port))
+    cluster_limits = _cluster_limits(args)  # --redis-url, also before anything loads
+
     from service.logging import make_logger
     from service.serve import EngineSizing, ServeConfig, serve
     from service.server import ServerOptions, TlsFiles
 
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca is not None and args.tls_cert is None:
-        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     tls = None
     if args.tls_cert is not None:
         tls = TlsFiles(
@@ -142,9 +145,6 @@ def _serve(args: argparse.Namespace) -> int:
             Path(args.tls_key),
             Path(args.tls_client_ca) if args.tls_client_ca else None,
         )
-        for f in (tls.cert, tls.key, tls.client_ca):
-            if f is not None and not f.is_file():
-                raise UsageError(f"{f}: TLS file not found")
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -157,7 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
         alert_tenant_kv_pages=args.alert_tenant_kv_pages,
         alert_request_kv_pages=args.alert_request_kv_pages,
         kv_overcommit=args.kv_overcommit,
-        cluster_limits=_cluster_limits(args),
+        http_port=args.http_port,
+        cluster_limits=cluster_limits,
     )
     if args.max_step_ms < 0 or args.prefill_chunk < 0:
         raise UsageError("--max-step-ms and --prefill-chunk must be >= 0")
@@ -169,6 +170,7 @@ def _serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         dtype=args.dtype,
         device=args.device,
+        weights=args.weights,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,
         max_step_ms=args.max_step_ms,
@@ -181,10 +183,20 @@ def _serve(args: argparse.Namespace) -> int:
         sizing=sizing,
         log_format=args.log_format,
     )
+    from service.startup import StartupInterrupted
+
     log = make_logger(args.log_format, module_loggers=True)
     if args.log_content:
         log.warning("log_content.enabled", note="prompt and output text will be logged")
-    return asyncio.run(serve(config, log))
+    try:
+        return asyncio.run(serve(config, log))
+    except StartupInterrupted as stopped:
+        print("kvfence: stopped during start-up; nothing was served", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # NOTE: the abandoned loading thread may be inside torch; a normal interpreter exit
+        # finalizes under it and can abort. Nothing is open that needs closing yet.
+        os._exit(stopped.exit_code)
 
 
 def _cluster_limits(args: argparse.Namespace) -> Any:
@@ -220,32 +232,76 @@ def _models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _certs_dev(args: argparse.Namespace) -> int:
+    from service.devcerts import add_identity, write_dev_certs
+
+    out = write_dev_certs(Path(args.dir), args.tenant, tuple(args.host), args.days)
+    print(f"wrote {out.ca} (CA), {out.server_cert} + {out.server_key} (server), "
+          f"{out.client_cert} + {out.client_key} (client of tenant {args.tenant!r})")
+    if args.tenants is not None:
+        add_identity(Path(args.tenants), args.tenant, out.identity)
+        print(f"mapped {out.identity} to tenant {args.tenant!r} in {args.tenants}")
+    else:
+        print(f'add to [tenants.{args.tenant}] in your tenants file: '
+              f'mtls_identities = ["{out.identity}"]')
+    print(f"serve:  kvfence serve --tls-cert {out.server_cert} --tls-key {out.server_key} "
+          f"--tls-client-ca {out.ca} ...")
+    print(f"call:   kvfence usage --tls-ca {out.ca} --tls-cert {out.client_cert} "
+          f"--tls-key {out.client_key}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfence", description="multi-tenant LLM inference")
+    parser = new_parser(prog="kvfence", description="multi-tenant LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
-    tenants = sub.add_parser("tenants", help="manage the tenants file")
+    tenants = add_command(sub, "tenants", "manage the tenants file")
     tsub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
-    add = tsub.add_parser("add", help="add a tenant with a fresh API key")
+    add = add_command(tsub, "add", "add a tenant with a fresh API key")
     add.add_argument("name")
     add.add_argument("--file", default="tenants.toml", help="tenants file (created if absent)")
     add.set_defaults(func=_tenants_add)
-    models = sub.add_parser("models", help="manage local models")
+    models = add_command(sub, "models", "manage local models")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    msub.add_parser("pull", help="download and verify the default model").set_defaults(
+    add_command(msub, "pull", "download and verify the default model").set_defaults(
         func=_models_pull
     )
+    certs = add_command(sub, "certs", "make TLS certificates")
+    csub = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    dev = add_command(
+        csub, "dev", "write a development CA, a server certificate and a tenant's client "
+        "certificate (for trying TLS/mTLS locally; not for production)")
+    dev.add_argument("--dir", default="certs", help="directory to write the PEM files to")
+    dev.add_argument("--tenant", default="dev", help="tenant the client certificate is for")
+    dev.add_argument("--tenants", default=None,
+                     help="tenants file: map the client certificate to --tenant there")
+    dev.add_argument("--host", action="append", default=[],
+                     help="extra server name or IP (localhost, 127.0.0.1, ::1 always)")
+    dev.add_argument("--days", type=int, default=30, help="validity in days")
+    dev.set_defaults(func=_certs_dev)
     client_cli.register(sub)
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; the chosen subcommand's ``KVFENCE_*`` defaults are converted here."""
+    return resolve_env(parse(build_parser(), argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         result: int = args.func(args)
         return result
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as err:
+        top = (err.name or "").partition(".")[0]
+        if top not in SERVER_MODULES:
+            raise
+        print(f"kvfence: error: this command needs the server install (no module named {top!r}):"
+              " pip install 'kvfence[server]'", file=sys.stderr)
+        return 1
     except Exception as err:
         if _is_user_error(err):
             print(f"kvfence: error: {err}", file=sys.stderr)

@@ -17,6 +17,10 @@ from service.tenants import TenantsFileError, add_tenant
 
 DEV_TENANT = "dev"
 KEY_FILE = "dev-key.txt"
+# A chat-templated, greedy request with room for a whole sentence: the instruct model answers
+# the same sensible line every time, where a raw 16-token sample stops mid-word.
+TRY_PROMPT = "Write one sentence about fences."
+TRY_FLAGS = ("--temperature", "0", "--max-tokens", "64")
 
 
 def ensure_dev_tenant(tenants: Path) -> str:
@@ -48,8 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     kvfence = Path(sys.executable).with_name("kvfence")
     target = f"{known.host}:{known.port}"
-    print(f"dev tenant key is in {tenants.parent / KEY_FILE}. Try:", flush=True)
-    print(f'  {kvfence} generate --target {target} --api-key {key} "Hello"', flush=True)
+    print(f"dev tenant key is in {tenants.parent / KEY_FILE}. Once it is serving, try:",
+          flush=True)
+    print(f'  {kvfence} generate --chat "{TRY_PROMPT}" {" ".join(TRY_FLAGS)} '
+          f"--target {target} --api-key {key}", flush=True)
     return cli.main(
         ["serve", "--tenants", str(tenants), "--host", known.host, "--port", str(known.port), *rest]
     )

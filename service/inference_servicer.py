@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import traceback
 import uuid
@@ -12,23 +13,20 @@ from dataclasses import dataclass
 import grpc
 from structlog.typing import FilteringBoundLogger
 
-from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+from protos.kvfence.v1 import inference_pb2
 from service import responses
-from service.auth import current_tenant
+from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
 from service.finish import finish_error, submit_error
 from service.limits import Limiter
 from service.metrics import Metrics
+from service.prepare import check_request, finish_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
 from service.tenants import Tenant
 from service.validation import (
     Violations,
-    check_context,
-    check_request_fields,
-    parse_sampling,
-    parse_stopping,
     prompt_token_limit,
     raise_if,
 )
@@ -44,7 +42,7 @@ class InferenceOptions:
     alert_request_kv_pages: int = 0  # 0 = off
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+class InferenceServicer:
     def __init__(
         self,
         engine: EngineLike,
@@ -55,6 +53,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         options: InferenceOptions,
         is_draining: Callable[[], bool],
         clock: Callable[[], float],
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self._engine = engine
         self._prompts = prompts
@@ -64,19 +63,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._opts = options
         self._is_draining = is_draining
         self._clock = clock
-        self._active: set[str] = set()  # request ids submitted to the engine, not finished
-
-    def abort_all(self) -> int:
-        """Abort every in-flight request in the engine (drain); returns how many."""
-        ids = list(self._active)
-        for request_id in ids:
-            self._engine.abort(request_id)
-        return len(ids)
+        self._grammars = grammars
 
     async def Generate(
-        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        tenant = current_tenant()
         request_id = uuid.uuid4().hex
         log = self._log.bind(tenant=tenant.name, request_id=request_id, peer=context.peer())
         code = "CANCELLED"
@@ -108,40 +102,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id: str,
         log: FilteringBoundLogger,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        model = self._prompts.model
-        if not tenant.may_use_model(model.name):
-            raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
-        limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
-        which = request.WhichOneof("input")
-        out: Violations = []
-        check_request_fields(request, model, out)
-        sampling = parse_sampling(request.sampling, out)
-        stopping = parse_stopping(request.stopping, model.vocab_size, out)
-        self._prompts.check_input(which, request, limit, out)
-        raise_if(out)
-        assert which is not None
-
+        checked = check_request(self._prompts, tenant, request)
+        which = checked.which
+        max_tokens = checked.stopping.max_tokens
         # Charged before any work (tokenizing included): the input by its size.
-        cost = self._prompts.input_cost(which, request) + stopping.max_tokens
-        lease = await self._limiter.admit(tenant.name, cost)
+        lease = await self._limiter.admit(tenant.name, checked.input_cost + max_tokens)
         try:
-            prompt = await self._prompts.prompt_ids(tenant.name, which, request, limit)
-            check_context(len(prompt), stopping.max_tokens, model, out)
-            raise_if(out)
-            engine_request = Request(
-                request_id=request_id,
-                tenant=tenant.name,
-                prompt_ids=tuple(prompt),
-                sampling=sampling,
-                stopping=stopping,
-                logprobs=request.logprobs,
-                deadline=self._deadline(context),
-                bypass_prefix_cache=request.bypass_prefix_cache,
+            engine_request = await finish_request(
+                self._prompts,
+                self._grammars,
+                tenant,
+                request,
+                checked,
+                request_id,
+                self._deadline(context),
             )
+            prompt_tokens = len(engine_request.prompt_ids)
             log.info(
                 "generate.accepted",
-                prompt_tokens=len(prompt),
-                max_tokens=stopping.max_tokens,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
                 input=which,
             )
             if self._opts.log_content:
@@ -159,13 +139,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         log: FilteringBoundLogger,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         label = self._metrics.label(tenant.name)
-        finished = False
-        self._active.add(req.request_id)
         try:
-            try:
-                events = await self._engine.submit(req)
-            except EngineError as exc:
-                raise submit_error(exc) from None
+            events = await self._engine.submit(req)
+        except EngineError as exc:
+            raise submit_error(exc) from None
+        # NOTE: closing the engine's stream before its Finished is the one abort path
+        # (Engine.abort frees the pages at the next step boundary); aclosing closes it at
+        # once when this RPC is cancelled, past its deadline, or the stream breaks.
+        async with contextlib.aclosing(events):
             last = self._clock()
             completion = 0
             alerted = False
@@ -188,13 +169,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     )
                     yield responses.chunk(event, self._prompts.token_text)
                 else:
-                    finished = True
                     yield self._finish(event, tenant, log, "".join(output))
-        finally:
-            self._active.discard(req.request_id)
-            if not finished:
-                # Cancelled, past its deadline, or the stream broke: free the pages now.
-                self._engine.abort(req.request_id)
 
     def _finish(
         self, event: Finished, tenant: Tenant, log: FilteringBoundLogger, output: str
@@ -244,9 +219,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return " ".join(map(str, request.token_ids.ids))
 
     async def Tokenize(
-        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.TokenizeRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> inference_pb2.TokenizeResponse:
-        tenant = current_tenant()
         code = "OK"
         try:
             model = self._prompts.model
@@ -283,9 +260,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._metrics.requests.labels(self._metrics.label(tenant.name), "Tokenize", code).inc()
 
     async def ListModels(
-        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.ListModelsRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> inference_pb2.ListModelsResponse:
-        tenant = current_tenant()
         self._metrics.requests.labels(self._metrics.label(tenant.name), "ListModels", "OK").inc()
         models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
         return inference_pb2.ListModelsResponse(models=models)

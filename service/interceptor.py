@@ -7,7 +7,9 @@ Two steps, because gRPC hands the two halves of a credential to different places
    takes no client certificates, is refused here by a handler that never parses the body, so
    an unauthenticated caller cannot make the server decode an 8 MiB message.
 2. The wrapped handler has the servicer context (the TLS auth context too), resolves the
-   tenant with the certificate check, and binds it with ``set_current_tenant``.
+   tenant with the certificate check, and hands it to kvfence's own handlers as an explicit
+   third argument, ``handler(request, context, tenant)`` (see ``service/wire.py``); other
+   services' handlers (reflection) are called as usual once the tenant passes.
 
 gRPC still reads the refused message off the wire (up to the receive limit); only parsing is
 skipped.
@@ -22,14 +24,16 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
-from service.auth import Authenticator, set_current_tenant
+from service.auth import Authenticator
 from service.errors import ServiceError, abort, permission_denied, unavailable
 from service.tenants import Tenant
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
+KVFENCE_PREFIX = "/kvfence."  # handlers of these services take the tenant explicitly
 
 Check = Callable[[grpc.aio.ServicerContext, str], Awaitable[Tenant]]
+Authorize = Callable[[grpc.aio.ServicerContext], Awaitable[tuple[Tenant, ...]]]
 Deny = Callable[[grpc.aio.ServicerContext, str, ServiceError], Awaitable[NoReturn]]
 
 
@@ -80,7 +84,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise permission_denied("tenant may not use server reflection", "REFLECTION")
         except ServiceError as err:
             await self._deny(context, method, err)
-        set_current_tenant(tenant)
         return tenant
 
     async def _deny(
@@ -122,6 +125,13 @@ def _refuse(
 
 
 def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.RpcMethodHandler:
+    explicit = method.startswith(KVFENCE_PREFIX)
+
+    async def authorize(context: grpc.aio.ServicerContext) -> tuple[Tenant, ...]:
+        """The extra handler arguments: the checked tenant for kvfence's own handlers."""
+        tenant = await check(context, method)
+        return (tenant,) if explicit else ()
+
     kwargs: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -130,39 +140,35 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.Rpc
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(context, method)
-            return await inner_uu(request, context)
+            return await inner_uu(request, context, *await authorize(context))
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            _streaming(handler.unary_stream, method, check), **kwargs
+            _streaming(handler.unary_stream, authorize), **kwargs
         )
     if handler.stream_stream is not None:
         return grpc.stream_stream_rpc_method_handler(
-            _streaming(handler.stream_stream, method, check), **kwargs
+            _streaming(handler.stream_stream, authorize), **kwargs
         )
     inner_su = handler.stream_unary
 
     async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context, method)
-        return await inner_su(request_iterator, context)
+        return await inner_su(request_iterator, context, *await authorize(context))
 
     return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
 
 
-def _streaming(inner: Any, method: str, check: Check) -> Any:
+def _streaming(inner: Any, authorize: Authorize) -> Any:
     if inspect.isasyncgenfunction(inner):
 
         async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await check(context, method)
-            async for item in inner(request, context):
+            async for item in inner(request, context, *await authorize(context)):
                 yield item
 
         return gen
 
     async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context, method)
-        return await inner(request, context)
+        return await inner(request, context, *await authorize(context))
 
     return coro

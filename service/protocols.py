@@ -7,7 +7,7 @@ inbox: the service never holds the KV cache.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from service.engine import (
@@ -24,8 +24,9 @@ class EngineLike(Protocol):
     page_size: int
     num_pages: int
 
-    async def submit(self, request: Request) -> AsyncIterator[EngineEvent]: ...
+    async def submit(self, request: Request) -> AsyncGenerator[EngineEvent, None]: ...
     def abort(self, request_id: str) -> None: ...
+    async def abort_all(self) -> int: ...
     def set_tenant_policy(
         self,
         tenant: str,

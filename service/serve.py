@@ -9,7 +9,6 @@ on SIGTERM/SIGINT before exiting 0.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import sys
 import time
@@ -21,50 +20,17 @@ from typing import TYPE_CHECKING, Literal
 from structlog.typing import FilteringBoundLogger
 
 from service.kv_shares import KVShareError
+from service.preflight import ConfigError, parse_kv_memory
 from service.server import KVFenceServer, ServedModel, ServerOptions
+from service.startup import StartupInterrupted, until_stopped
 from service.tenants import TenantRegistry, load_tenants
 
 if TYPE_CHECKING:
+    from kvcache import CacheConfig
     from service.engine.engine import Engine
+    from service.engine.grammar import GrammarCompiler
+    from service.engine.types import EngineConfig
     from service.model.loader import LoadedModel
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "KI": 2**10,
-    "MI": 2**20,
-    "GI": 2**30,
-    "TI": 2**40,
-}
-
-
-class ConfigError(ValueError):
-    """A bad flag value; the message is one readable line."""
-
-
-def parse_kv_memory(text: str) -> tuple[Literal["bytes", "fraction"], float]:
-    """``512MiB``, ``2GB``, ``1073741824`` -> bytes; ``0.5`` (in (0, 1]) -> fraction of free
-    device memory."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if 0.0 < value <= 1.0 and "." in text:
-        return "fraction", value
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ConfigError(f"--kv-memory: cannot parse {text!r} (use e.g. 512MiB, 2GB or 0.5)")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    size = float(match.group(1)) * _UNITS[unit]
-    if size < 1:
-        raise ConfigError(f"--kv-memory: {text!r} is not a positive size")
-    return "bytes", size
-
 
 @dataclass(frozen=True, slots=True)
 class EngineSizing:
@@ -77,6 +43,7 @@ class EngineSizing:
     page_size: int = 16
     dtype: str = "auto"
     device: str = "cpu"
+    weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
     scrub_policy: Literal["reassign", "always", "off"] = "reassign"
     prefix_ttl_s: float = 600.0
     warmup: bool = True
@@ -88,6 +55,32 @@ class EngineSizing:
     prefill_chunk: int = 0
 
 
+def cache_config(sizing: EngineSizing) -> CacheConfig:
+    """The KV cache's config, derived from the serve flags (raises ValueError if bad)."""
+    from kvcache import CacheConfig
+
+    return CacheConfig(
+        page_size=sizing.page_size,
+        scrub_policy=sizing.scrub_policy,
+        default_ttl_s=sizing.prefix_ttl_s,
+    )
+
+
+def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
+    """The engine's config, derived from the serve flags; ``max_model_len`` 0 means the
+    model's own length (the engine caps larger values to it)."""
+    from service.engine.types import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=sizing.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
+        max_model_len=sizing.max_model_len or model_len,
+        warmup=sizing.warmup,
+        max_step_ms=sizing.max_step_ms,
+        long_prefill_threshold=sizing.prefill_chunk,
+    )
+
+
 @dataclass(slots=True)
 class Stack:
     """A started engine and the server in front of it."""
@@ -95,6 +88,7 @@ class Stack:
     engine: Engine
     server: KVFenceServer
     model: LoadedModel
+    grammars: GrammarCompiler | None = None
 
 
 def build_server(
@@ -108,34 +102,21 @@ def build_server(
     clock: Callable[[], float] = time.monotonic,
 ) -> Stack:
     """Size the KV pool, start (warm up) the engine and build the server around it."""
-    from kvcache import CacheConfig
     from service.engine.factory import build_engine
-    from service.engine.types import EngineConfig
+    from service.structured import build_grammar_compiler
 
     cfg = loaded.model.config
     try:
-        cache_config = CacheConfig(
-            page_size=sizing.page_size,
-            scrub_policy=sizing.scrub_policy,
-            default_ttl_s=sizing.prefix_ttl_s,
-        )
-        engine_config = EngineConfig(
-            max_num_seqs=sizing.max_num_seqs,
-            max_num_batched_tokens=sizing.max_num_batched_tokens,
-            # 0 = the model's own length; the engine caps larger values to the model's.
-            max_model_len=sizing.max_model_len or cfg.max_position_embeddings,
-            warmup=sizing.warmup,
-            max_step_ms=sizing.max_step_ms,
-            long_prefill_threshold=sizing.prefill_chunk,
-        )
+        cache = cache_config(sizing)
+        engine_cfg = engine_config(sizing, cfg.max_position_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     kind, amount = parse_kv_memory(sizing.kv_memory)
     try:
         engine = build_engine(
             loaded,
-            engine_config,
-            cache_config,
+            engine_cfg,
+            cache,
             kv_fraction=amount if kind == "fraction" else None,
             kv_bytes=int(amount) if kind == "bytes" else None,
             clock=clock,
@@ -143,7 +124,8 @@ def build_server(
         )
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None
-    engine.start()
+    engine.start(progress=lambda done, total: log.info("engine.warmup", done=done, total=total))
+    grammars = build_grammar_compiler(loaded.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
     served = ServedModel(
         name=loaded.name,
         architecture=cfg.arch,
@@ -163,11 +145,12 @@ def build_server(
             log=log,
             tenants_path=tenants_path,
             clock=clock,
+            grammars=grammars,
         )
     except KVShareError as err:
         engine.shutdown()
         raise ConfigError(str(err)) from None
-    return Stack(engine=engine, server=server, model=loaded)
+    return Stack(engine=engine, server=server, model=loaded, grammars=grammars)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +178,7 @@ def load_for_serving(
         model_path,
         dtype=config.sizing.dtype,
         device=config.sizing.device,
+        weights=config.sizing.weights,
         progress=sys.stderr.isatty(),
     )
     return loaded, registry
@@ -203,30 +187,43 @@ def load_for_serving(
 async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
     """Run until SIGTERM/SIGINT, then drain. Returns the exit status.
 
-    Signal handlers go in first: a SIGTERM while the model loads exits 0 without serving,
-    and a SIGHUP before the server exists is ignored (the file is read at start anyway).
+    Signal handlers go in first: a signal while the model loads or warms up raises
+    ``StartupInterrupted`` at once (exit 0 for SIGTERM, 130 for SIGINT) without serving, and
+    a SIGHUP before the server exists is ignored (the file is read at start anyway).
     """
     stop = asyncio.Event()
+    signals: list[int] = []
     servers: list[KVFenceServer] = []
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_signal, signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGINT, on_signal, signal.SIGINT)
     loop.add_signal_handler(signal.SIGHUP, lambda: [s.reload_tenants() for s in servers])
-    loaded, registry = await asyncio.to_thread(load_for_serving, config, log)
-    stack = await asyncio.to_thread(
-        build_server,
-        loaded,
-        config.sizing,
-        registry,
-        config.options,
-        log,
-        tenants_path=config.tenants,
-    )
+
+    def start() -> tuple[Stack, TenantRegistry]:
+        loaded, registry = load_for_serving(config, log)
+        log.info("engine.starting", warmup=config.sizing.warmup)
+        stack = build_server(
+            loaded, config.sizing, registry, config.options, log, tenants_path=config.tenants
+        )
+        return stack, registry
+
+    started = await until_stopped(start, stop)
+    if started is None:
+        raise StartupInterrupted(130 if signals[0] == signal.SIGINT else 0)
+    stack, registry = started
+    loaded = stack.model
     server = stack.server
     servers.append(server)
     try:
         if stop.is_set():
             return 0
+        if stack.grammars is not None:  # before serving: no tenant times this build
+            await asyncio.to_thread(stack.grammars.warm)
         port = await server.start()
         opts = config.options
         tls = "mtls" if opts.tls and opts.tls.client_ca else "on" if opts.tls else "off"
@@ -236,6 +233,13 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
             f"(tls={tls}, tenants={len(registry.tenants)}, metrics={metrics})",
             flush=True,
         )
+        if server.http is not None:
+            scheme = "https" if opts.tls else "http"
+            print(
+                f"kvfence: OpenAI-compatible HTTP on "
+                f"{scheme}://{opts.http_host or opts.host}:{server.http.port}/v1",
+                flush=True,
+            )
         log.info("server.serving", model=loaded.name, host=opts.host, port=port, tls=tls)
         await stop.wait()
         await server.drain()

@@ -26,7 +26,10 @@ from service.auth import Authenticator
 from service.cache_servicer import CacheServicer
 from service.cluster_limits import ClusterLimitsConfig, build_cluster_limiter
 from service.engine import TenantCachePolicy, TenantSchedPolicy
+from service.engine.grammar import GrammarCompiler
 from service.health import DEFAULT_MAX_WATCHES, BoundedHealth
+from service.http.front import FrontDeps, OpenAIFront
+from service.http.server import HttpServer
 from service.inference_servicer import InferenceOptions, InferenceServicer
 from service.interceptor import AuthInterceptor
 from service.kv_shares import KVShareError, kv_shares
@@ -73,6 +76,8 @@ class ServerOptions:
     max_health_watches: int = DEFAULT_MAX_WATCHES  # open unauthenticated health Watch streams
     tokenizer_threads: int = 1  # tokenizations running at once (one per tenant at most)
     kv_overcommit: bool = False  # allow KV shares that add up to more than the pool
+    http_host: str | None = None  # None = ``host``
+    http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
     cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
 
 
@@ -115,8 +120,10 @@ class KVFenceServer:
         log: FilteringBoundLogger,
         tenants_path: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self._engine = engine
+        self._grammars = grammars
         self._model = model
         self._options = options
         self._log = log
@@ -139,16 +146,16 @@ class KVFenceServer:
             )
         )
         self.port = 0
+        self.http: HttpServer | None = None
+        self.http_front: OpenAIFront | None = None
         self._apply(registry)
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
+        self._prompts = PromptBuilder(
+            model.tokenizer, model.chat_template, limits, TokenizerPool(options.tokenizer_threads)
+        )
         self.inference = InferenceServicer(
             engine,
-            PromptBuilder(
-                model.tokenizer,
-                model.chat_template,
-                limits,
-                TokenizerPool(options.tokenizer_threads),
-            ),
+            self._prompts,
             self.limiter,
             self.metrics,
             log,
@@ -166,6 +173,7 @@ class KVFenceServer:
             ),
             lambda: self._draining,
             clock,
+            grammars,
         )
 
     @property
@@ -213,10 +221,38 @@ class KVFenceServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if opts.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics, opts.metrics_host, opts.metrics_port)
+        if opts.http_port is not None:
+            await self._start_http()
         await self.refresh_stats()
         self._stats_task = asyncio.create_task(self._stats_loop())
         await self.limiter.start()
         return self.port
+
+    async def _start_http(self) -> None:
+        opts = self._options
+        self.http_front = OpenAIFront(
+            FrontDeps(
+                engine=self._engine,
+                prompts=self._prompts,
+                limiter=self.limiter,
+                authenticator=self.authenticator,
+                metrics=self.metrics,
+                log=self._log,
+                grammars=self._grammars,
+                is_draining=lambda: self._draining,
+                clock=self._clock,
+            )
+        )
+        tls = opts.tls
+        self.http = HttpServer(
+            self.http_front.app(),
+            opts.http_host or opts.host,
+            opts.http_port or 0,
+            tls_cert=tls.cert if tls else None,
+            tls_key=tls.key if tls else None,
+            client_ca=tls.client_ca if tls else None,
+        )
+        await self.http.start()
 
     def reload_tenants(self) -> bool:
         """Re-read the tenants file (SIGHUP). In-flight streams continue; a revoked key is
@@ -262,7 +298,7 @@ class KVFenceServer:
         await self._health.enter_graceful_shutdown()
         self._log.info("server.draining", in_flight=self.limiter.total_active(), grace_s=grace)
         await self._wait_idle(grace)
-        aborted = self.inference.abort_all()
+        aborted = await self._engine.abort_all()
         await self._wait_idle(5.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)
@@ -275,6 +311,9 @@ class KVFenceServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats_task
             self._stats_task = None
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         await self.limiter.close()
         if self._server is not None:
             await self._server.stop(grace=None)

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError, Message
 
 from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.errors import abort, invalid_argument
+from service.tenants import Tenant
 
 
 class _Malformed:
@@ -24,8 +25,9 @@ class _Malformed:
 
 MALFORMED = _Malformed()
 
-UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+# Handlers take the tenant explicitly: the auth interceptor calls them with it.
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext, Tenant], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext, Tenant], AsyncIterator[Any]]
 
 
 def _parser(message: type[Message]) -> Callable[[bytes], Message | _Malformed]:
@@ -43,19 +45,21 @@ async def _refuse(context: grpc.aio.ServicerContext) -> None:
 
 
 def _unary(behavior: UnaryBehavior) -> UnaryBehavior:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handler(request: Any, context: grpc.aio.ServicerContext, tenant: Tenant) -> Any:
         if request is MALFORMED:
             await _refuse(context)
-        return await behavior(request, context)
+        return await behavior(request, context, tenant)
 
     return handler
 
 
 def _stream(behavior: StreamBehavior) -> StreamBehavior:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def handler(
+        request: Any, context: grpc.aio.ServicerContext, tenant: Tenant
+    ) -> AsyncIterator[Any]:
         if request is MALFORMED:
             await _refuse(context)
-        async for response in behavior(request, context):
+        async for response in behavior(request, context, tenant):
             yield response
 
     return handler

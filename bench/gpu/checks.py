@@ -24,7 +24,7 @@ from bench.gpu.loop import generate
 from bench.gpu.models import write_tiny
 from bench.gpu.plan import Plan
 from bench.gpu.setup import make_backend, make_cache, make_graphs
-from kvcache import CacheConfig, FenceViolation, KVCacheManager, PagePool, PageRef, StepEntry
+from kvcache import CacheConfig, KVCacheManager, PagePool, PageRef, StepEntry
 from kvcache.backends import AttentionBackend
 from kvcache.backends.base import StepKernel
 from kvcache.metadata import AttentionMetadata
@@ -142,18 +142,19 @@ def isolation_check(plan: Plan) -> dict[str, Any]:
     pool = PagePool(2, 1, ps, s.kv_heads, s.head_dim, dtype, device)
     mgr = KVCacheManager(pool, CacheConfig(page_size=ps, secret=b"iso" * 11), lambda: 0.0, backend)
 
-    def run_step(seq: str, done: int, new: int) -> None:
-        step = mgr.begin_step([StepEntry(seq, done, new)])
+    def run_step(seq: str, tokens: list[int], done: int, new: int) -> None:
+        step = mgr.begin_step([StepEntry(seq, done, new)]).attn
+        assert step is not None, "the fence refused a clean step"
         for layer in range(2):
             q = torch.randn(new, s.heads, s.head_dim, device=device, dtype=dtype)
             k = torch.randn(new, s.kv_heads, s.head_dim, device=device, dtype=dtype).abs() + 1
             v = torch.randn(new, s.kv_heads, s.head_dim, device=device, dtype=dtype).abs() + 1
             step(layer, q, k, v)
-        mgr.commit(seq, done + new)
+        mgr.commit(seq, tokens, done + new)
 
     mgr.open("a1", "a", list(range(3, 3 + ps)), use_prefix_cache=False)
     mgr.allocate_slots("a1", ps)
-    run_step("a1", 0, ps)
+    run_step("a1", list(range(3, 3 + ps)), 0, ps)
     page = mgr.sequence_pages("a1")[0].page_id
     written_by_a = bool(pool.kv[:, page].ne(0).all().item())
     mgr.free("a1")
@@ -161,19 +162,15 @@ def isolation_check(plan: Plan) -> dict[str, Any]:
     mgr.allocate_slots("b1", 1)
     reused = mgr.sequence_pages("b1")[0].page_id == page
     zero_when_handed = bool(pool.kv[:, page].eq(0).all().item())
-    run_step("b1", 0, 1)
+    run_step("b1", [5], 0, 1)
     rest_zero = bool(pool.kv[:, page, :, 1:].eq(0).all().item())
 
     # A stale generation spliced into b's table (a freed page's old life): refused first.
-    mgr.allocate_slots("b1", 1)
+    mgr.allocate_slots("b1", 2)
     ref = mgr.sequence_pages("b1")[0]
     mgr.inject_page_ref("b1", 0, PageRef(ref.page_id, ref.generation - 1))  # the test hook
     prepared, calls, before = backend.prepared, backend.kernel_calls, pool.kv.clone()
-    refused = False
-    try:
-        mgr.begin_step([StepEntry("b1", 1, 1)])
-    except FenceViolation:
-        refused = True
+    refused = bool(mgr.begin_step([StepEntry("b1", 1, 1)]).refused)
     mgr.inject_page_ref("b1", 0, ref)
     return {
         "backend": plan.throughput_backend,

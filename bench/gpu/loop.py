@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache import KVCacheManager, StepEntry, UnknownSequence
+from kvcache import KVCacheManager, StepAttention, StepEntry, UnknownSequence
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.runner import BatchInputs, ModelRunner
 from service.model.llama import LlamaModel
@@ -45,13 +45,26 @@ def _prefill(
         tokens.extend(p)
         positions.extend(range(len(p)))
         last.append(len(tokens) - 1)
-    attn = cache.begin_step([StepEntry(s, 0, len(p)) for s, p in zip(ids, prompts, strict=True)])
+    attn = _fenced(cache, [StepEntry(s, 0, len(p)) for s, p in zip(ids, prompts, strict=True)])
     inputs = BatchInputs(
         torch.tensor(tokens, device=device),
         torch.tensor(positions, device=device),
         torch.tensor(last, device=device),
     )
     return runner.forward(inputs, attn)
+
+
+def _grow(cache: KVCacheManager, seq_id: str, num_tokens: int) -> None:
+    fit = cache.allocate_slots(seq_id, num_tokens)
+    if not fit.ok:
+        raise RuntimeError(f"the batch does not fit the KV pool ({fit.reason})")
+
+
+def _fenced(cache: KVCacheManager, entries: list[StepEntry]) -> StepAttention:
+    plan = cache.begin_step(entries)
+    if plan.refused or plan.attn is None:
+        raise RuntimeError(f"fence refused {plan.refused[0][1] if plan.refused else 'all'}")
+    return plan.attn
 
 
 def generate(
@@ -71,7 +84,7 @@ def generate(
     try:
         for s, p in zip(ids, prompts, strict=True):
             cache.open(s, TENANT, list(p), use_prefix_cache=False)
-            cache.allocate_slots(s, len(p))
+            _grow(cache, s, len(p))
         _sync(device)
         start = time.perf_counter()
         logits = _prefill(runner, cache, ids, prompts)
@@ -79,16 +92,17 @@ def generate(
         last = [int(t) for t in logits.argmax(-1).tolist()]
         out = [[t] for t in last]
         lens = [len(p) for p in prompts]
-        for s, n, t in zip(ids, lens, last, strict=True):
-            cache.commit(s, n)
-            cache.append_token(s, t)
+        seqs = [list(p) for p in prompts]  # each sequence's tokens (the caller owns them)
+        for s, seq, n, t in zip(ids, seqs, lens, last, strict=True):
+            cache.commit(s, seq, n)
+            seq.append(t)
         _sync(device)
         prefill_s = time.perf_counter() - start
         rows = torch.arange(len(prompts), device=device)
         for _ in range(new_tokens - 1):
-            for s in ids:
-                cache.allocate_slots(s, 1)
-            attn = cache.begin_step([StepEntry(s, n, 1) for s, n in zip(ids, lens, strict=True)])
+            for s, n in zip(ids, lens, strict=True):
+                _grow(cache, s, n + 1)
+            attn = _fenced(cache, [StepEntry(s, n, 1) for s, n in zip(ids, lens, strict=True)])
             inputs = BatchInputs(
                 torch.tensor(last, device=device), torch.tensor(lens, device=device), rows
             )
@@ -97,9 +111,9 @@ def generate(
             if keep_logits:
                 kept.append(logits.cpu())
             lens = [n + 1 for n in lens]
-            for s, n, t, o in zip(ids, lens, last, out, strict=True):
-                cache.commit(s, n)
-                cache.append_token(s, t)
+            for s, seq, n, t, o in zip(ids, seqs, lens, last, out, strict=True):
+                cache.commit(s, seq, n)
+                seq.append(t)
                 o.append(t)
         _sync(device)
         decode_s = time.perf_counter() - start - prefill_s

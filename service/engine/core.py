@@ -24,6 +24,7 @@ from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
 from kvcache.stats import TenantUsage
 from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.grammar import GrammarMatcher
 from service.engine.invariants import validate_request
 from service.engine.request import SeqState, SeqStatus
 from service.engine.runner import ForwardModel, ModelRunner, build_inputs
@@ -151,6 +152,7 @@ class EngineCore:
             stop_ids=frozenset(stop_ids),
             max_tokens=max_tokens,
             arrival=self._clock(),
+            grammar=request.grammar.matcher() if request.grammar is not None else None,
         )
         self._seqs[request.request_id] = seq
         self._scheduler.add(seq)
@@ -256,8 +258,10 @@ class EngineCore:
                 generator=e.seq.generator,
                 prompt_ids=e.seq.request.prompt_ids,
                 output_ids=e.seq.output_ids,
-                banned_ids=e.seq.banned_ids(),
+                # A grammar that allows only EOS must win over min_tokens' ban on it.
+                banned_ids=e.seq.banned_ids() if e.seq.grammar is None else (),
                 num_logprobs=e.seq.request.logprobs,
+                grammar=e.seq.grammar,
             )
             for e in plan.entries
             if e.samples
@@ -290,6 +294,9 @@ class EngineCore:
                 reason = "stop"
             elif seq.num_output >= seq.max_tokens:
                 reason = "length"
+                text += seq.detok.flush()
+            elif seq.grammar is not None and _grammar_done(seq.grammar, token):
+                reason = "stop"
                 text += seq.detok.flush()
         lps = (logprob,) if logprob is not None else ()
         seq.sink(Delta((token,), text, lps))
@@ -355,12 +362,22 @@ class EngineCore:
         for seq in list(self._scheduler.running):
             self._finish(seq, "error", failure)
 
-    def finish_all(self, reason: FinishReason) -> None:
-        """Finish every request (shutdown)."""
-        for seq in list(self._seqs.values()):
+    def finish_all(self, reason: FinishReason) -> int:
+        """Finish every request (drain, shutdown); returns how many."""
+        seqs = list(self._seqs.values())
+        for seq in seqs:
             self._finish(seq, reason)
         self._deadlines.clear()
         self._num_deadlined = 0
+        return len(seqs)
+
+
+def _grammar_done(grammar: GrammarMatcher, token: int) -> bool:
+    """Advance the grammar; True once it is complete (only EOS could follow)."""
+    if not grammar.accept(token):  # the mask allows only accepted tokens: a bug
+        log.error("grammar_refused_token", error=grammar.error)
+        return True
+    return grammar.finished
 
 
 def check_policy(policy: TenantSchedPolicy) -> None:

@@ -18,7 +18,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TypeVar
 
 import structlog
@@ -39,7 +39,7 @@ from service.engine.types import (
     Request,
     TenantSchedPolicy,
 )
-from service.engine.warmup import run_warmup
+from service.engine.warmup import WarmupProgress, run_warmup
 from service.model.llama import LlamaModel
 
 log = structlog.get_logger(__name__)
@@ -80,12 +80,13 @@ class Engine:
         self._done = False  # the engine thread has exited; commands run on the caller
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Warm up (if configured), then start the engine thread. Returns when ready."""
+    def start(self, progress: WarmupProgress | None = None) -> None:
+        """Warm up (if configured; ``progress(done, total)`` after each warm-up batch), then
+        start the engine thread. Returns when ready."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
         if self.config.warmup:
-            run_warmup(self._core)
+            run_warmup(self._core, progress)
             self._counters = self._core.counters()
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
@@ -102,7 +103,7 @@ class Engine:
         self._counters = self._core.counters()
 
     # ---- requests ----------------------------------------------------------------------------
-    async def submit(self, request: Request) -> AsyncIterator[EngineEvent]:
+    async def submit(self, request: Request) -> AsyncGenerator[EngineEvent, None]:
         """Queue ``request`` and return its event stream: Admitted, Delta..., Finished.
 
         Raises QueueFull, InvalidRequest or RequestTooLarge once the engine thread has
@@ -128,7 +129,7 @@ class Engine:
 
     async def _stream(
         self, request_id: str, events: asyncio.Queue[EngineEvent]
-    ) -> AsyncIterator[EngineEvent]:
+    ) -> AsyncGenerator[EngineEvent, None]:
         finished = False
         try:
             while True:
@@ -145,6 +146,10 @@ class Engine:
         """Finish the request with reason "abort" at the next step boundary. Unknown ids
         are ignored. Does not wait."""
         self._post(lambda core: core.abort(request_id))
+
+    async def abort_all(self) -> int:
+        """Finish every request with reason "abort" (drain); returns how many there were."""
+        return await self._ask(lambda core: core.finish_all("abort"))
 
     # ---- tenants and queries -----------------------------------------------------------------
     def set_tenant_policy(

@@ -17,6 +17,7 @@ from typing import overload
 import torch
 
 from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.grammar import GrammarMatcher
 from service.engine.types import EngineEvent, Request
 
 
@@ -76,6 +77,7 @@ class SeqState:
     announced: bool = False  # Admitted was sent
     in_cache: bool = False  # opened in the KVCacheManager and not freed yet
     first_token_at: float | None = None
+    grammar: GrammarMatcher | None = None  # structured output: this sequence's grammar state
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_ids)

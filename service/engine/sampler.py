@@ -5,7 +5,8 @@ run over the rows of the batch (never over the vocabulary), and the only host sy
 single ``.tolist()`` that brings the chosen ids (and logprobs, packed into the same
 tensor) back. Order of processing, per row:
 
-1. ban stop tokens while fewer than ``min_tokens`` were generated;
+1. ban stop tokens while fewer than ``min_tokens`` were generated; rows with a grammar
+   keep only the tokens it allows (``grammar.py``);
 2. repetition penalty (prompt + output tokens), presence and frequency penalties (output);
 3. greedy rows take the argmax here;
 4. temperature, then top-k, top-p, min-p truncation;
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.grammar import GrammarMatcher, apply_grammar_masks
 from service.engine.types import SamplingParams, TokenLogprob
 
 
@@ -38,6 +40,7 @@ class SampleRow:
     output_ids: Sequence[int]
     banned_ids: tuple[int, ...] = ()  # stop tokens masked out (min_tokens not reached yet)
     num_logprobs: int = 0
+    grammar: GrammarMatcher | None = None  # structured output: only its allowed tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
         logits = logits.float()
         self._ban(logits, rows)
+        apply_grammar_masks(logits, [(i, r.grammar) for i, r in enumerate(rows) if r.grammar])
         if any(_has_penalty(r.params) for r in rows):
             logits = self._penalize(logits, rows)
         greedy = [r.params.temperature == 0.0 for r in rows]

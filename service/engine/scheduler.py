@@ -6,9 +6,10 @@ admission order (decodes take one token, partial prefills take the next chunk); 
 sequences are admitted by weighted DRR over tenants while budget and slots last. A prefix
 cache hit at admission starts ``num_computed`` at the cached token count.
 
-When the pool runs out (``OutOfPages``) the most recently admitted running sequence is
-preempted: its pages are freed and it re-queues at the front of its tenant's queue, to be
-recomputed from prompt + output. ``QuotaExceeded`` does the same within the tenant.
+When the pool runs out (``allocate_slots`` answers ``out_of_pages``) the most recently
+admitted running sequence is preempted: its pages are freed and it re-queues at the front of
+its tenant's queue, to be recomputed from prompt + output. A ``quota`` answer does the same
+within the tenant.
 A request that could never fit the pool or its tenant's quota is rejected with
 ``RequestTooLarge`` instead of waiting forever.
 
@@ -27,7 +28,7 @@ import structlog
 
 from kvcache.attention import AttentionFn
 from kvcache.config import TenantCachePolicy
-from kvcache.errors import FenceViolation, KVCacheError, OutOfPages, QuotaExceeded
+from kvcache.errors import FenceViolation, KVCacheError
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import StepEntry
 from kvcache.stats import CacheStats, TenantUsage
@@ -175,8 +176,9 @@ class Scheduler:
             extra = min(e.seq.num_tokens - e.seq.num_computed - e.num_new, budget)
             if extra <= 0:
                 continue
-            if self._cache.can_allocate(e.seq.seq_id, e.num_new + extra):
-                self._cache.allocate_slots(e.seq.seq_id, e.num_new + extra)
+            total = e.seq.num_computed + e.num_new + extra
+            if self._cache.can_allocate(e.seq.seq_id, total):
+                self._cache.allocate_slots(e.seq.seq_id, total)
                 entries[i] = ScheduledSeq(e.seq, e.num_new + extra)
                 budget -= extra
                 self._spend(e.seq.tenant, extra)
@@ -211,25 +213,15 @@ class Scheduler:
     ) -> tuple[
         tuple[ScheduledSeq, ...], AttentionFn | None, tuple[tuple[SeqState, FenceViolation], ...]
     ]:
-        """``begin_step`` for the batch. A FenceViolation names a page, not a sequence, so on
-        one the entries are fenced one by one to find the culprits; the rest run without
-        them. Refused sequences leave the running list (their pages stay with kvcache)."""
+        """``begin_step`` for the batch: the cache fences each sequence and answers which
+        passed. Refused sequences leave the running list (their pages stay with kvcache)."""
         if not entries:
             return (), None, ()
-        try:
-            return tuple(entries), self._cache.begin_step(_step_entries(entries)), ()
-        except FenceViolation:
-            pass
-        good: list[ScheduledSeq] = []
-        refused: list[tuple[SeqState, FenceViolation]] = []
-        for e in entries:
-            try:
-                self._cache.begin_step(_step_entries([e]))
-                good.append(e)
-            except FenceViolation as err:
-                refused.append((e.seq, err))
-        attn = self._cache.begin_step(_step_entries(good)) if good else None
-        return tuple(good), attn, tuple(refused)
+        by_id = {e.seq.seq_id: e for e in entries}
+        plan = self._cache.begin_step(_step_entries(entries))
+        good = tuple(by_id[e.seq_id] for e in plan.entries)
+        refused = tuple((by_id[e.seq_id].seq, violation) for e, violation in plan.refused)
+        return good, plan.attn, refused
 
     def update(self, entries: tuple[ScheduledSeq, ...]) -> None:
         """After the forward: the entries' new tokens have KV (full pages enter the cache),
@@ -237,12 +229,12 @@ class Scheduler:
         for e in entries:
             e.seq.num_computed += e.num_new
             self.counter.charge(e.seq.tenant, e.num_new)
-            self._cache.commit(e.seq.seq_id, e.seq.num_computed)
+            self._cache.commit(e.seq.seq_id, e.seq.token_ids, e.seq.num_computed)
 
     def append(self, seq: SeqState, token: int) -> None:
-        """Record a sampled token; its KV is written by a later step."""
+        """Record a sampled token (the sequence owns its tokens; the cache reads them at
+        commit); its KV is written by a later step."""
         seq.token_ids.append(token)
-        self._cache.append_token(seq.seq_id, token)
 
     def finish(self, seq: SeqState) -> None:
         """Take ``seq`` out of the queues and free its pages (waiting ones hold none)."""
@@ -297,14 +289,14 @@ class Scheduler:
         newest sequence of the tenant most over its share; over its own quota, a tenant
         preempts only its own newest."""
         while True:
-            try:
-                self._cache.allocate_slots(seq.seq_id, num_new)
+            fit = self._cache.allocate_slots(seq.seq_id, seq.num_computed + num_new)
+            if fit.ok:
                 return True
-            except OutOfPages:
+            if fit.reason == "out_of_pages":
                 what = "pool"
                 alone = len(self.running) == 1
                 rivals = self._running_of(self._most_over_share())
-            except QuotaExceeded:
+            else:
                 what = "tenant page quota"
                 rivals = self._running_of(seq.tenant)
                 alone = len(rivals) == 1
@@ -375,9 +367,7 @@ class Scheduler:
         seq.in_cache = True
         seq.num_computed = cached
         num_new = min(seq.num_tokens - seq.num_computed, budget)
-        try:
-            self._cache.allocate_slots(seq.seq_id, num_new)
-        except (OutOfPages, QuotaExceeded):
+        if not self._cache.allocate_slots(seq.seq_id, seq.num_computed + num_new).ok:
             self._close(seq)
             blocked.add(seq.tenant)
             return None

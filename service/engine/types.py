@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from service.engine.grammar import CompiledGrammar
 
 from kvcache.stats import CacheStats
 
@@ -88,6 +91,7 @@ class Request:
     logprobs: int = 0  # number of top alternatives to return per token
     deadline: float | None = None  # engine clock (monotonic seconds)
     bypass_prefix_cache: bool = False
+    grammar: CompiledGrammar | None = None  # structured output; compiled by the service
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,8 @@ back at its baseline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from service.engine.core import EngineCore
@@ -44,8 +46,14 @@ def _run(core: EngineCore, requests: list[Request]) -> None:
         core.step()
 
 
-def run_warmup(core: EngineCore) -> None:
-    """Run warm-up batches on ``core`` (engine thread not started yet)."""
+WarmupProgress = Callable[[int, int], None]
+
+
+def run_warmup(core: EngineCore, progress: WarmupProgress | None = None) -> None:
+    """Run warm-up batches on ``core`` (engine thread not started yet).
+
+    ``progress(done, total)`` is called after each batch, in warm-up requests.
+    """
     config = core.config
     vocab = core.tokens.vocab_size
     page_size = core.page_size
@@ -66,18 +74,23 @@ def run_warmup(core: EngineCore) -> None:
             bypass_prefix_cache=True,
         )
 
-    counter = 0
+    batches: list[tuple[int, bool]] = []  # (size, is the long prefill)
     prefill_len = min(config.max_num_batched_tokens, config.max_model_len - decode_steps - 1)
     prefill_len = min(prefill_len, free * page_size - decode_steps - 1)
     if prefill_len >= 1:
-        _run(core, [request(counter, prefill_len, greedy=True)])
-        counter += 1
+        batches.append((1, True))
     pages_per_seq = -(-(2 + decode_steps) // page_size)
-    for size in config.warmup_decode_sizes:
-        if size > config.max_num_seqs or size * pages_per_seq > free:
-            continue
-        batch = [request(counter + i, 2, greedy=i % 2 == 0) for i in range(size)]
+    batches += [(size, False) for size in config.warmup_decode_sizes
+                if size <= config.max_num_seqs and size * pages_per_seq <= free]
+    total = sum(size for size, _ in batches)
+    counter = 0
+    for size, is_prefill in batches:
+        if is_prefill:
+            _run(core, [request(counter, prefill_len, greedy=True)])
+        else:
+            _run(core, [request(counter + i, 2, greedy=i % 2 == 0) for i in range(size)])
         counter += size
-        _run(core, batch)
+        if progress is not None:
+            progress(counter, total)
     core.purge(WARMUP_TENANT)
     log.info("engine_warmup_done", requests=counter, steps=core.num_steps)

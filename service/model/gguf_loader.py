@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
 from service.model.gguf_tokenizer import build_bpe_tokenizer
+from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0
 from service.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -86,6 +87,33 @@ class GGUFCheckpoint:
             heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
             w = _inverse_permute(w, heads)
         return w
+
+    def int4_codes(self, name: str) -> Int4Codes | None:
+        """The tensor's own blocks as exact int4 codes, or None when its type has no exact
+        int4 mapping (see service/model/quant.py)."""
+        raw = self.tensors.get(name)
+        if raw is None:
+            raise ModelLoadError(f"missing tensor {name}")
+        unpack = _INT4_EXACT.get(GGMLQuantizationType(raw.tensor_type))
+        if unpack is None or len(raw.shape) != 2 or int(raw.shape[0]) % 32:
+            return None
+        rows = int(raw.shape[1])
+        try:
+            codes = unpack(raw.data, rows)
+        except ValueError as e:
+            raise ModelLoadError(f"tensor {raw.name} is corrupt ({e})") from None
+        if self.config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+            order = _inverse_permute(torch.arange(rows)[:, None], heads)[:, 0]
+            codes = codes.rows(order)
+        return codes
+
+
+_INT4_EXACT = {
+    GGMLQuantizationType.Q4_0: from_q4_0,
+    GGMLQuantizationType.Q4_1: from_q4_1,
+    GGMLQuantizationType.Q8_0: from_q8_0,
+}
 
 
 def _dequantize(raw: ReaderTensor) -> torch.Tensor:

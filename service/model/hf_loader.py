@@ -52,6 +52,10 @@ class HFCheckpoint:
     files: dict[str, Path]  # tensor name -> shard
     _open: dict[Path, Any] = field(default_factory=dict)
 
+    def int4_codes(self, name: str) -> None:
+        """safetensors hold no 4-bit blocks; ``--weights int4`` quantizes the dense tensor."""
+        return None
+
     def get(self, name: str) -> torch.Tensor:
         path = self.files.get(name)
         if path is None:

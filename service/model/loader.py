@@ -14,6 +14,7 @@ from service.model.errors import ModelLoadError
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.llama import LlamaModel
+from service.model.packed import resolve_weights
 from service.model.progress import Progress
 from service.model.tokenizer import Tokenizer
 from service.model.weights import build_weights, tensor_names
@@ -32,6 +33,7 @@ class LoadedModel:
     name: str
     path: Path
     dtype: torch.dtype
+    weights: str = "bf16"  # resolved --weights mode: bf16 (dense only), file, int4 or int8
 
 
 def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -59,17 +61,37 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path, *, dtype: str = "auto", device: str = "cpu", progress: bool = True
+    path: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    progress: bool = True,
+    weights: str = "auto",
 ) -> LoadedModel:
-    """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line."""
+    """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
+
+    ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
+    copies of the projections for decode-sized batches."""
     p = Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype, device)
+    try:
+        mode = resolve_weights(weights, torch_dtype, device)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     started = time.monotonic()
     try:
         checkpoint = _read(p)
         bar = Progress(f"loading {p.name}", len(tensor_names(checkpoint.config)), enabled=progress)
         try:
-            weights = build_weights(checkpoint.config, checkpoint.get, torch_dtype, device, bar)
+            built = build_weights(
+                checkpoint.config,
+                checkpoint.get,
+                torch_dtype,
+                device,
+                bar,
+                weights=mode,
+                codes=checkpoint.int4_codes,
+            )
         finally:
             bar.close()
         template = None
@@ -80,13 +102,15 @@ def load_model(
     except ChatTemplateError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     factors = checkpoint.rope_freq_factors if isinstance(checkpoint, GGUFCheckpoint) else None
-    model = LlamaModel(checkpoint.config, weights, rope_freq_factors=factors).eval()
+    model = LlamaModel(checkpoint.config, built, rope_freq_factors=factors).eval()
     name = p.name if p.is_file() else p.resolve().name
     log.info(
         "model_loaded",
         name=name,
         arch=checkpoint.config.arch,
         dtype=str(torch_dtype),
+        weights=mode,
+        packed_mb=round((built.packed.nbytes if built.packed else 0) / 2**20, 1),
         device=device,
         seconds=round(time.monotonic() - started, 2),
     )
@@ -97,6 +121,7 @@ def load_model(
         name=name,
         path=p,
         dtype=torch_dtype,
+        weights=mode,
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
 from service.model.llama import DecoderWeights
+from service.model.packed import CodesGetter, build_packed
 from service.model.progress import Progress
 
 # name -> tensor; raises ModelLoadError when the checkpoint lacks it.
@@ -65,6 +67,38 @@ class _Stacker:
 
 
 def build_weights(
+    config: ModelConfig,
+    get: TensorGetter,
+    dtype: torch.dtype,
+    device: str,
+    progress: Progress,
+    *,
+    weights: str = "bf16",
+    codes: CodesGetter | None = None,
+) -> DecoderWeights:
+    """Dense stacked weights, plus packed copies for ``weights`` (a resolved mode, see
+    :func:`service.model.packed.resolve_weights`); ``codes`` reads the file's own blocks."""
+    dense = _build_dense(config, get, dtype, device, progress)
+    if weights == "bf16":
+        return dense
+    by_name = {
+        "qkv": dense.qkv,
+        "o": dense.o,
+        "gate_up": dense.gate_up,
+        "down": dense.down,
+    }
+
+    def fused(name: str) -> torch.Tensor:
+        if name == "lm_head":
+            return dense.embed if dense.lm_head is None else dense.lm_head
+        kind, layer = name.rsplit(".", 1)
+        return by_name[kind][int(layer)]
+
+    packed = build_packed(config, weights, codes or (lambda name: None), fused, dtype)
+    return dataclasses.replace(dense, packed=packed)
+
+
+def _build_dense(
     config: ModelConfig, get: TensorGetter, dtype: torch.dtype, device: str, progress: Progress
 ) -> DecoderWeights:
     c = config

@@ -85,6 +85,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         self.seen = Recorder()
         self.generate_calls = 0
         self.cancelled: list[bool] = []  # per Generate that ended without an error status
+        self.hit_rate = 0.75  # what GetUsage reports
 
     async def _auth(self, request: Message, context: grpc.aio.ServicerContext) -> None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
@@ -188,7 +189,7 @@ class FakeCache(cache_pb2_grpc.CacheServicer):
             cached_prefixes=1,
             prefix_hit_tokens=48,
             prefix_miss_tokens=16,
-            hit_rate=0.75,
+            hit_rate=self._inference.hit_rate,
             page_size=16,
             running_requests=1,
             quotas=cache_pb2.Quotas(

@@ -57,14 +57,16 @@ def test_generate_streams_text_as_it_arrives() -> None:
             if proc.poll() is None:
                 proc.kill()
     assert first == b"Hel" and held
-    assert (proc.returncode, first + out, err) == (0, b"Hello, world\n", b"")
+    assert (proc.returncode, first + out) == (0, b"Hello, world\n")
+    assert err == b"kvfence: [stopped: reached --max-tokens 5 (5 tokens); raise it for more]\n"
 
 
 def test_bad_key_prints_one_line_and_exits_with_the_status_code(
     target: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = run(["generate", "hi", "--target", target, "--api-key", "bad"], capsys)
-    assert (code, out, err) == (26, "", "kvfence: error: UNAUTHENTICATED: invalid API key\n")
+    assert (code, out, err) == (26, "", "kvfence: error: UNAUTHENTICATED: invalid API key "
+                                        "(the key came from --api-key)\n")
 
 
 def test_api_key_and_target_come_from_the_environment(
@@ -169,15 +171,12 @@ def test_chat_keeps_history_and_stops_at_exit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\nagain\n/exit\nnot sent\n"))
-    code, out, err = run(
-        ["chat", "--system", "be brief", "--target", target, "--api-key", GOOD_KEY], capsys
-    )
-    assert (code, out, err) == (0, "Hello, world\nHello, world\n", "")
-    turns = [
-        [(m.role, m.content) for m in r.chat.messages]
-        for r in fake.seen.requests
-        if isinstance(r, inference_pb2.GenerateRequest)
-    ]
+    code, out, err = run(["chat", "--system", "be brief", "--target", target,
+                          "--api-key", GOOD_KEY], capsys)
+    assert (code, out) == (0, "Hello, world\nHello, world\n")
+    assert err == "kvfence: [stopped: reached --max-tokens 256 (5 tokens); raise it for more]\n" * 2
+    turns = [[(m.role, m.content) for m in r.chat.messages]
+             for r in fake.seen.requests if isinstance(r, inference_pb2.GenerateRequest)]
     assert turns == [
         [("system", "be brief"), ("user", "hello")],
         [

@@ -3,14 +3,17 @@ in one line (exit 2) before any model loads, and the documented default failure 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from service import cli
 from service.cluster_limits import DEFAULT_FAILURE_MODE, ClusterLimitsConfig
+from service.tenants import add_tenant
 
 
 def _parse(*argv: str) -> ClusterLimitsConfig | None:
-    args = cli.build_parser().parse_args(["serve", *argv])
+    args = cli.parse_args(["serve", *argv])
     result: ClusterLimitsConfig | None = cli._cluster_limits(args)
     return result
 
@@ -48,9 +51,11 @@ def test_default_failure_mode_is_open_and_env_vars_apply(monkeypatch: pytest.Mon
     ],
 )
 def test_bad_redis_flags_are_one_line_and_exit_2(
-    argv: list[str], needle: str, tmp_path: object, capsys: pytest.CaptureFixture[str]
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["serve", "--tenants", "/nonexistent/tenants.toml", *argv]) == 2
+    tenants = tmp_path / "tenants.toml"
+    add_tenant(tenants, "a")
+    assert cli.main(["serve", "--tenants", str(tenants), "--port", "0", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
 

@@ -116,6 +116,34 @@ def test_abort_and_closing_the_stream_free_the_request(tiny: LoadedModel) -> Non
         engine.shutdown()
 
 
+def test_abort_all_finishes_running_and_waiting_requests(tiny: LoadedModel) -> None:
+    """Drain's one call: every request, running or queued, ends with Finished(abort) and
+    its pages go back; the engine keeps serving afterwards."""
+    engine = started(tiny, max_num_seqs=1)
+    try:
+
+        async def main() -> tuple[int, list[EngineEvent], list[EngineEvent], list[EngineEvent]]:
+            run = await engine.submit(
+                req("run", prompt_ids(1, 10, V), max_tokens=10_000, ignore_eos=True)
+            )
+            await run.__anext__()  # admitted
+            queued = await engine.submit(req("queued", [5, 6], max_tokens=3))
+            aborted = await engine.abort_all()
+            ran, waited = await collect(run), await collect(queued)
+            after = await collect(await engine.submit(req("after", [7], max_tokens=2)))
+            return aborted, ran, waited, after
+
+        aborted, ran, waited, after = asyncio.run(main())
+        assert aborted == 2
+        assert isinstance(ran[-1], Finished) and ran[-1].reason == "abort"
+        assert isinstance(waited[-1], Finished) and waited[-1].reason == "abort"
+        assert isinstance(after[-1], Finished) and after[-1].reason == "length"
+        assert asyncio.run(engine.abort_all()) == 0
+        assert_at_baseline(asyncio.run(engine.stats()))
+    finally:
+        engine.shutdown()
+
+
 def test_queue_full_raises_from_submit_and_shutdown_aborts(tiny: LoadedModel) -> None:
     engine = started(tiny, max_num_seqs=1)
     engine.set_tenant_policy("t1", TenantSchedPolicy(max_waiting=1))

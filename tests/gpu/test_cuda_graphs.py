@@ -44,8 +44,8 @@ def _decode_step(mgr_lens: dict[str, int], page_size: int = 4):  # type: ignore[
     for s, n in mgr_lens.items():
         mgr.open(s, "t", list(range(n + 1)), use_prefix_cache=False)
         mgr.allocate_slots(s, n + 1)
-        mgr.commit(s, n)
-    return mgr, mgr.begin_step([StepEntry(s, n, 1) for s, n in mgr_lens.items()])
+        mgr.commit(s, range(n + 1), n)
+    return mgr, mgr.begin_step([StepEntry(s, n, 1) for s, n in mgr_lens.items()]).attn
 
 
 def test_pad_decode_repeats_the_first_sequence_and_its_slot() -> None:
@@ -71,7 +71,7 @@ def test_pad_decode_refuses_prefill_rows() -> None:
     mgr, _ = make_manager(num_pages=8)
     mgr.open("p", "t", list(range(6)), use_prefix_cache=False)
     mgr.allocate_slots("p", 6)
-    step = mgr.begin_step([StepEntry("p", 0, 6)])
+    step = mgr.begin_step([StepEntry("p", 0, 6)]).attn
     with pytest.raises(ValueError, match="decode"):
         pad_decode(step.metadata, 2)
 
@@ -106,27 +106,29 @@ def _graphs_vs_eager(device: str, backend: str, dtype: torch.dtype, shape: Shape
         for s, n in (("a", 5), ("b", 11), ("c", 2))
     }
     last: dict[str, int] = {}
+    seqs = {s: list(p) for s, p in prompts.items()}  # the caller owns the tokens
     for cache in (graphed, eager):
         for s, p in prompts.items():
             cache.open(s, "t", p, use_prefix_cache=False)
             cache.allocate_slots(s, len(p))
-        step = cache.begin_step([StepEntry(s, 0, len(p)) for s, p in prompts.items()])
+        step = cache.begin_step([StepEntry(s, 0, len(p)) for s, p in prompts.items()]).attn
         ids = torch.tensor([t for p in prompts.values() for t in p], device=device)
         pos = torch.tensor([i for p in prompts.values() for i in range(len(p))], device=device)
         ends = torch.tensor([4, 15, 17], device=device)
         assert graphs.run(BatchInputs(ids, pos, ends), step) is None  # prefill: eager only
         logits = model(ids, pos, step, ends)
         for (s, p), t in zip(prompts.items(), logits.argmax(-1).tolist(), strict=True):
-            cache.commit(s, len(p))
-            cache.append_token(s, t)
+            cache.commit(s, seqs[s], len(p))
             last[s] = t
+    for s in prompts:
+        seqs[s].append(last[s])
     lens = {s: len(p) for s, p in prompts.items()}
     for _ in range(4):
         outs = []
         for cache, use_graph in ((graphed, True), (eager, False)):
             for s in prompts:
-                cache.allocate_slots(s, 1)
-            step = cache.begin_step([StepEntry(s, lens[s], 1) for s in prompts])
+                cache.allocate_slots(s, lens[s] + 1)
+            step = cache.begin_step([StepEntry(s, lens[s], 1) for s in prompts]).attn
             inputs = BatchInputs(
                 torch.tensor([last[s] for s in prompts], device=device),
                 torch.tensor([lens[s] for s in prompts], device=device),
@@ -145,8 +147,8 @@ def _graphs_vs_eager(device: str, backend: str, dtype: torch.dtype, shape: Shape
             lens[s] += 1
             last[s] = t
             for cache in (graphed, eager):
-                cache.commit(s, lens[s])
-                cache.append_token(s, t)
+                cache.commit(s, seqs[s], lens[s])
+            seqs[s].append(t)
     assert graphs.replays == 4
 
 
@@ -161,8 +163,8 @@ def test_graph_rejects_a_batch_larger_than_every_bucket() -> None:
     for s in "abc":
         cache.open(s, "t", [1, 2], use_prefix_cache=False)
         cache.allocate_slots(s, 2)
-        cache.commit(s, 1)
-    step = cache.begin_step([StepEntry(s, 1, 1) for s in "abc"])
+        cache.commit(s, [1, 2], 1)
+    step = cache.begin_step([StepEntry(s, 1, 1) for s in "abc"]).attn
     assert graphs.bucket_for(step) is None
     inputs = BatchInputs(torch.tensor([2, 2, 2]), torch.tensor([1, 1, 1]), torch.arange(3))
     assert graphs.run(inputs, step) is None
@@ -193,14 +195,13 @@ def test_model_runner_replays_decode_steps_and_runs_the_rest_eagerly() -> None:
     eager = ModelRunner(model, torch.device("cpu"))
     cache.open("a", "t", [3, 4, 5], use_prefix_cache=False)
     cache.allocate_slots("a", 3)
-    step = cache.begin_step([StepEntry("a", 0, 3)])
+    step = cache.begin_step([StepEntry("a", 0, 3)]).attn
     prefill = BatchInputs(torch.tensor([3, 4, 5]), torch.arange(3), torch.tensor([2]))
     runner.forward(prefill, step)
     assert graphs.replays == 0  # a prefill row: eager
-    cache.commit("a", 3)
-    cache.append_token("a", 6)
-    cache.allocate_slots("a", 1)
-    step = cache.begin_step([StepEntry("a", 3, 1)])
+    cache.commit("a", [3, 4, 5], 3)
+    cache.allocate_slots("a", 4)
+    step = cache.begin_step([StepEntry("a", 3, 1)]).attn
     decode = BatchInputs(torch.tensor([6]), torch.tensor([3]), torch.tensor([0]))
     got = runner.forward(decode, step)
     assert graphs.replays == 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
+from kvcache import CacheConfig, FenceViolation, KVCacheManager, PagePool, StepAttention, StepEntry
 from kvcache.config import ScrubPolicy
 from kvcache.prefix_cache import KeyFn, chain_key
 
@@ -57,18 +57,41 @@ def prefill(
     """Open, allocate, run one step that writes ``fill`` as K and V in every layer, commit.
     Returns the cached token count."""
     cached = mgr.open(seq_id, tenant, tokens, use_prefix_cache=use_prefix_cache)
-    run_tokens(mgr, seq_id, cached, len(tokens) - cached, fill)
+    run_tokens(mgr, seq_id, tokens, cached, len(tokens) - cached, fill)
     return cached
 
 
-def run_tokens(mgr: KVCacheManager, seq_id: str, start: int, n: int, fill: float) -> None:
-    mgr.allocate_slots(seq_id, n)
-    step = mgr.begin_step([StepEntry(seq_id, start, n)])
+def grow(mgr: KVCacheManager, seq_id: str, num_tokens: int) -> None:
+    """``allocate_slots`` (tokens ``[0, num_tokens)``) that must fit."""
+    fit = mgr.allocate_slots(seq_id, num_tokens)
+    assert fit.ok, fit
+
+
+def attn_of(mgr: KVCacheManager, entries: Sequence[StepEntry]) -> StepAttention:
+    """``begin_step`` whose every entry must pass the fence; returns its attention."""
+    plan = mgr.begin_step(entries)
+    assert not plan.refused and plan.attn is not None, plan.refused
+    return plan.attn
+
+
+def refusal(mgr: KVCacheManager, entry: StepEntry) -> FenceViolation:
+    """``begin_step`` of one entry that the fence must refuse; returns the violation."""
+    plan = mgr.begin_step([entry])
+    assert plan.attn is None and not plan.entries and len(plan.refused) == 1, plan
+    return plan.refused[0][1]
+
+
+def run_tokens(
+    mgr: KVCacheManager, seq_id: str, tokens: Sequence[int], start: int, n: int, fill: float
+) -> None:
+    """Compute tokens ``[start, start + n)`` of ``tokens`` writing ``fill``, then commit."""
+    grow(mgr, seq_id, start + n)
+    step = attn_of(mgr, [StepEntry(seq_id, start, n)])
     pool = mgr.pool
     kv = torch.full((n, pool.num_kv_heads, pool.head_dim), fill)
     for layer in range(pool.num_layers):
         step(layer, kv.clone(), kv, kv)
-    mgr.commit(seq_id, start + n)
+    mgr.commit(seq_id, tokens, start + n)
 
 
 def page_data(mgr: KVCacheManager, page_id: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 from kvcache import FenceViolation, PageRef, StepEntry
 from kvcache.allocator import PageAllocator
 
-from .helpers import make_manager, prefill
+from .helpers import grow, make_manager, prefill, refusal
 
 
 def test_take_bumps_generation_and_release_reclaim_bumps_again() -> None:
@@ -80,15 +80,14 @@ def test_free_returns_pages_tail_first() -> None:
 
 
 def test_begin_step_fences_every_page() -> None:
-    """A page table holding another tenant's page is refused before any metadata exists."""
+    """A page table holding another tenant's page is refused: no metadata exists for it."""
     mgr, _ = make_manager()
     prefill(mgr, "victim", "a", [1, 2, 3, 4, 5, 6])
     mgr.open("thief", "b", [9, 9, 9, 9, 9])
-    mgr.allocate_slots("thief", 4)
+    grow(mgr, "thief", 4)
     # fault injection: splice a foreign page into the table
     mgr.inject_page_ref("thief", 0, mgr.sequence_pages("victim")[0])
-    with pytest.raises(FenceViolation, match="another tenant"):
-        mgr.begin_step([StepEntry("thief", 0, 4)])
+    assert "another tenant" in refusal(mgr, StepEntry("thief", 0, 4)).reason
     assert mgr.stats().fence_violations == 1
 
 
@@ -96,10 +95,9 @@ def test_begin_step_refuses_pages_of_a_same_tenant_sequence() -> None:
     mgr, _ = make_manager()
     prefill(mgr, "one", "a", [1, 2, 3, 4, 5, 6])
     mgr.open("two", "a", [7, 7, 7])
-    mgr.allocate_slots("two", 3)
+    grow(mgr, "two", 3)
     mgr.inject_page_ref("two", 0, mgr.sequence_pages("one")[1])  # unshared page of "one"
-    with pytest.raises(FenceViolation, match="not held"):
-        mgr.begin_step([StepEntry("two", 0, 3)])
+    assert "not held" in refusal(mgr, StepEntry("two", 0, 3)).reason
 
 
 def test_begin_step_refuses_stale_refs() -> None:
@@ -108,7 +106,25 @@ def test_begin_step_refuses_stale_refs() -> None:
     stale = mgr.sequence_pages("s")[0]
     mgr.free("s")
     mgr.open("s2", "a", [1, 2, 3], use_prefix_cache=False)
-    mgr.allocate_slots("s2", 3)
+    grow(mgr, "s2", 3)
     mgr.inject_page_ref("s2", 0, stale)  # fault injection: a ref from the page's last life
-    with pytest.raises(FenceViolation, match="stale generation"):
-        mgr.begin_step([StepEntry("s2", 0, 3)])
+    assert "stale generation" in refusal(mgr, StepEntry("s2", 0, 3)).reason
+
+
+def test_begin_step_runs_the_sequences_that_pass_and_refuses_the_rest() -> None:
+    """One fenced sequence in a batch is refused with its violation; the others still run
+    and the step's metadata holds only their tokens."""
+    mgr, _ = make_manager()
+    prefill(mgr, "victim", "a", [1, 2, 3, 4, 5, 6])
+    mgr.open("thief", "b", [9, 9, 9, 9, 9])
+    mgr.open("honest", "b", [8, 8, 8])
+    grow(mgr, "thief", 4)
+    grow(mgr, "honest", 3)
+    mgr.inject_page_ref("thief", 0, mgr.sequence_pages("victim")[0])
+    good, bad = StepEntry("honest", 0, 3), StepEntry("thief", 0, 4)
+    plan = mgr.begin_step([bad, good])
+    assert plan.entries == (good,)
+    assert [(e, v.reason) for e, v in plan.refused] == [(bad, plan.refused[0][1].reason)]
+    assert "another tenant" in plan.refused[0][1].reason
+    assert plan.attn is not None and plan.attn.metadata.num_tokens == 3
+    assert mgr.stats().fence_violations == 1

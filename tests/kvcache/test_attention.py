@@ -11,7 +11,7 @@ from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry, write_kv
 from kvcache.backends import torch_backend
 from kvcache.dense import DenseAttention, causal_attention
 
-from .helpers import SECRET, FakeClock
+from .helpers import SECRET, FakeClock, attn_of, grow
 
 HEAD_DIM = 8
 
@@ -21,7 +21,7 @@ def _scatter_free_list(mgr: KVCacheManager, rng: random.Random) -> None:
     ids = [f"filler{i}" for i in range(6)]
     for i, sid in enumerate(ids):
         mgr.open(sid, "filler", [1], use_prefix_cache=False)
-        mgr.allocate_slots(sid, rng.randint(1, 3) * mgr.page_size + i)
+        grow(mgr, sid, rng.randint(1, 3) * mgr.page_size + i)
     rng.shuffle(ids)
     for sid in ids:
         mgr.free(sid)
@@ -65,9 +65,9 @@ def test_paged_matches_dense_for_mixed_batches(
         for s in rng.sample(sorted(lengths), len(lengths)):
             if chunk_plan[s]:
                 n = chunk_plan[s].pop(0)
-                mgr.allocate_slots(s, n)
+                grow(mgr, s, done[s] + n)
                 entries.append(StepEntry(s, done[s], n))
-        step = mgr.begin_step(entries)
+        step = attn_of(mgr, entries)
         for layer in range(num_layers):
             qs = torch.cat(
                 [q[e.seq_id][layer, e.num_computed : e.num_computed + e.num_new] for e in entries]
@@ -93,7 +93,7 @@ def test_paged_matches_dense_for_mixed_batches(
                 row += e.num_new
         for e in entries:
             done[e.seq_id] += e.num_new
-            mgr.commit(e.seq_id, done[e.seq_id])
+            mgr.commit(e.seq_id, range(lengths[e.seq_id]), done[e.seq_id])
     assert done == {"s0": 37, "s1": 21, "s2": 5, "s3": 50}
     assert worst <= 1e-5
 
@@ -106,27 +106,27 @@ def test_decode_only_batch_matches_dense() -> None:
     lens = {"a": 9, "b": 2, "c": 17}
     for s, n in lens.items():
         mgr.open(s, "t", list(range(n + 3)), use_prefix_cache=False)
-        mgr.allocate_slots(s, n)
+        grow(mgr, s, n)
         qkv = [torch.randn(n, h, HEAD_DIM) for h in (4, 2, 2)]
-        mgr.begin_step([StepEntry(s, 0, n)])(0, *qkv)
+        attn_of(mgr, [StepEntry(s, 0, n)])(0, *qkv)
         dense[s](0, *qkv)
-        mgr.commit(s, n)
+        mgr.commit(s, range(n + 3), n)
     for _ in range(3):
         entries = []
         for s in ("c", "a", "b"):
-            mgr.allocate_slots(s, 1)
+            grow(mgr, s, lens[s] + 1)
             entries.append(StepEntry(s, lens[s], 1))
         q, k, v = (
             torch.randn(3, 4, HEAD_DIM),
             torch.randn(3, 2, HEAD_DIM),
             torch.randn(3, 2, HEAD_DIM),
         )
-        out = mgr.begin_step(entries)(0, q, k, v)
+        out = attn_of(mgr, entries)(0, q, k, v)
         for i, e in enumerate(entries):
             ref = dense[e.seq_id](0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
             torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=0)
             lens[e.seq_id] += 1
-            mgr.commit(e.seq_id, lens[e.seq_id])
+            mgr.commit(e.seq_id, range(lens[e.seq_id]), lens[e.seq_id])
 
 
 def test_attention_reads_only_own_pages() -> None:
@@ -137,17 +137,17 @@ def test_attention_reads_only_own_pages() -> None:
     mgr.open("mine", "a", list(range(10)), use_prefix_cache=False)
     mgr.open("other", "b", list(range(10)), use_prefix_cache=False)
     for s in ("mine", "other"):
-        mgr.allocate_slots(s, 6)
-        mgr.begin_step([StepEntry(s, 0, 6)])(0, *[torch.randn(6, 1, HEAD_DIM) for _ in range(3)])
-        mgr.commit(s, 6)
+        grow(mgr, s, 6)
+        attn_of(mgr, [StepEntry(s, 0, 6)])(0, *[torch.randn(6, 1, HEAD_DIM) for _ in range(3)])
+        mgr.commit(s, range(10), 6)
     own = {r.page_id for r in mgr.sequence_pages("mine")}
     q, k, v = (torch.randn(1, 1, HEAD_DIM) for _ in range(3))
-    mgr.allocate_slots("mine", 1)
-    before = mgr.begin_step([StepEntry("mine", 6, 1)])(0, q, k, v)
+    grow(mgr, "mine", 7)
+    before = attn_of(mgr, [StepEntry("mine", 6, 1)])(0, q, k, v)
     for page in range(32):
         if page not in own:
             pool.kv[0, page] = float("nan")
-    after = mgr.begin_step([StepEntry("mine", 6, 1)])(0, q, k, v)
+    after = attn_of(mgr, [StepEntry("mine", 6, 1)])(0, q, k, v)
     assert torch.isfinite(after).all()
     assert torch.equal(before, after)
 

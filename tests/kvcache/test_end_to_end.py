@@ -15,7 +15,7 @@ import torch
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
 from service.model import LoadedModel
 
-from .helpers import FakeClock
+from .helpers import FakeClock, attn_of, grow
 
 NEW_TOKENS = 32
 PROMPTS = {
@@ -58,24 +58,23 @@ def paged_greedy(
             if len(out[s]) == new_tokens:
                 continue
             n = min(chunk, len(tokens[s]) - computed[s])
-            mgr.allocate_slots(s, n)
+            grow(mgr, s, computed[s] + n)
             entries.append(StepEntry(s, computed[s], n))
             ids.extend(tokens[s][computed[s] : computed[s] + n])
             positions.extend(range(computed[s], computed[s] + n))
             if computed[s] + n == len(tokens[s]):
                 sample_rows.append(len(ids) - 1)
                 sampled.append(s)
-        attn = mgr.begin_step(entries)
+        attn = attn_of(mgr, entries)
         rows = torch.tensor(sample_rows, dtype=torch.long)
         logits = model(torch.tensor(ids), torch.tensor(positions), attn, rows)
         for e in entries:
             computed[e.seq_id] += e.num_new
-            mgr.commit(e.seq_id, computed[e.seq_id])
+            mgr.commit(e.seq_id, tokens[e.seq_id], computed[e.seq_id])
         for s, row in zip(sampled, logits, strict=True):
             token = int(row.argmax())
             out[s].append(token)
-            tokens[s].append(token)
-            mgr.append_token(s, token)
+            tokens[s].append(token)  # the caller owns the tokens; the cache reads them at commit
     for s in prompts:
         mgr.free(s)
     return out

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache import OutOfPages, TenantCachePolicy
+from kvcache import Allocation, TenantCachePolicy
 
-from .helpers import make_manager, prefill
+from .helpers import grow, make_manager, prefill
 
 PROMPT = list(range(100, 110))  # page_size 4: two full pages + a partial one
 EPS = 1e-3
@@ -72,7 +72,7 @@ def test_lru_evicts_least_recently_released_tail_first() -> None:
     assert mgr.num_free_pages() == 2
     # 3 pages needed: 2 free + 1 eviction: the oldest release, the tail of "old" (page 1)
     mgr.open("big", "c", list(range(12)))
-    mgr.allocate_slots("big", 12)
+    grow(mgr, "big", 12)
     assert mgr.stats().evictions["lru"] == 1
     assert mgr.open("old2", "a", PROMPT) == 4  # page 0 survived, page 1 did not
     assert mgr.open("new2", "b", PROMPT) == 8
@@ -82,9 +82,8 @@ def test_referenced_pages_are_never_evicted() -> None:
     mgr, _ = make_manager(num_pages=4)
     prefill(mgr, "a", "t", PROMPT)  # 3 pages referenced
     mgr.open("b", "u", list(range(9)))
-    with pytest.raises(OutOfPages) as exc:
-        mgr.allocate_slots("b", 9)  # needs 3, 1 free, nothing evictable
-    assert (exc.value.requested, exc.value.available) == (3, 1)
+    fit = mgr.allocate_slots("b", 9)  # needs 3, 1 free, nothing evictable
+    assert fit == Allocation(False, "out_of_pages", requested=3, limit=1)
     assert not mgr.can_allocate("b", 9)
     assert mgr.sequence_pages("b") == ()
     assert mgr.num_free_pages() == 1  # nothing was allocated

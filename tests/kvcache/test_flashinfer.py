@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache import CacheConfig, FenceViolation, KVCacheManager, PagePool, PageRef, StepEntry
+from kvcache import CacheConfig, KVCacheManager, PagePool, PageRef, StepEntry
 from kvcache.backends.flashinfer_backend import FlashInferBackend, HeadShape
 from kvcache.backends.torch_backend import TorchBackend
 
 from .fake_flashinfer import ReferenceWrapper
-from .helpers import SECRET, FakeClock
+from .helpers import SECRET, FakeClock, attn_of, grow, refusal
 
 HQ, HKV, D, LAYERS = 8, 2, 128, 2
 SCENARIOS = {
@@ -85,13 +85,13 @@ def test_flashinfer_matches_torch(device: str, scenario: str, page_size: int) ->
     for step_no in range(len(next(iter(steps.values())))):
         entries = []
         for s in rng.sample(sorted(steps), len(steps)):
-            mgr.allocate_slots(s, steps[s][step_no])
+            grow(mgr, s, done[s] + steps[s][step_no])
             entries.append(StepEntry(s, done[s], steps[s][step_no]))
         t = sum(e.num_new for e in entries)
         has_decode = any(e.num_new == 1 for e in entries)
         has_prefill = any(e.num_new != 1 for e in entries)
         before = list(plans)
-        step = mgr.begin_step(entries)
+        step = attn_of(mgr, entries)
         # Planned in begin_step, once per kind present, before any layer runs.
         assert plans == [before[0] + has_decode, before[1] + has_prefill]
         reference = reference_backend.prepare(step.metadata)
@@ -105,7 +105,7 @@ def test_flashinfer_matches_torch(device: str, scenario: str, page_size: int) ->
         assert plans == [before[0] + has_decode, before[1] + has_prefill]  # layers reuse it
         for e in entries:
             done[e.seq_id] += e.num_new
-            mgr.commit(e.seq_id, done[e.seq_id])
+            mgr.commit(e.seq_id, range(sum(steps[e.seq_id])), done[e.seq_id])
 
 
 @pytest.mark.parametrize("device", TARGETS)
@@ -113,14 +113,13 @@ def test_stale_generation_is_refused_before_any_plan(device: str) -> None:
     mgr, backend, _ = _setup(device, 16)
     plans = _count_plans(backend)
     mgr.open("a", "t", list(range(20)), use_prefix_cache=False)
-    mgr.allocate_slots("a", 20)
+    grow(mgr, "a", 20)
     ref = mgr.sequence_pages("a")[1]
     mgr.inject_page_ref("a", 1, PageRef(ref.page_id, ref.generation - 1))  # an earlier life
-    with pytest.raises(FenceViolation, match="stale generation"):
-        mgr.begin_step([StepEntry("a", 0, 20)])
+    assert "stale generation" in refusal(mgr, StepEntry("a", 0, 20)).reason
     assert plans == [0, 0]
     mgr.inject_page_ref("a", 1, ref)
-    mgr.begin_step([StepEntry("a", 0, 20)])
+    attn_of(mgr, [StepEntry("a", 0, 20)])
     assert plans == [0, 1]  # the same step, fenced, does plan: the counter can see plans
 
 
@@ -134,15 +133,15 @@ def test_scrubbing_zeroes_pages_on_the_gpu() -> None:
     pool = PagePool(LAYERS, 1, 16, HKV, D, torch.bfloat16, "cuda")
     mgr = KVCacheManager(pool, CacheConfig(page_size=16, secret=SECRET), FakeClock())
     mgr.open("a", "tenant-a", list(range(16)), use_prefix_cache=False)
-    mgr.allocate_slots("a", 16)
-    step = mgr.begin_step([StepEntry("a", 0, 16)])
+    grow(mgr, "a", 16)
+    step = attn_of(mgr, [StepEntry("a", 0, 16)])
     for layer in range(LAYERS):
         ones = torch.ones(16, HKV, D, device="cuda", dtype=torch.bfloat16)
         step(layer, torch.ones(16, HQ, D, device="cuda", dtype=torch.bfloat16), ones, ones)
     assert bool(pool.kv.ne(0).all())
     mgr.free("a")
     mgr.open("b", "tenant-b", [1], use_prefix_cache=False)
-    mgr.allocate_slots("b", 1)
+    grow(mgr, "b", 1)
     assert mgr.sequence_pages("b")[0].page_id == 0
     assert bool(pool.kv.eq(0).all())
     assert mgr.stats().scrubs == 1

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+from kvcache import Allocation, TenantCachePolicy
 
-from kvcache import OutOfPages, QuotaExceeded, TenantCachePolicy
-
-from .helpers import make_manager, prefill
+from .helpers import grow, make_manager, prefill
 
 PROMPT = list(range(100, 110))  # 3 pages at page_size 4 (2 cacheable)
 
@@ -29,13 +27,12 @@ def test_quota_exceeded_when_own_cache_is_not_enough() -> None:
     prefill(mgr, "a", "t", PROMPT)  # 3 running pages
     mgr.open("b", "t", [1] * 9)
     assert not mgr.can_allocate("b", 9)
-    with pytest.raises(QuotaExceeded) as exc:
-        mgr.allocate_slots("b", 9)
-    assert (exc.value.tenant, exc.value.limit_pages, exc.value.requested) == ("t", 4, 6)
+    fit = mgr.allocate_slots("b", 9)
+    assert fit == Allocation(False, "quota", requested=6, limit=4)
     assert mgr.sequence_pages("b") == ()
     assert mgr.usage("t").pages_in_use == 3
-    assert mgr.stats().evictions["quota"] == 0  # raising evicted nothing
-    mgr.allocate_slots("b", 4)  # one page still fits
+    assert mgr.stats().evictions["quota"] == 0  # refusing evicted nothing
+    grow(mgr, "b", 4)  # one page still fits
     assert len(mgr.sequence_pages("b")) == 1
 
 
@@ -44,8 +41,7 @@ def test_one_tenant_never_evicts_another_tenants_running_pages() -> None:
     prefill(mgr, "victim", "v", PROMPT)  # 3 running pages
     victim_pages = mgr.sequence_pages("victim")
     mgr.open("greedy", "g", list(range(16)))
-    with pytest.raises(OutOfPages):
-        mgr.allocate_slots("greedy", 16)
+    assert mgr.allocate_slots("greedy", 16).reason == "out_of_pages"
     assert mgr.sequence_pages("victim") == victim_pages
     for ref in victim_pages:
         mgr.allocator.check(ref, "v", "victim")  # still valid: no generation moved

@@ -6,7 +6,7 @@ import torch
 
 from kvcache import TenantCachePolicy
 
-from .helpers import make_manager, page_data, prefill
+from .helpers import grow, make_manager, page_data, prefill
 
 
 def _reuse_page(policy: str, second_tenant: str) -> tuple[torch.Tensor, int, int]:
@@ -19,7 +19,7 @@ def _reuse_page(policy: str, second_tenant: str) -> tuple[torch.Tensor, int, int
     mgr.free("first")
     after_free = page_data(mgr, page).clone()
     mgr.open("second", second_tenant, [4, 5], use_prefix_cache=False)
-    mgr.allocate_slots("second", 2)
+    grow(mgr, "second", 2)
     assert mgr.sequence_pages("second")[0].page_id == page
     handed = page_data(mgr, page).clone()
     if policy == "always":
@@ -56,7 +56,7 @@ def test_evicted_cached_page_is_zeroed_before_another_tenant_gets_it() -> None:
     prefill(mgr, "a", "a", [1, 2, 3], fill=5.0)  # page 0 cached, page 1 private
     mgr.free("a")
     mgr.open("b", "b", [9, 9, 9, 9])
-    mgr.allocate_slots("b", 4)  # free page 1 + LRU eviction of cached page 0
+    grow(mgr, "b", 4)  # free page 1 + LRU eviction of cached page 0
     assert mgr.stats().evictions["lru"] == 1
     for ref in mgr.sequence_pages("b"):
         assert torch.all(page_data(mgr, ref.page_id) == 0)

@@ -17,16 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache import (
-    FenceViolation,
-    OutOfPages,
-    PageRef,
-    QuotaExceeded,
-    StepEntry,
-    TenantCachePolicy,
-)
+from kvcache import FenceViolation, PageRef, StepEntry, TenantCachePolicy
 
-from .helpers import make_manager
+from .helpers import attn_of, make_manager, refusal
 
 PAGE_SIZE = 2
 NUM_PAGES = 16
@@ -44,6 +37,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.mgr.set_tenant_policy("t1", TenantCachePolicy(max_pages=8, ttl_s=20.0))
         self.mgr.set_tenant_policy("t2", TenantCachePolicy(max_pages=12))
         self.seqs: dict[str, str] = {}  # open seq id -> tenant
+        # The caller (the engine in serving) owns each sequence's tokens and computed count.
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
         self.retired: list[tuple[PageRef, str, str]] = []  # (ref, tenant, freed seq id)
         self.next_id = 0
         self.faults = 0
@@ -51,21 +47,20 @@ class CacheMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------
     def _run(self, seq_id: str, n: int) -> None:
         table = self.mgr.table(seq_id)
-        start = table.num_computed
+        start = self.computed[seq_id]
         pages_before, free_before = len(table.pages), self.mgr.num_free_pages()
-        try:
-            self.mgr.allocate_slots(seq_id, n)
-        except (QuotaExceeded, OutOfPages):
+        if not self.mgr.allocate_slots(seq_id, start + n).ok:
             assert len(table.pages) == pages_before  # all or nothing
             # nothing was taken (only expired pages may have gone back to the pool)
             assert self.mgr.num_free_pages() >= free_before
             return
-        step = self.mgr.begin_step([StepEntry(seq_id, start, n)])
+        step = attn_of(self.mgr, [StepEntry(seq_id, start, n)])
         kv = torch.full((n, 1, 2), MARK[table.tenant])
         out = step(0, kv.clone(), kv, kv)
         # every key this sequence reads holds its own tenant's mark
         torch.testing.assert_close(out, torch.full_like(out, MARK[table.tenant]))
-        self.mgr.commit(seq_id, start + n)
+        self.mgr.commit(seq_id, self.tokens[seq_id], start + n)
+        self.computed[seq_id] = start + n
 
     # -- rules ---------------------------------------------------------------------------
     @rule(
@@ -83,13 +78,15 @@ class CacheMachine(RuleBasedStateMachine):
         if not use_cache:
             assert cached == 0
         self.seqs[seq_id] = tenant
+        self.tokens[seq_id] = tokens
+        self.computed[seq_id] = cached
 
     def _work(self, seq_id: str, chunk: int, token: int) -> None:
         """Prefill the next chunk, or decode one token once the prompt is done."""
-        table = self.mgr.table(seq_id)
-        if table.num_computed == len(table.token_ids):
-            self.mgr.append_token(seq_id, token)
-        self._run(seq_id, min(chunk, len(table.token_ids) - table.num_computed))
+        tokens = self.tokens[seq_id]
+        if self.computed[seq_id] == len(tokens):
+            tokens.append(token)
+        self._run(seq_id, min(chunk, len(tokens) - self.computed[seq_id]))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), chunk=st.integers(1, 8), token=st.integers(0, 9))
@@ -107,6 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         tenant = self.seqs.pop(seq_id)
+        del self.tokens[seq_id], self.computed[seq_id]
         refs = self.mgr.sequence_pages(seq_id)
         self.mgr.free(seq_id)
         self.retired.extend((r, tenant, seq_id) for r in refs)
@@ -149,8 +147,7 @@ class CacheMachine(RuleBasedStateMachine):
             return  # the same ref legitimately re-shared by this very sequence
         table.pages.append(ref)
         try:
-            with pytest.raises(FenceViolation):
-                self.mgr.begin_step([StepEntry(table.seq_id, table.num_computed, 1)])
+            refusal(self.mgr, StepEntry(table.seq_id, self.computed[table.seq_id], 1))
         finally:
             table.pages.pop()
         self.faults += 1
@@ -166,8 +163,7 @@ class CacheMachine(RuleBasedStateMachine):
         thief = self.mgr.table(data.draw(st.sampled_from(thieves)))
         thief.pages.insert(0, data.draw(st.sampled_from(refs)))
         try:
-            with pytest.raises(FenceViolation):
-                self.mgr.begin_step([StepEntry(thief.seq_id, thief.num_computed, 1)])
+            refusal(self.mgr, StepEntry(thief.seq_id, self.computed[thief.seq_id], 1))
         finally:
             thief.pages.pop(0)
         self.faults += 1

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.parity_checks import logits_ours
 from kvcache.dense import DenseAttention, causal_attention
 from service.model import LoadedModel, load_model
-from tests.fixtures.parity import logits_ours
 from tests.fixtures.tiny_models import write_tiny_qwen3
 
 

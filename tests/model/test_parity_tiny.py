@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from bench import parity_checks as parity
 from service.model import LoadedModel, load_model
 from service.model.llama import LlamaModel
-from tests.fixtures import parity
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tests.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3
 

@@ -42,8 +42,8 @@ def test_tenants_add_prints_the_key_once_and_stores_its_hash(
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--model", "/nonexistent/model.gguf"], {}, "/nonexistent/model.gguf does not exist"),
-        (["--tenants", "/nonexistent/tenants.toml"], {}, "tenants file not found"),
+        (["--model", "/nonexistent/model.gguf"], {}, "/nonexistent/model.gguf: no such file"),
+        (["--tenants", "/nonexistent/tenants.toml"], {}, "tenants.toml: file not found"),
         (["--tls-cert", "a.pem"], {}, "--tls-cert and --tls-key go together"),
         (["--tls-client-ca", "ca.pem"], {}, "--tls-client-ca needs"),
         ([], {"KVFENCE_PORT": "http"}, "KVFENCE_PORT='http'"),
@@ -73,7 +73,7 @@ def test_every_serve_flag_reads_its_env_var(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("KVFENCE_KV_MEMORY", "0.25")
     monkeypatch.setenv("KVFENCE_LOG_CONTENT", "true")
     monkeypatch.setenv("KVFENCE_TLS_CLIENT_CA", "/ca.pem")
-    args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "9"])
+    args = cli.parse_args(["serve", "--max-num-seqs", "9"])
     assert args.max_num_seqs == 9  # the flag wins
     assert (args.kv_memory, args.log_content, args.tls_client_ca) == ("0.25", True, "/ca.pem")
     serve = next(

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfence/v1/inference.proto\x12\nkvfence.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"X\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfence.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x86\x01\n\x0eStoppingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xb4\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvfence.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvfence.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvfence.v1.SamplingParams\x12,\n\x08stopping\x18\x05 \x01(\x0b\x32\x1a.kvfence.v1.StoppingParams\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x1b\n\x13\x62ypass_prefix_cache\x18\x08 \x01(\x08\x12\r\n\x05model\x18\t \x01(\tB\x07\n\x05input\"|\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvfence.v1.TopLogprob\"U\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.kvfence.v1.TokenLogprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"M\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"|\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvfence.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvfence.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.kvfence.v1.Timings\"\x91\x01\n\x10GenerateResponse\x12&\n\x07started\x18\x01 \x01(\x0b\x32\x13.kvfence.v1.StartedH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvfence.v1.ChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvfence.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"p\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"i\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvfence.v1.ModelInfo*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xe8\x01\n\tInference\x12G\n\x08Generate\x12\x1b.kvfence.v1.GenerateRequest\x1a\x1c.kvfence.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvfence.v1.TokenizeRequest\x1a\x1c.kvfence.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.kvfence.v1.ListModelsRequest\x1a\x1e.kvfence.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfence/v1/inference.proto\x12\nkvfence.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"X\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfence.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x86\x01\n\x0eStoppingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xe9\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvfence.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvfence.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvfence.v1.SamplingParams\x12,\n\x08stopping\x18\x05 \x01(\x0b\x32\x1a.kvfence.v1.StoppingParams\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x1b\n\x13\x62ypass_prefix_cache\x18\x08 \x01(\x08\x12\r\n\x05model\x18\t \x01(\t\x12\x33\n\x0fresponse_format\x18\n \x01(\x0b\x32\x1a.kvfence.v1.ResponseFormatB\x07\n\x05input\"q\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"|\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvfence.v1.TopLogprob\"U\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.kvfence.v1.TokenLogprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"M\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"|\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvfence.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvfence.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.kvfence.v1.Timings\"\x91\x01\n\x10GenerateResponse\x12&\n\x07started\x18\x01 \x01(\x0b\x32\x13.kvfence.v1.StartedH\x00\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x11.kvfence.v1.ChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvfence.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"p\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.kvfence.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"i\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvfence.v1.ModelInfo*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xe8\x01\n\tInference\x12G\n\x08Generate\x12\x1b.kvfence.v1.GenerateRequest\x1a\x1c.kvfence.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvfence.v1.TokenizeRequest\x1a\x1c.kvfence.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.kvfence.v1.ListModelsRequest\x1a\x1e.kvfence.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfence.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2159
-  _globals['_FINISHREASON']._serialized_end=2332
+  _globals['_FINISHREASON']._serialized_start=2327
+  _globals['_FINISHREASON']._serialized_end=2500
   _globals['_CHATMESSAGE']._serialized_start=42
   _globals['_CHATMESSAGE']._serialized_end=86
   _globals['_CHATMESSAGES']._serialized_start=88
@@ -44,33 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGPARAMS']._serialized_start=545
   _globals['_STOPPINGPARAMS']._serialized_end=679
   _globals['_GENERATEREQUEST']._serialized_start=682
-  _globals['_GENERATEREQUEST']._serialized_end=990
-  _globals['_STARTED']._serialized_start=992
-  _globals['_STARTED']._serialized_end=1116
-  _globals['_TOPLOGPROB']._serialized_start=1118
-  _globals['_TOPLOGPROB']._serialized_end=1180
-  _globals['_TOKENLOGPROBS']._serialized_start=1182
-  _globals['_TOKENLOGPROBS']._serialized_end=1269
-  _globals['_CHUNK']._serialized_start=1271
-  _globals['_CHUNK']._serialized_end=1356
-  _globals['_USAGE']._serialized_start=1358
-  _globals['_USAGE']._serialized_end=1445
-  _globals['_TIMINGS']._serialized_start=1447
-  _globals['_TIMINGS']._serialized_end=1524
-  _globals['_FINISHED']._serialized_start=1526
-  _globals['_FINISHED']._serialized_end=1650
-  _globals['_GENERATERESPONSE']._serialized_start=1653
-  _globals['_GENERATERESPONSE']._serialized_end=1798
-  _globals['_TOKENIZEREQUEST']._serialized_start=1800
-  _globals['_TOKENIZEREQUEST']._serialized_end=1912
-  _globals['_TOKENIZERESPONSE']._serialized_start=1914
-  _globals['_TOKENIZERESPONSE']._serialized_end=1967
-  _globals['_LISTMODELSREQUEST']._serialized_start=1969
-  _globals['_LISTMODELSREQUEST']._serialized_end=1988
-  _globals['_MODELINFO']._serialized_start=1990
-  _globals['_MODELINFO']._serialized_end=2095
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2097
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2156
-  _globals['_INFERENCE']._serialized_start=2335
-  _globals['_INFERENCE']._serialized_end=2567
+  _globals['_GENERATEREQUEST']._serialized_end=1043
+  _globals['_RESPONSEFORMAT']._serialized_start=1045
+  _globals['_RESPONSEFORMAT']._serialized_end=1158
+  _globals['_STARTED']._serialized_start=1160
+  _globals['_STARTED']._serialized_end=1284
+  _globals['_TOPLOGPROB']._serialized_start=1286
+  _globals['_TOPLOGPROB']._serialized_end=1348
+  _globals['_TOKENLOGPROBS']._serialized_start=1350
+  _globals['_TOKENLOGPROBS']._serialized_end=1437
+  _globals['_CHUNK']._serialized_start=1439
+  _globals['_CHUNK']._serialized_end=1524
+  _globals['_USAGE']._serialized_start=1526
+  _globals['_USAGE']._serialized_end=1613
+  _globals['_TIMINGS']._serialized_start=1615
+  _globals['_TIMINGS']._serialized_end=1692
+  _globals['_FINISHED']._serialized_start=1694
+  _globals['_FINISHED']._serialized_end=1818
+  _globals['_GENERATERESPONSE']._serialized_start=1821
+  _globals['_GENERATERESPONSE']._serialized_end=1966
+  _globals['_TOKENIZEREQUEST']._serialized_start=1968
+  _globals['_TOKENIZEREQUEST']._serialized_end=2080
+  _globals['_TOKENIZERESPONSE']._serialized_start=2082
+  _globals['_TOKENIZERESPONSE']._serialized_end=2135
+  _globals['_LISTMODELSREQUEST']._serialized_start=2137
+  _globals['_LISTMODELSREQUEST']._serialized_end=2156
+  _globals['_MODELINFO']._serialized_start=2158
+  _globals['_MODELINFO']._serialized_end=2263
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2265
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2324
+  _globals['_INFERENCE']._serialized_start=2503
+  _globals['_INFERENCE']._serialized_end=2735
 # @@protoc_insertion_point(module_scope)

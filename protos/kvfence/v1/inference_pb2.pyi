@@ -79,7 +79,7 @@ class StoppingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "stopping", "logprobs", "client_request_id", "bypass_prefix_cache", "model")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "stopping", "logprobs", "client_request_id", "bypass_prefix_cache", "model", "response_format")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class GenerateRequest(_message.Message):
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatMessages
@@ -98,7 +99,20 @@ class GenerateRequest(_message.Message):
     client_request_id: str
     bypass_prefix_cache: bool
     model: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., client_request_id: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., client_request_id: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., model: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "lark_grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    lark_grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark_grammar: _Optional[str] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("request_id", "client_request_id", "prompt_tokens", "cached_prompt_tokens", "model")

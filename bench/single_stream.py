@@ -1,0 +1,233 @@
+"""Suite: one request at a time, as a user streaming one completion feels it.
+
+Each run sends one greedy request (a 32-token random prompt, then 128 tokens with ignore_eos,
+llama-bench's tg128) to every system in turn: kvfence in process (``--weights auto`` and
+``bf16``), kvfence over gRPC (``auto``), llama.cpp with one sequence, and transformers
+``generate()`` (dense weights in kvfence's dtype). TTFT is request start to the first token;
+decode tok/s is (tokens - 1) over the time from the first token to the last. Runs are
+interleaved (run r of every system, then run r + 1) so machine load drifts hit all alike;
+each figure is the median of the runs with min and max, and a target passes only if it
+passes in every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.common import (
+    Target,
+    Work,
+    bar_plot,
+    bench_threads,
+    default_model_file,
+    gguf_vocab_size,
+    machine_info,
+    md_table,
+    random_work,
+    results_dir,
+    set_torch_threads,
+    targets_table,
+    write_suite,
+)
+
+SUITE = "single_stream"
+PROMPT_TOKENS = 32
+GRPC, INPROC, LLAMA = "kvfence gRPC (auto)", "kvfence in-process (auto)", "llama.cpp n_seq=1"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    ttft_s: float
+    decode_tok_s: float
+
+
+def sample(start: float, token_times: Sequence[float]) -> Sample:
+    if len(token_times) < 2:
+        raise RuntimeError(f"only {len(token_times)} tokens streamed")
+    span = token_times[-1] - token_times[0]
+    return Sample(token_times[0] - start, (len(token_times) - 1) / span)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt(s: dict[str, float]) -> str:
+    return f"{s['median']:.3g} [{s['min']:.3g}–{s['max']:.3g}]"
+
+
+def _trace_sample(traces: Sequence[Any], tokens: int) -> Sample:
+    (t,) = traces
+    if t.output_tokens != tokens:
+        raise RuntimeError(f"{t.output_tokens}/{tokens} tokens streamed")
+    return Sample(t.ttft, 1.0 / t.tpot)
+
+
+def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
+    import torch
+
+    from bench.hf_peer import load_hf_model
+
+    model = load_hf_model(path, dtype)
+
+    from transformers import LogitsProcessor
+
+    class Stamp(LogitsProcessor):
+        """Records the time of each token: generate() calls it once per step, after the forward."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    def one(w: Work) -> Sample:
+        stamp = Stamp()
+        ids = torch.tensor([w.prompt_ids])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=w.max_tokens,
+                min_new_tokens=w.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=[stamp],
+            )
+        return sample(start, stamp.times)
+
+    return one
+
+
+def _llama_system(path: Any, threads: int) -> Callable[[Work], Sample]:
+    from bench.llamacpp_peer import LlamaCppRunner
+
+    runner = LlamaCppRunner(path, 1, threads, max_len=PROMPT_TOKENS + 160)
+
+    def one(w: Work) -> Sample:
+        times: list[list[float]] = [[]]
+        start = time.perf_counter()
+        runner.generate([w], times)
+        return sample(start, times[0])
+
+    return one
+
+
+async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], str]:
+    from bench.kvfence_runner import Sizing, grpc_server, run_engine, run_grpc, started_engine
+    from service.model import load_model
+
+    path = default_model_file()
+    vocab = gguf_vocab_size(path)
+    tokens = 32 if quick else 128
+    runs = 3
+    work = [
+        random_work(100 + r, 1, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab) for r in range(runs + 1)
+    ]  # work[0] warms every system up
+    sizing = Sizing(
+        max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512, kv_bytes=64 << 20
+    )
+    auto = load_model(str(path), weights="auto", progress=False)
+    dense = load_model(str(path), weights="bf16", progress=False)
+    dtype = str(auto.dtype).removeprefix("torch.")
+    samples: dict[str, list[Sample]] = {}
+    async with grpc_server(auto, ["bench"], sizing) as (target, keys, _):
+        with (
+            started_engine(auto, sizing) as engine_auto,
+            started_engine(dense, sizing) as engine_bf16,
+        ):
+
+            async def inproc(engine: Any, w: Work) -> Sample:
+                _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
+                return _trace_sample(traces, w.max_tokens)
+
+            async def grpc(w: Work) -> Sample:
+                _, traces = await run_grpc(target, keys, [w], ["bench"], bypass_prefix_cache=True)
+                return _trace_sample(traces, w.max_tokens)
+
+            systems: dict[str, Callable[[Work], Any]] = {
+                INPROC: lambda w: inproc(engine_auto, w),
+                "kvfence in-process (bf16)": lambda w: inproc(engine_bf16, w),
+                GRPC: grpc,
+                LLAMA: _llama_system(path, threads),
+                "transformers generate": _hf_system(path, auto.dtype),
+            }
+            for r, ws in enumerate(work):
+                for name, fn in systems.items():
+                    result = fn(ws[0])
+                    got = await result if asyncio.iscoroutine(result) else result
+                    if r > 0:
+                        samples.setdefault(name, []).append(got)
+                        print(
+                            f"[{SUITE}] run {r} {name}: TTFT {1000 * got.ttft_s:.1f} ms, "
+                            f"{got.decode_tok_s:.1f} tok/s",
+                            flush=True,
+                        )
+    return samples, dtype
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    threads = bench_threads()
+    set_torch_threads(threads)
+    out = results_dir(quick)
+    samples, dtype = asyncio.run(_measure(quick, threads))
+    rows = []
+    figures: dict[str, Any] = {}
+    for name, got in samples.items():
+        ttft = spread([1000 * s.ttft_s for s in got])
+        tok_s = spread([s.decode_tok_s for s in got])
+        figures[name] = {"ttft_ms": ttft, "decode_tok_s": tok_s, "runs": [vars_of(s) for s in got]}
+        rows.append((name, fmt(ttft), fmt(tok_s)))
+    grpc, inproc, llama = samples[GRPC], samples[INPROC], samples[LLAMA]
+    vs_llama = [g.decode_tok_s / ll.decode_tok_s for g, ll in zip(grpc, llama, strict=True)]
+    overhead = [i.decode_tok_s / g.decode_tok_s for g, i in zip(grpc, inproc, strict=True)]
+    targets = [
+        Target("single-stream gRPC decode vs llama.cpp tg128 (worst run)", min(vs_llama), 1.0),
+        Target(
+            "gRPC per-token time / in-process (worst run)",
+            max(overhead),
+            1.15,
+            higher_is_better=False,
+        ),
+    ]
+    names = list(figures)
+    plot = bar_plot(
+        out,
+        f"{SUITE}_decode",
+        names,
+        [figures[n]["decode_tok_s"]["median"] for n in names],
+        "Single-stream decode (median of runs)",
+        "tokens/s",
+    )
+    md = "\n\n".join(
+        [
+            f"# Single-stream decode{' (quick)' if quick else ''}",
+            f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(grpc)} interleaved "
+            f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. "
+            "Figures: median [min–max]; targets judged on the worst run.",
+            md_table(("system", "TTFT ms", "decode tok/s"), rows),
+            targets_table(targets),
+            f"![decode]({plot})",
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "dtype": dtype,
+        "systems": figures,
+        "targets": targets,
+    }
+    write_suite(out, SUITE, data, md)
+    return data
+
+
+def vars_of(s: Sample) -> dict[str, float]:
+    return {"ttft_s": s.ttft_s, "decode_tok_s": s.decode_tok_s}

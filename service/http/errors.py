@@ -1,0 +1,83 @@
+"""Service errors -> OpenAI error JSON, with the HTTP status that matches the gRPC status.
+
+| gRPC status         | HTTP | OpenAI ``type``          | notes                                   |
+|---------------------|------|--------------------------|-----------------------------------------|
+| INVALID_ARGUMENT    | 400  | invalid_request_error    | ``param`` = the first offending field   |
+| UNAUTHENTICATED     | 401  | authentication_error     |                                         |
+| PERMISSION_DENIED   | 403  | permission_error         |                                         |
+| (no such route)     | 404  | not_found_error          |                                         |
+| RESOURCE_EXHAUSTED  | 429  | rate_limit_error         | ``Retry-After`` when waiting can help   |
+| CANCELLED           | 499  | cancelled                | the client is gone; nobody reads it     |
+| INTERNAL            | 500  | server_error             |                                         |
+| UNAVAILABLE         | 503  | service_unavailable      | ``Retry-After``; draining or stopped    |
+| DEADLINE_EXCEEDED   | 504  | timeout                  | ``X-Kvfence-Timeout`` passed            |
+
+The message is the gRPC status message: it never carries prompt or output text.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2
+from starlette.responses import JSONResponse
+
+from service.errors import ServiceError
+from service.http.parse import param_name
+
+_MAP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.INTERNAL: (500, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def http_status(err: ServiceError) -> int:
+    return _MAP.get(err.code, (500, ""))[0]
+
+
+def retry_after(err: ServiceError) -> str | None:
+    """Whole seconds (rounded up, at least 1) from the error's RetryInfo, if any."""
+    for detail in err.details:
+        if isinstance(detail, error_details_pb2.RetryInfo):
+            delay = detail.retry_delay
+            return str(max(1, math.ceil(delay.seconds + delay.nanos / 1e9)))
+    return None
+
+
+def error_body(err: ServiceError) -> dict[str, Any]:
+    _, kind = _MAP.get(err.code, (500, "server_error"))
+    param: str | None = None
+    reason: str | None = None
+    for detail in err.details:
+        if isinstance(detail, error_details_pb2.BadRequest) and detail.field_violations:
+            param = param_name(detail.field_violations[0].field)
+        elif isinstance(detail, error_details_pb2.ErrorInfo):
+            reason = detail.reason
+        elif isinstance(detail, error_details_pb2.QuotaFailure) and detail.violations:
+            reason = detail.violations[0].subject
+    message = err.message
+    if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+        message = "; ".join(
+            f"{param_name(v.field)}: {v.description}"
+            for d in err.details
+            if isinstance(d, error_details_pb2.BadRequest)
+            for v in d.field_violations
+        ) or message
+    return {"error": {"message": message, "type": kind, "param": param, "code": reason}}
+
+
+def error_response(err: ServiceError) -> JSONResponse:
+    headers = {}
+    after = retry_after(err)
+    if after is not None:
+        headers["Retry-After"] = after
+    return JSONResponse(error_body(err), status_code=http_status(err), headers=headers)

@@ -1,0 +1,340 @@
+"""OpenAI request bodies -> the gRPC ``GenerateRequest`` plus the few HTTP-only options.
+
+Only shapes and JSON types are checked here; ranges and sizes are checked by the same
+validator the gRPC front uses, on the ``GenerateRequest`` this builds. Unknown fields are
+refused (400) unless listed in ``IGNORED``; both lists are in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from protos.kvfence.v1 import inference_pb2
+from service.errors import invalid_argument
+from service.validation import Violations
+
+MAX_N = 16
+MAX_COMPLETION_LOGPROBS = 5
+
+COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "response_format",
+        "min_tokens",
+        "ignore_eos",
+    }
+)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"}
+#: Accepted and ignored: they change nothing kvfence does.
+IGNORED = frozenset({"user", "store", "metadata", "service_tier"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+#: gRPC field paths (what the shared validator names) -> OpenAI parameter names.
+PARAM_NAMES = {
+    "sampling.temperature": "temperature",
+    "sampling.top_k": "top_k",
+    "sampling.top_p": "top_p",
+    "sampling.min_p": "min_p",
+    "sampling.repetition_penalty": "repetition_penalty",
+    "sampling.presence_penalty": "presence_penalty",
+    "sampling.frequency_penalty": "frequency_penalty",
+    "stopping.max_tokens": "max_tokens",
+    "stopping.min_tokens": "min_tokens",
+    "stopping.stop": "stop",
+    "chat": "messages",
+    "chat.messages": "messages",
+    "text": "prompt",
+    "token_ids": "prompt",
+    "token_ids.ids": "prompt",
+    "logprobs": "top_logprobs",
+}
+
+
+def param_name(field: str) -> str:
+    """The OpenAI parameter a gRPC field path refers to (``stopping.stop[2]`` -> ``stop``)."""
+    if field in PARAM_NAMES:
+        return PARAM_NAMES[field]
+    head = field.split("[", 1)[0]
+    if head in PARAM_NAMES:
+        return PARAM_NAMES[head]
+    if field.startswith("chat.messages"):
+        return "messages" + field.removeprefix("chat.messages")
+    return field
+
+
+LogprobsKind = Literal["none", "chat", "completion"]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpOptions:
+    """What the HTTP front needs beyond the ``GenerateRequest``."""
+
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: LogprobsKind = "none"
+    top_logprobs: int = 0  # alternatives to render per token
+
+
+def load_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid_argument([("body", "is not valid JSON")]) from None
+    if not isinstance(body, dict):
+        raise invalid_argument([("body", "must be a JSON object")])
+    return body
+
+
+class _Fields:
+    """Typed reads of a JSON object that record violations instead of raising."""
+
+    def __init__(self, body: Mapping[str, Any], out: Violations) -> None:
+        self.body = body
+        self.out = out
+
+    def get(self, name: str, kind: str) -> Any:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        ok = _TYPES[kind](value)
+        if not ok:
+            self.out.append((name, f"must be {kind}"))
+            return None
+        return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "an integer": _is_int,
+    "a number": _is_number,
+    "a boolean": lambda v: isinstance(v, bool),
+    "a string": lambda v: isinstance(v, str),
+    "an object": lambda v: isinstance(v, dict),
+    "an array": lambda v: isinstance(v, list),
+}
+
+
+def _unknown(body: Mapping[str, Any], allowed: frozenset[str], out: Violations) -> None:
+    for name in sorted(set(body) - allowed - IGNORED):
+        out.append((name, "unknown or unsupported field"))
+
+
+def _common(
+    f: _Fields, req: inference_pb2.GenerateRequest, max_tokens_field: str
+) -> tuple[int, bool, bool]:
+    """Fields shared by both endpoints. Returns (n, stream, include_usage)."""
+    model = f.get("model", "a string")
+    if model:
+        req.model = model
+    max_tokens = f.get(max_tokens_field, "an integer")
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = f.get("max_tokens", "an integer")
+    if max_tokens is not None:
+        req.stopping.max_tokens = _clamp_i32(max_tokens)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = f.get(name, "a number")
+        if value is not None:
+            setattr(req.sampling, name, float(value))
+    top_k = f.get("top_k", "an integer")
+    if top_k is not None:
+        # OpenAI-style servers use -1 for "off"; kvfence uses 0.
+        req.sampling.top_k = 0 if top_k == -1 else _clamp_i32(top_k)
+    seed = f.get("seed", "an integer")
+    if seed is not None:
+        if not 0 <= seed < 2**64:
+            f.out.append(("seed", "must be in [0, 2^64)"))
+        else:
+            req.sampling.seed = seed
+    min_tokens = f.get("min_tokens", "an integer")
+    if min_tokens is not None:
+        req.stopping.min_tokens = _clamp_i32(min_tokens)
+    ignore_eos = f.get("ignore_eos", "a boolean")
+    req.stopping.ignore_eos = bool(ignore_eos)
+    _stop(f, req)
+    _response_format(f, req)
+    n = f.get("n", "an integer")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        f.out.append(("n", f"must be in [1, {MAX_N}]"))
+    stream = bool(f.get("stream", "a boolean"))
+    include_usage = False
+    options = f.get("stream_options", "an object")
+    if options is not None:
+        if not stream:
+            f.out.append(("stream_options", "is only allowed with stream: true"))
+        extra = set(options) - {"include_usage"}
+        if extra:
+            f.out.append(("stream_options", f"unknown fields {sorted(extra)}"))
+        usage = options.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            f.out.append(("stream_options.include_usage", "must be a boolean"))
+        include_usage = bool(usage)
+    return n, stream, include_usage
+
+
+def _clamp_i32(value: int) -> int:
+    """Out-of-range integers still reach the validator (as a value it refuses)."""
+    return max(-(2**31), min(2**31 - 1, value))
+
+
+def _stop(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
+    stop = f.body.get("stop")
+    if stop is None:
+        return
+    if isinstance(stop, str):
+        req.stopping.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        req.stopping.stop.extend(stop)
+    else:
+        f.out.append(("stop", "must be a string or an array of strings"))
+
+
+def _response_format(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
+    fmt = f.get("response_format", "an object")
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    rf = req.response_format
+    if kind == "text" and set(fmt) == {"type"}:
+        return
+    if kind == "json_object" and set(fmt) == {"type"}:
+        rf.json_object = True
+    elif kind == "json_schema" and set(fmt) == {"type", "json_schema"}:
+        spec = fmt["json_schema"]
+        allowed = {"name", "schema", "strict", "description"}
+        if not isinstance(spec, dict) or not set(spec) <= allowed:
+            f.out.append(("response_format.json_schema", f"must be an object with {sorted(allowed)}"))
+        elif not isinstance(spec.get("schema", {}), dict):
+            f.out.append(("response_format.json_schema.schema", "must be an object"))
+        else:
+            rf.json_schema = json.dumps(spec.get("schema", {}))
+    elif kind == "regex" and set(fmt) == {"type", "regex"} and isinstance(fmt["regex"], str):
+        rf.regex = fmt["regex"]
+    elif kind == "grammar" and set(fmt) == {"type", "grammar"} and isinstance(fmt["grammar"], str):
+        rf.lark_grammar = fmt["grammar"]
+    else:
+        f.out.append(
+            (
+                "response_format",
+                "must be {type: text | json_object}, {type: json_schema, json_schema: {...}}, "
+                "{type: regex, regex: str} or {type: grammar, grammar: <Lark>}",
+            )
+        )
+
+
+def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, HttpOptions]:
+    """``POST /v1/chat/completions`` -> (request, options); raises INVALID_ARGUMENT."""
+    out: Violations = []
+    _unknown(body, CHAT_FIELDS, out)
+    f = _Fields(body, out)
+    req = inference_pb2.GenerateRequest()
+    n, stream, usage = _common(f, req, "max_completion_tokens")
+    messages = f.get("messages", "an array")
+    if messages is None:
+        out.append(("messages", "is required"))
+    else:
+        chat = req.chat
+        for i, msg in enumerate(messages):
+            role, content = _message(msg, f"messages[{i}]", out)
+            chat.messages.add(role=role, content=content)
+        chat.add_generation_prompt = True
+        if not messages:
+            req.chat.SetInParent()
+    logprobs: LogprobsKind = "none"
+    top = 0
+    if f.get("logprobs", "a boolean"):
+        logprobs = "chat"
+        top = f.get("top_logprobs", "an integer") or 0
+        req.logprobs = max(1, top)  # the chosen token's logprob comes with any top-n
+    elif body.get("top_logprobs") is not None:
+        out.append(("top_logprobs", "needs logprobs: true"))
+    if out:
+        raise invalid_argument(out)
+    return req, HttpOptions(n, stream, usage, logprobs, top)
+
+
+def _message(msg: Any, field: str, out: Violations) -> tuple[str, str]:
+    if not isinstance(msg, dict):
+        out.append((field, "must be an object"))
+        return "user", ""
+    extra = set(msg) - MESSAGE_FIELDS
+    if extra:
+        out.append((field, f"unsupported fields {sorted(extra)}"))
+    role = ROLES.get(msg.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        out.append((f"{field}.role", f"must be one of {sorted(ROLES)}"))
+        role = "user"
+    content = msg.get("content")
+    if isinstance(content, str):
+        return role, content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return role, "".join(p["text"] for p in content)
+    out.append((f"{field}.content", "must be a string or an array of text parts"))
+    return role, ""
+
+
+def parse_completion(
+    body: Mapping[str, Any],
+) -> tuple[inference_pb2.GenerateRequest, HttpOptions]:
+    """``POST /v1/completions`` -> (request, options); raises INVALID_ARGUMENT."""
+    out: Violations = []
+    _unknown(body, COMPLETION_FIELDS, out)
+    f = _Fields(body, out)
+    req = inference_pb2.GenerateRequest()
+    n, stream, usage = _common(f, req, "max_tokens")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        req.token_ids.ids.extend(_clamp_i32(t) for t in prompt)
+        req.token_ids.SetInParent()
+    else:
+        out.append(("prompt", "must be a string or an array of token ids (one prompt)"))
+    if body.get("echo"):
+        out.append(("echo", "is not supported"))
+    best_of = f.get("best_of", "an integer")
+    if best_of is not None and best_of != n:
+        out.append(("best_of", "must equal n when set"))
+    logprobs: LogprobsKind = "none"
+    top = f.get("logprobs", "an integer")
+    if top is not None:
+        if not 0 <= top <= MAX_COMPLETION_LOGPROBS:
+            out.append(("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}]"))
+        logprobs = "completion"
+        req.logprobs = max(1, top)
+    if out:
+        raise invalid_argument(out)
+    return req, HttpOptions(n, stream, usage, logprobs, top or 0)

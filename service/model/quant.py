@@ -1,0 +1,159 @@
+"""Packed integer weights for torch's CPU GEMV kernels, built from GGUF blocks or dense tensors.
+
+Two kernels exist on CPU:
+
+- ``aten._weight_int4pack_mm_for_cpu``: 4-bit codes ``q`` in groups of 32 along K, one
+  (scale, zero) pair per group and output row; it computes ``w = scale * (q - 8) + zero``.
+- ``aten._weight_int8pack_mm``: int8 codes with one scale per output row, ``w = scale * q``.
+
+GGUF's 4-bit blocks map onto the first exactly: Q4_1 stores ``w = d * q + m`` (scale ``d``,
+zero ``m + 8d``) and Q4_0 ``w = d * (q - 8)`` (scale ``d``, zero 0). Q8_0 (``w = d * q``, q an
+int8, blocks of 32) has no per-block int8 kernel, so it is split into two 4-bit halves of
+``u = q + 128 = 16 * hi + lo``: ``w = 16d * (hi - 8) + [d * (lo - 8) + 8d]``, packed side by
+side along K and applied to the input repeated twice. All three are exact: the codes are the
+file's, and only the scales and zeros take the compute dtype's rounding (none in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32
+_Q4_0_BYTES = 18  # fp16 d, 16 bytes of nibbles
+_Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+_Q8_0_BYTES = 34  # fp16 d, 32 int8
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Codes:
+    """Unpacked 4-bit weights: ``w[n, k] = scale[n, g] * (codes[n, k] - 8) + zero[n, g]``,
+    ``g = k // 32``. ``repeat`` > 1 means the codes span ``repeat`` copies of the input."""
+
+    codes: torch.Tensor  # [N, K * repeat] int32 in [0, 15]
+    scale: torch.Tensor  # [N, K * repeat / 32] float32
+    zero: torch.Tensor  # [N, K * repeat / 32] float32
+    repeat: int = 1
+
+    def rows(self, order: torch.Tensor) -> Int4Codes:
+        """The same weights with output rows taken in ``order``."""
+        return Int4Codes(self.codes[order], self.scale[order], self.zero[order], self.repeat)
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense ``[N, K]`` float32 weight these codes stand for (used by tests)."""
+        n, kr = self.codes.shape
+        grouped = (self.codes.float() - 8).view(n, -1, GROUP) * self.scale[..., None]
+        w = (grouped + self.zero[..., None]).view(n, kr)
+        return w.view(n, self.repeat, kr // self.repeat).sum(dim=1)
+
+
+def concat_rows(parts: list[Int4Codes]) -> Int4Codes:
+    """Stack several weights' output rows (all with the same K and repeat)."""
+    if len({p.repeat for p in parts}) != 1:
+        raise ValueError("cannot concatenate int4 weights with different input repeats")
+    return Int4Codes(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        torch.cat([p.zero for p in parts]),
+        parts[0].repeat,
+    )
+
+
+def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(data).reshape(rows, -1, block_bytes)
+
+
+def _f16(blocks: np.ndarray, at: int) -> torch.Tensor:
+    return torch.from_numpy(
+        blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    )
+
+
+def _nibbles(qs: np.ndarray, rows: int) -> torch.Tensor:
+    # ggml stores element j of a block in the low nibble of byte j and element j+16 in the high one.
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)
+    return torch.from_numpy(q.reshape(rows, -1))
+
+
+def from_q4_0(data: np.ndarray, rows: int) -> Int4Codes:
+    b = _blocks(data, rows, _Q4_0_BYTES)
+    d = _f16(b, 0)
+    return Int4Codes(_nibbles(b[..., 2:], rows), d, torch.zeros_like(d))
+
+
+def from_q4_1(data: np.ndarray, rows: int) -> Int4Codes:
+    b = _blocks(data, rows, _Q4_1_BYTES)
+    d, m = _f16(b, 0), _f16(b, 2)
+    return Int4Codes(_nibbles(b[..., 4:], rows), d, m + 8 * d)
+
+
+def from_q8_0(data: np.ndarray, rows: int) -> Int4Codes:
+    b = _blocks(data, rows, _Q8_0_BYTES)
+    d = _f16(b, 0)
+    u = torch.from_numpy(b[..., 2:].copy().view(np.int8).astype(np.int32) + 128)  # [N, G, 32]
+    hi, lo = (u >> 4).reshape(rows, -1), (u & 15).reshape(rows, -1)
+    scale = torch.cat([16 * d, d], dim=1)
+    zero = torch.cat([torch.zeros_like(d), 8 * d], dim=1)
+    return Int4Codes(torch.cat([hi, lo], dim=1), scale, zero, repeat=2)
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Codes:
+    """Asymmetric 4-bit, groups of 32 (min/max per group): lossy, for weights stored wider."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return Int4Codes(codes.reshape(n, k), scale, lo + 8 * scale)
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Linear:
+    """``x @ w.T`` through the packed int4 GEMV; ``x`` is ``[M, K]`` in the compute dtype."""
+
+    packed: torch.Tensor  # [N, K * repeat / 2] uint8, the kernel's own layout
+    scales_zeros: torch.Tensor  # [K * repeat / 32, N, 2]
+    repeat: int
+
+    @classmethod
+    def pack(cls, w: Int4Codes, dtype: torch.dtype) -> Int4Linear:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.contiguous(), 1)
+        sz = torch.stack([w.scale, w.zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return cls(packed, sz, w.repeat)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.repeat > 1:
+            x = x.repeat(1, self.repeat)
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, GROUP, self.scales_zeros
+        )
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Linear:
+    """``x @ w.T`` through the int8 GEMV: symmetric, one scale per output row (lossy)."""
+
+    weight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] compute dtype
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, dtype: torch.dtype) -> Int8Linear:
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+        q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scale.to(dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes

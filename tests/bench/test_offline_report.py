@@ -1,0 +1,40 @@
+"""Offline report: repeats grouped per system, ratio targets judged on the worst kvfence run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import offline
+from bench.common import Throughput, Work
+
+
+def _run(system: str, wall_s: float) -> Throughput:
+    return Throughput(system, wall_s, 1, 10, 100)
+
+
+def test_report_uses_worst_kvfence_run_against_best_peer_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(offline, "results_dir", lambda quick: tmp_path)
+    monkeypatch.setattr(offline, "bar_plot", lambda *a, **k: "plot.png")
+    monkeypatch.setattr(offline, "machine_info", lambda threads: {})
+    runs = [
+        *(_run("kvfence engine", w) for w in (0.4, 0.5, 0.25)),  # 250, 200, 400 tok/s
+        *(_run("kvfence gRPC", w) for w in (0.5, 0.5, 0.5)),
+        *(_run("llama.cpp n_seq=8 kv_unified=on fa=on", w) for w in (1.0, 0.8, 1.25)),
+        *(_run("transformers generate b=32", w) for w in (2.0, 2.0, 2.0)),
+    ]
+    data = offline.report(runs, {}, True, 2, torch.bfloat16, [Work((1,), 100)], {})
+    assert data["systems"]["kvfence engine"]["output_tok_s"] == {
+        "median": 250.0,
+        "min": 200.0,
+        "max": 400.0,
+    }
+    targets = {t.name.split(" (")[0]: t.value for t in data["targets"]}
+    assert targets["offline output tok/s vs llama.cpp best"] == pytest.approx(200 / 125)
+    assert targets["offline output tok/s vs transformers best"] == pytest.approx(200 / 50)
+    assert targets["gRPC / in-process output tok/s"] == pytest.approx(200 / 250)
+    assert "250 [200–400]" in (tmp_path / "offline.md").read_text()

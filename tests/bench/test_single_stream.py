@@ -1,0 +1,45 @@
+"""The single-stream suite's arithmetic: per-run samples, median [min–max], worst-run targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.single_stream import fmt, sample, spread
+from bench.summary import summary_markdown
+
+
+def test_sample_takes_ttft_to_first_token_and_rate_over_the_rest() -> None:
+    s = sample(10.0, [10.5, 10.6, 10.7, 10.9])
+    assert s.ttft_s == pytest.approx(0.5)
+    assert s.decode_tok_s == pytest.approx(3 / 0.4)
+    with pytest.raises(RuntimeError, match="only 1 tokens"):
+        sample(0.0, [1.0])
+
+
+def test_spread_is_median_min_max() -> None:
+    s = spread([3.0, 1.0, 10.0])
+    assert s == {"median": 3.0, "min": 1.0, "max": 10.0}
+    assert fmt(s) == "3 [1–10]"
+
+
+def test_summary_shows_single_stream_spread() -> None:
+    machine = {
+        "cpu_model": "cpu",
+        "usable_cores": 2,
+        "threads": 2,
+        "cpu_flags": {"avx2": True},
+        "versions": {"torch": "1"},
+    }
+    single = {
+        "suite": "single_stream",
+        "machine": machine,
+        "targets": [],
+        "systems": {
+            "llama.cpp n_seq=1": {
+                "ttft_ms": {"median": 20.0, "min": 18.0, "max": 25.0},
+                "decode_tok_s": {"median": 90.0, "min": 80.0, "max": 95.0},
+            }
+        },
+    }
+    text = summary_markdown({"single_stream": single})
+    assert "| llama.cpp n_seq=1 | 20 [18–25] | 90 [80–95] |" in text

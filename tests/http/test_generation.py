@@ -1,0 +1,69 @@
+"""``n`` sequences: the rest start after sequence 0's first token, never after its abort."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from service.engine.types import Delta, EngineEvent, Finished, FinishReason, Request
+from service.http.generation import Generation
+from service.limits import TenantLimiter
+from service.tenants import Quotas
+
+
+def _finished(reason: FinishReason) -> Finished:
+    return Finished(reason=reason, prompt_tokens=3, completion_tokens=0, cached_tokens=0,
+                    queue_s=0.0, ttft_s=None, total_s=0.0)
+
+
+class ScriptedEngine:
+    """Sequence 0 ends with ``first``; every later sequence ends with "stop"."""
+
+    def __init__(self, first: EngineEvent) -> None:
+        self.first = first
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+
+    async def submit(self, request: Request) -> AsyncIterator[EngineEvent]:
+        self.submitted.append(request.request_id)
+        event = self.first if len(self.submitted) == 1 else _finished("stop")
+
+        async def stream() -> AsyncIterator[EngineEvent]:
+            yield event
+            if not isinstance(event, Finished):
+                yield _finished("stop")
+
+        return stream()
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+async def _run(first: EngineEvent) -> tuple[ScriptedEngine, list[tuple[int, EngineEvent]]]:
+    engine = ScriptedEngine(first)
+    limiter = TenantLimiter(lambda: 0.0)
+    limiter.configure("t", Quotas())
+    gen = Generation(engine, limiter, Request("r", "t", (1, 2, 3)), 3)  # type: ignore[arg-type]
+    await gen.start()
+    seen: list[tuple[int, EngineEvent]] = []
+    async for i, event in gen.events():
+        seen.append((i, event))
+        if isinstance(event, Finished) and event.reason == "abort":
+            break  # as the front does: it ends the response on this event
+    await asyncio.sleep(0)
+    gen.close()
+    assert limiter.active("t") == 0
+    return engine, seen
+
+
+def test_rest_start_after_the_first_token() -> None:
+    delta = Delta(token_ids=(7,), text="x")
+    engine, seen = asyncio.run(_run(delta))
+    assert engine.submitted == ["r-0", "r-1", "r-2"]
+    assert sorted(i for i, e in seen if isinstance(e, Finished)) == [0, 1, 2]
+
+
+def test_aborted_first_sequence_starts_no_more() -> None:
+    engine, seen = asyncio.run(_run(_finished("abort")))
+    assert engine.submitted == ["r-0"]
+    assert [i for i, _ in seen] == [0]
