@@ -1,7 +1,7 @@
 """``make mutants``: switch off each stated guarantee and check that a test notices.
 
     python -m tools.mutants                 # every mutant, after an unmutated baseline
-    python -m tools.mutants -k scrub        # only mutants whose name contains "scrub"
+    python -m tools.mutants -k scrub,log    # only mutants whose name contains scrub or log
     python -m tools.mutants --list          # the catalogue, nothing run
     python -m tools.mutants --markdown out.md
 
@@ -39,7 +39,8 @@ def markdown(rows: Sequence[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.mutants")
-    parser.add_argument("-k", dest="match", default="", help="run mutants whose name contains this")
+    parser.add_argument("-k", dest="match", default="",
+                        help="run mutants whose name contains this (comma: any of several)")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         parser.error(f"duplicate mutant names: {sorted(duplicates)}")
-    chosen = [m for m in ALL if args.match in m.name]
+    wanted = args.match.split(",")
+    chosen = [m for m in ALL if any(w in m.name for w in wanted)]
     if not chosen:
         parser.error(f"no mutant name contains {args.match!r}")
     if args.list:

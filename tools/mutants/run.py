@@ -32,6 +32,7 @@ class RunResult:
     code: int  # pytest's exit code; -1 on timeout
     failed: tuple[str, ...]  # failing test ids, first failure first
     seconds: float
+    why: str = ""  # the first failure's message
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class Row:
     result: str  # killed | timeout | SURVIVED | STALE | BROKEN
     by: str
     seconds: float
+    why: str = ""
 
     @property
     def killed(self) -> bool:
@@ -100,20 +102,26 @@ def run_pytest(
         proc.communicate()
         return RunResult(-1, (), time.monotonic() - started)
     seconds = time.monotonic() - started
-    failed = _failures(junit) if junit.exists() else ()
+    failures = _failures(junit) if junit.exists() else []
+    failed = tuple(test for test, _ in failures)
     if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failed):
         tail = "\n".join(output.splitlines()[-15:])
         return RunResult(proc.returncode, (f"pytest exit {proc.returncode}: {tail}",), seconds)
-    return RunResult(proc.returncode, failed, seconds)
+    return RunResult(proc.returncode, failed, seconds, failures[0][1] if failures else "")
 
 
-def _failures(junit: Path) -> tuple[str, ...]:
-    out: list[str] = []
+def _failures(junit: Path) -> list[tuple[str, str]]:
+    """(test id, first line of its failure message) for each failed or errored test."""
+    out: list[tuple[str, str]] = []
     for case in ET.parse(junit).getroot().iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
             module = case.get("classname", "").rsplit(".", 1)[-1]
-            out.append(f"{module}::{case.get('name', '')}")
-    return tuple(out)
+            message = (bad.get("message") or "").strip().splitlines()
+            first = "".join(c if c.isprintable() else "?" for c in (message[0] if message else ""))
+            out.append((f"{module}::{case.get('name', '')}", first))
+    return out
 
 
 def run_mutant(
@@ -136,7 +144,7 @@ def run_mutant(
     if result.code == 0:
         return Row(m, "SURVIVED", "", result.seconds)
     if result.code == 1:
-        return Row(m, "killed", result.failed[0], result.seconds)
+        return Row(m, "killed", result.failed[0], result.seconds, result.why)
     return Row(m, "BROKEN", result.failed[0] if result.failed else "", result.seconds)
 
 
@@ -163,7 +171,8 @@ def run_all(
         rows = []
         for m in mutants:
             row = run_mutant(scratch, m, env, timeout)
-            print(f"  {row.result:<8} {m.name}  {row.by}  ({row.seconds:.0f} s)", flush=True)
+            print(f"  {row.result:<8} {m.name}  {row.by}  ({row.seconds:.0f} s)\n"
+                  f"           {row.why[:150]}", flush=True)
             rows.append(row)
         return rows
     finally:

@@ -64,17 +64,12 @@ MUTANTS = (
         tests=T_PREFIX,
     ),
     mutant(
-        "shared-key-space",
-        "each tenant looks up only its own key space (owner check also off: a real leak)",
-        edit(PREFIX, "        space = self._spaces.get(tenant)\n        if not space:",
-             "        space = {k: e for s in self._spaces.values() for k, e in s.items()}\n"
-             "        if not space:"),
-        edit(PREFIX, "entry = space.get(self.key(tenant, pos.key, token_ids))",
-             "entry = next((e for t in self._spaces for e in [space.get(self.key(t, pos.key, "
-             "token_ids))] if e is not None), None)"),
-        edit(ALLOC, "        if s.owner != tenant:\n            raise self._violation(page_id, "
-             '"prefix hit on', "        if False:\n            raise self._violation(page_id, "
-             '"prefix hit on'),
-        tests="tests/isolation/test_differential.py",
+        "tenant-key-space",
+        "each tenant has its own prefix-key space",
+        edit(PREFIX, "holding ``token_ids``, if any.\"\"\"\n",
+             "holding ``token_ids``, if any.\"\"\"\n        tenant = \"shared\"\n"),
+        edit(PREFIX, "None (nothing inserted) on a collision.\"\"\"\n",
+             "None (nothing inserted) on a collision.\"\"\"\n        tenant = \"shared\"\n"),
+        tests=f"{T_PREFIX}::test_cross_tenant_prefix_never_hits",
     ),
 )
