@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 DEV_TENANTS ?= dev/tenants.toml
 
-.PHONY: install protos lint typecheck test serve parity verify bench model clean
+.PHONY: install protos lint typecheck test serve parity verify mutants bench model clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ parity: $(STAMP) model
 
 verify: $(STAMP) model
 	$(PY) -m tests.verify_report
+
+# Switch off each stated guarantee in a scratch copy and check that its tests fail.
+mutants: $(STAMP) model
+	$(PY) -m tools.mutants
 
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"
