@@ -9,7 +9,8 @@ confidence interval of B's TTFT ratio, P over Q, must lie inside [1/MARGIN, MARG
 test passes only on evidence that B's TTFT on A's prefix is within 20% of novel (a factor
 1.25), not merely on the absence of evidence. The interval is looked at after each of
 LOOKS trials, at ALPHA / len(LOOKS) per look (Bonferroni), and the test stops at the first
-look that is inside: a quiet machine decides at the first look, a loaded one gets more pairs. B is never reported cached tokens. A's warm repeat is a real hit (it
+look that decides (inside, or entirely outside): a quiet machine decides at the first look, a
+loaded one gets more pairs. B is never reported cached tokens. A's warm repeat is a real hit (it
 skips ~98% of the prefill); the same interval on A warm / B cold must lie entirely below
 1/MARGIN: the power control, showing that a cache leak would fail the first check.
 
@@ -74,7 +75,7 @@ def test_cross_tenant_cached_prefix_is_invisible_in_ttft(srv: ServerHandle, reco
     for trial in range(LOOKS[-1]):
         if trial in LOOKS:
             ratio, lo, hi = paired_log_ratio_ci(b_cross, b_cold, alpha)
-            if lo > 1 / MARGIN and hi < MARGIN:
+            if (lo > 1 / MARGIN and hi < MARGIN) or hi < 1 / MARGIN or lo > MARGIN:
                 break
         shared, fresh = novel(), novel()
         _ttft(srv, "alice", shared)

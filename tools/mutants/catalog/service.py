@@ -108,4 +108,27 @@ MUTANTS = (
              "                pass\n"),
         tests="tests/reliability/test_cancel_storm.py",
     ),
+    mutant(
+        "purge-noop",
+        "Cache.Purge drops the caller's cached prefixes at once",
+        edit("kvcache/manager.py", "        pages = self.prefix.pages_of(tenant)\n",
+             "        pages: list[int] = []\n"),
+        tests="tests/isolation/test_ttl.py",
+    ),
+    mutant(
+        "tenant-blind-cache",
+        "a cached prefix is reused only by its own tenant (all in-cache checks pass: a real leak)",
+        edit("kvcache/manager.py",
+             "table = PageTable(seq_id, tenant, list(token_ids), self.page_size, use_prefix_cache)",
+             'table = PageTable(seq_id, "shared", list(token_ids), self.page_size, '
+             "use_prefix_cache)"),
+        tests="tests/isolation/test_timing_channel.py",
+    ),
+    mutant(
+        "auth-any-scheme",
+        "only 'Bearer <key>' authenticates",
+        edit("service/auth.py", 'if scheme.lower() != "bearer" or not key.strip():',
+             "if not key.strip():"),
+        tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
+    ),
 )
