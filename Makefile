@@ -50,7 +50,7 @@ verify: $(STAMP) model
 
 # Switch off each stated guarantee in a scratch copy and check that its tests fail.
 mutants: $(STAMP) model
-	$(PY) -m tools.mutants
+	$(PY) -m tools.mutants --markdown bench/results/mutants.md
 
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"

@@ -118,10 +118,20 @@ def _failures(junit: Path) -> list[tuple[str, str]]:
         bad = bad if bad is not None else case.find("error")
         if bad is not None:
             module = case.get("classname", "").rsplit(".", 1)[-1]
-            message = (bad.get("message") or "").strip().splitlines()
-            first = "".join(c if c.isprintable() else "?" for c in (message[0] if message else ""))
-            out.append((f"{module}::{case.get('name', '')}", first))
+            out.append((f"{module}::{case.get('name', '')}", _reason(bad.get("message") or "")))
     return out
+
+
+def _reason(message: str) -> str:
+    """The failure's first line, or the verify check that failed (``assert record(name, ...)``)."""
+    lines = message.strip().splitlines()
+    first = lines[0] if lines else ""
+    for line in lines:
+        _, found, call = line.partition("Recorder object at ")
+        if found:
+            first = "check failed: " + call.split("(", 1)[-1].split(", ", 1)[0]
+            break
+    return "".join(c if c.isprintable() else "?" for c in first)
 
 
 def run_mutant(
