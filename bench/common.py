@@ -126,7 +126,8 @@ def machine_info(threads: int) -> dict[str, Any]:
         "torch_threads": torch_threads,
         "python": platform.python_version(),
         "versions": {
-            d: _version(d) for d in ("kvfence", "torch", "transformers", "llama_cpp_python", "grpcio")
+            d: _version(d)
+            for d in ("kvfence", "torch", "transformers", "llama_cpp_python", "grpcio")
         },
         "llama_cpp_system_info": llama_info,
         "platform": platform.platform(),
@@ -165,8 +166,13 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def targets_table(targets: Sequence[Target]) -> str:
     rows = [
-        (t.name, f"{t.value:.3f}", ("≥ " if t.higher_is_better else "≤ ") + f"{t.threshold:g}",
-         "pass" if t.passed else "MISS", f"{t.margin:+.3f}")
+        (
+            t.name,
+            f"{t.value:.3f}",
+            ("≥ " if t.higher_is_better else "≤ ") + f"{t.threshold:g}",
+            "pass" if t.passed else "MISS",
+            f"{t.margin:+.3f}",
+        )
         for t in targets
     ]
     return md_table(("target", "measured", "goal", "result", "margin"), rows)
@@ -197,7 +203,9 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
-def bar_plot(out: Path, name: str, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str) -> str:
+def bar_plot(
+    out: Path, name: str, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str
+) -> str:
     """Save <out>/<name>.png; returns the file name for markdown links."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -210,7 +218,12 @@ def bar_plot(out: Path, name: str, labels: Sequence[str], values: Sequence[float
 
 
 def line_plot(
-    out: Path, name: str, x: Sequence[float], series: Mapping[str, Sequence[float]], title: str, xlabel: str,
+    out: Path,
+    name: str,
+    x: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    title: str,
+    xlabel: str,
     ylabel: str,
 ) -> str:
     plt = _pyplot()
@@ -267,6 +280,10 @@ class Throughput:
 
 def throughput(system: str, work: Sequence[Work], wall_s: float, notes: str = "") -> Throughput:
     return Throughput(
-        system, wall_s, len(work), sum(len(w.prompt_ids) for w in work),
-        sum(w.max_tokens for w in work), notes,
+        system,
+        wall_s,
+        len(work),
+        sum(len(w.prompt_ids) for w in work),
+        sum(w.max_tokens for w in work),
+        notes,
     )

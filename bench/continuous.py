@@ -41,8 +41,10 @@ def workload(quick: bool, vocab: int) -> list[Work]:
     n, plen, mean, cap = (8, 16, 8, 16) if quick else (64, 128, 64, 256)
     rng = np.random.default_rng(0)
     outs = np.clip(np.rint(rng.exponential(mean, size=n)), 1, cap).astype(int)
-    return [Work(tuple(int(i) for i in rng.integers(FIRST_PLAIN_TOKEN, vocab, size=plen)), int(o))
-            for o in outs]
+    return [
+        Work(tuple(int(i) for i in rng.integers(FIRST_PLAIN_TOKEN, vocab, size=plen)), int(o))
+        for o in outs
+    ]
 
 
 def static_batch(loaded: Any, cache: Any, batch: Sequence[Work], tag: str) -> int:
@@ -89,7 +91,7 @@ def run_static(loaded: Any, work: Sequence[Work], kv_bytes: int) -> dict[str, An
     done: list[float] = []
     positions = 0
     for i in range(0, len(work), MAX_BATCH):
-        batch = work[i:i + MAX_BATCH]
+        batch = work[i : i + MAX_BATCH]
         positions += static_batch(loaded, cache, batch, f"b{i}")
         done += [time.perf_counter() - start] * len(batch)
     return _row("static", work, time.perf_counter() - start, done, positions)
@@ -107,11 +109,20 @@ def run_continuous(loaded: Any, work: Sequence[Work], sizing: Any) -> dict[str, 
     return _row("continuous (engine)", work, wall, done, sum(w.max_tokens for w in work))
 
 
-def _row(name: str, work: Sequence[Work], wall: float, done: list[float], positions: int) -> dict[str, Any]:
+def _row(
+    name: str, work: Sequence[Work], wall: float, done: list[float], positions: int
+) -> dict[str, Any]:
     out = sum(w.max_tokens for w in work)
-    return {"mode": name, "wall_s": wall, "output_tokens": out, "output_tok_s": out / wall,
-            "decode_positions": positions, "latency_mean_s": float(np.mean(done)),
-            "latency_p50_s": percentile(done, 50), "latency_p99_s": percentile(done, 99)}
+    return {
+        "mode": name,
+        "wall_s": wall,
+        "output_tokens": out,
+        "output_tok_s": out / wall,
+        "decode_positions": positions,
+        "latency_mean_s": float(np.mean(done)),
+        "latency_p50_s": percentile(done, 50),
+        "latency_p99_s": percentile(done, 99),
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -127,21 +138,47 @@ def run(quick: bool = False) -> dict[str, Any]:
     for r in rows:
         print(f"[{SUITE}] {r['mode']}: {r['output_tok_s']:.1f} output tok/s", flush=True)
     speedup = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
-    table = md_table(("mode", "output tok/s", "wall s", "decode positions", "mean latency s",
-                      "p99 latency s"),
-                     [(r["mode"], r["output_tok_s"], r["wall_s"], r["decode_positions"],
-                       r["latency_mean_s"], r["latency_p99_s"]) for r in rows])
-    plot = bar_plot(out, f"{SUITE}_throughput", [r["mode"] for r in rows],
-                    [r["output_tok_s"] for r in rows], "Continuous vs static batching",
-                    "output tok/s")
-    md = "\n\n".join([
-        f"# Continuous vs static batching{' (quick)' if quick else ''}",
-        f"{len(work)} requests, prompts {len(work[0].prompt_ids)} tokens, outputs "
-        f"Exponential(mean {8 if quick else 64}) capped at {16 if quick else 256} "
-        f"(total {sum(w.max_tokens for w in work)}); max batch {MAX_BATCH}; {threads} threads.",
-        table, f"Continuous / static output throughput: **{speedup:.2f}x**", f"![throughput]({plot})",
-    ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "max_batch": MAX_BATCH,
-            "rows": rows, "speedup": speedup, "targets": []}
+    table = md_table(
+        ("mode", "output tok/s", "wall s", "decode positions", "mean latency s", "p99 latency s"),
+        [
+            (
+                r["mode"],
+                r["output_tok_s"],
+                r["wall_s"],
+                r["decode_positions"],
+                r["latency_mean_s"],
+                r["latency_p99_s"],
+            )
+            for r in rows
+        ],
+    )
+    plot = bar_plot(
+        out,
+        f"{SUITE}_throughput",
+        [r["mode"] for r in rows],
+        [r["output_tok_s"] for r in rows],
+        "Continuous vs static batching",
+        "output tok/s",
+    )
+    md = "\n\n".join(
+        [
+            f"# Continuous vs static batching{' (quick)' if quick else ''}",
+            f"{len(work)} requests, prompts {len(work[0].prompt_ids)} tokens, outputs "
+            f"Exponential(mean {8 if quick else 64}) capped at {16 if quick else 256} "
+            f"(total {sum(w.max_tokens for w in work)}); max batch {MAX_BATCH}; {threads} threads.",
+            table,
+            f"Continuous / static output throughput: **{speedup:.2f}x**",
+            f"![throughput]({plot})",
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "max_batch": MAX_BATCH,
+        "rows": rows,
+        "speedup": speedup,
+        "targets": [],
+    }
     write_suite(out, SUITE, data, md)
     return data

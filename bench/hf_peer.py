@@ -23,7 +23,9 @@ def load_hf_model(gguf: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM, GgufConfig
 
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=dtype,
         quantization_config=GgufConfig(dequantize=True),
     )
     return model.eval()
@@ -34,8 +36,8 @@ def _pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -47,8 +49,12 @@ def generate_batch(model: Any, batch: Sequence[Work]) -> int:
     new = max(w.max_tokens for w in batch)
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-            do_sample=False, pad_token_id=pad_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad_id,
         )
     generated = int(out.shape[1] - ids.shape[1])
     if generated != new:
@@ -60,11 +66,13 @@ def run_static(model: Any, work: Sequence[Work], batch_size: int) -> Throughput:
     padded = 0
     start = time.perf_counter()
     for i in range(0, len(work), batch_size):
-        batch = work[i:i + batch_size]
+        batch = work[i : i + batch_size]
         padded += generate_batch(model, batch) * len(batch)
     wall = time.perf_counter() - start
     useful = sum(w.max_tokens for w in work)
     return throughput(
-        f"transformers generate b={batch_size}", work, wall,
+        f"transformers generate b={batch_size}",
+        work,
+        wall,
         f"static batches; {padded} generated positions of which {useful} useful",
     )

@@ -39,10 +39,9 @@ def _one(loaded: Any, sizing: Any, work: list[Any], warm: list[Any]) -> tuple[fl
 
     with started_engine(loaded, sizing) as engine:
         asyncio.run(run_engine(engine, warm, TENANTS))
-        cache: Any = engine.core.cache  # the KVCacheManager; stats() is not in the engine's view
-        before = cache.stats().scrubs
+        before = asyncio.run(engine.stats()).cache.scrubs
         wall, traces = asyncio.run(run_engine(engine, work, TENANTS))
-        scrubs = cache.stats().scrubs - before
+        scrubs = asyncio.run(engine.stats()).cache.scrubs - before
     check_complete(work, traces)
     return throughput("", work, wall).output_tok_s, scrubs
 
@@ -70,26 +69,52 @@ def run(quick: bool = False) -> dict[str, Any]:
         for name, sizing in configs.items():
             tok_s, scrubs[name] = _one(loaded, sizing, work, warm)
             samples[name].append(tok_s)
-            print(f"[{SUITE}] round {r}: {name}: {tok_s:.1f} output tok/s, {scrubs[name]} scrubs",
-                  flush=True)
+            print(
+                f"[{SUITE}] round {r}: {name}: {tok_s:.1f} output tok/s, {scrubs[name]} scrubs",
+                flush=True,
+            )
     med = {k: statistics.median(v) for k, v in samples.items()}
     default = med["default (reassign, prefix on)"]
-    overhead = {"scrub reassign vs off": 1 - default / med["scrub off"],
-                "prefix cache on vs off": 1 - default / med["prefix cache off"]}
-    targets = [Target(f"isolation overhead: {k}", v, 0.03, higher_is_better=False)
-               for k, v in overhead.items()]
+    overhead = {
+        "scrub reassign vs off": 1 - default / med["scrub off"],
+        "prefix cache on vs off": 1 - default / med["prefix cache off"],
+    }
+    targets = [
+        Target(f"isolation overhead: {k}", v, 0.03, higher_is_better=False)
+        for k, v in overhead.items()
+    ]
     rows = [(k, med[k], scrubs[k], ", ".join(f"{x:.1f}" for x in samples[k])) for k in configs]
-    plot = bar_plot(out, f"{SUITE}_throughput", list(med), list(med.values()),
-                    "Throughput with isolation features toggled", "output tok/s")
-    md = "\n\n".join([
-        f"# Isolation cost{' (quick)' if quick else ''}",
-        f"{n} requests over {len(TENANTS)} tenants, KV pool {POOL_PAGES} pages; median of "
-        f"{rounds} interleaved rounds; {threads} threads. Overhead = 1 - default / alternative.",
-        md_table(("configuration", "output tok/s (median)", "pages scrubbed (last run)", "samples"), rows),
-        targets_table(targets), f"![throughput]({plot})",
-    ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads),
-            "pool_pages": POOL_PAGES, "samples": samples, "median_output_tok_s": med,
-            "scrubs": scrubs, "overhead": overhead, "targets": targets}
+    plot = bar_plot(
+        out,
+        f"{SUITE}_throughput",
+        list(med),
+        list(med.values()),
+        "Throughput with isolation features toggled",
+        "output tok/s",
+    )
+    md = "\n\n".join(
+        [
+            f"# Isolation cost{' (quick)' if quick else ''}",
+            f"{n} requests over {len(TENANTS)} tenants, KV pool {POOL_PAGES} pages; median of "
+            f"{rounds} interleaved rounds; {threads} threads. Overhead = 1 - default / alternative.",
+            md_table(
+                ("configuration", "output tok/s (median)", "pages scrubbed (last run)", "samples"),
+                rows,
+            ),
+            targets_table(targets),
+            f"![throughput]({plot})",
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "pool_pages": POOL_PAGES,
+        "samples": samples,
+        "median_output_tok_s": med,
+        "scrubs": scrubs,
+        "overhead": overhead,
+        "targets": targets,
+    }
     write_suite(out, SUITE, data, md)
     return data

@@ -56,7 +56,8 @@ class Sizing:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
 
@@ -65,9 +66,13 @@ class Sizing:
 
     def serve_sizing(self) -> EngineSizing:
         return EngineSizing(
-            kv_memory=str(self.kv_bytes), max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            scrub_policy=self.scrub_policy, prefix_ttl_s=self.prefix_ttl_s, sampler_seed=0,
+            kv_memory=str(self.kv_bytes),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            scrub_policy=self.scrub_policy,
+            prefix_ttl_s=self.prefix_ttl_s,
+            sampler_seed=0,
         )
 
 
@@ -79,8 +84,11 @@ def load_kvfence(path: object) -> LoadedModel:
 def started_engine(loaded: LoadedModel, sizing: Sizing = Sizing()) -> Iterator[Engine]:
     """A started engine (its warm-up included) that is shut down on exit."""
     engine = build_engine(
-        loaded, sizing.engine_config(), sizing.cache_config(),
-        kv_pages=sizing.kv_pages, kv_bytes=None if sizing.kv_pages else sizing.kv_bytes,
+        loaded,
+        sizing.engine_config(),
+        sizing.cache_config(),
+        kv_pages=sizing.kv_pages,
+        kv_bytes=None if sizing.kv_pages else sizing.kv_bytes,
         sampler_seed=0,
     )
     engine.start()
@@ -97,10 +105,14 @@ async def grpc_server(
     """An in-process server on 127.0.0.1:0 in the running loop, as tests/serverutil.py starts
     one; yields (target, {tenant: api key}, engine)."""
     keys = {t: new_api_key() for t in tenants}
-    registry = TenantRegistry({
-        t: Tenant(t, key_hashes=(hash_key(k),), quotas=Quotas(max_concurrent_streams=STREAM_QUOTA))
-        for t, k in keys.items()
-    })
+    registry = TenantRegistry(
+        {
+            t: Tenant(
+                t, key_hashes=(hash_key(k),), quotas=Quotas(max_concurrent_streams=STREAM_QUOTA)
+            )
+            for t, k in keys.items()
+        }
+    )
     log = make_logger("json", io.StringIO())
     stack = await asyncio.to_thread(
         build_server, loaded, sizing.serve_sizing(), registry, ServerOptions(), log
@@ -151,11 +163,14 @@ async def run_engine(
         w = work[i]
         trace = RequestTrace(tenants[i % len(tenants)], len(w.prompt_ids), time.perf_counter())
         request = Request(
-            request_id=uuid.uuid4().hex, tenant=trace.tenant, prompt_ids=w.prompt_ids,
-            sampling=GREEDY, stopping=StoppingParams(max_tokens=w.max_tokens, ignore_eos=True),
+            request_id=uuid.uuid4().hex,
+            tenant=trace.tenant,
+            prompt_ids=w.prompt_ids,
+            sampling=GREEDY,
+            stopping=StoppingParams(max_tokens=w.max_tokens, ignore_eos=True),
             bypass_prefix_cache=bypass_prefix_cache,
         )
-        async for event in engine.submit(request):
+        async for event in await engine.submit(request):
             if isinstance(event, Delta):
                 trace.on_chunk(time.perf_counter(), len(event.token_ids))
             elif isinstance(event, Admitted):
@@ -189,7 +204,10 @@ async def run_grpc(
         w = work[i]
         trace = RequestTrace(tenants[i % len(tenants)], len(w.prompt_ids), time.perf_counter())
         stream = clients[trace.tenant].generate(
-            token_ids=w.prompt_ids, max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True,
+            token_ids=w.prompt_ids,
+            max_tokens=w.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
             bypass_prefix_cache=bypass_prefix_cache,
         )
         async for event in stream:

@@ -26,10 +26,10 @@ N_BATCH = 512
 @dataclass(slots=True)
 class _Slot:
     work: Work
-    out: list[int]          # the request's generated ids, appended as they are sampled
-    fed: int = 0            # prompt tokens already placed in a batch
-    generated: int = 0      # tokens sampled so far
-    last: int = 0           # last sampled token, fed on the next step
+    out: list[int]  # the request's generated ids, appended as they are sampled
+    fed: int = 0  # prompt tokens already placed in a batch
+    generated: int = 0  # tokens sampled so far
+    last: int = 0  # last sampled token, fed on the next step
 
 
 def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
@@ -144,6 +144,8 @@ def run_llamacpp(runner: LlamaCppRunner, work: Sequence[Work]) -> Throughput:
     runner.generate(work)
     wall = time.perf_counter() - start
     return throughput(
-        f"llama.cpp n_seq={runner.n_seq}", work, wall,
+        f"llama.cpp n_seq={runner.n_seq}",
+        work,
+        wall,
         f"batched llama_decode, {runner.n_seq} slots, n_batch={N_BATCH}, threads={runner.threads}",
     )

@@ -43,12 +43,17 @@ TENANT = "bench"
 def workload(quick: bool, vocab: int) -> tuple[list[Work], list[Work]]:
     """(measured work, warm-up work); quick mode shrinks both."""
     if quick:
-        return random_work(0, 8, (16, 64), (4, 16), vocab), random_work(1, 2, (16, 32), (2, 4), vocab)
-    return random_work(0, 64, (16, 256), (16, 128), vocab), random_work(1, 8, (16, 256), (4, 8), vocab)
+        return random_work(0, 8, (16, 64), (4, 16), vocab), random_work(
+            1, 2, (16, 32), (2, 4), vocab
+        )
+    return random_work(0, 64, (16, 256), (16, 128), vocab), random_work(
+        1, 8, (16, 256), (4, 8), vocab
+    )
 
 
-def _attempt(name: str, fn: Callable[[], Throughput], runs: list[Throughput],
-             errors: dict[str, str]) -> None:
+def _attempt(
+    name: str, fn: Callable[[], Throughput], runs: list[Throughput], errors: dict[str, str]
+) -> None:
     print(f"[{SUITE}] {name} ...", flush=True)
     try:
         r = fn()
@@ -61,8 +66,9 @@ def _attempt(name: str, fn: Callable[[], Throughput], runs: list[Throughput],
         gc.collect()
 
 
-def _kvfence_runs(loaded: Any, work: list[Work], warm: list[Work], runs: list[Throughput],
-                  errors: dict[str, str]) -> None:
+def _kvfence_runs(
+    loaded: Any, work: list[Work], warm: list[Work], runs: list[Throughput], errors: dict[str, str]
+) -> None:
     from bench.kvfence_runner import (
         check_complete,
         grpc_server,
@@ -76,7 +82,9 @@ def _kvfence_runs(loaded: Any, work: list[Work], warm: list[Work], runs: list[Th
             asyncio.run(run_engine(engine, warm, (TENANT,)))
             wall, traces = asyncio.run(run_engine(engine, work, (TENANT,)))
         check_complete(work, traces)
-        return throughput("kvfence engine", work, wall, "engine API, all requests submitted at once")
+        return throughput(
+            "kvfence engine", work, wall, "engine API, all requests submitted at once"
+        )
 
     async def over_grpc() -> Throughput:
         async with grpc_server(loaded, (TENANT,)) as (target, keys, _):
@@ -89,8 +97,14 @@ def _kvfence_runs(loaded: Any, work: list[Work], warm: list[Work], runs: list[Th
     _attempt("kvfence gRPC", lambda: asyncio.run(over_grpc()), runs, errors)
 
 
-def _peer_runs(dtype: torch.dtype, work: list[Work], warm: list[Work], threads: int,
-               runs: list[Throughput], errors: dict[str, str]) -> None:
+def _peer_runs(
+    dtype: torch.dtype,
+    work: list[Work],
+    warm: list[Work],
+    threads: int,
+    runs: list[Throughput],
+    errors: dict[str, str],
+) -> None:
     from bench.hf_peer import generate_batch, load_hf_model, run_static
     from bench.llamacpp_peer import LlamaCppRunner, run_llamacpp
 
@@ -99,6 +113,7 @@ def _peer_runs(dtype: torch.dtype, work: list[Work], warm: list[Work], threads: 
         model = load_hf_model(gguf, dtype)
         generate_batch(model, warm)
         for b in HF_BATCHES:
+
             def static(b: int = b, m: Any = model) -> Throughput:
                 return run_static(m, work, b)
 
@@ -108,6 +123,7 @@ def _peer_runs(dtype: torch.dtype, work: list[Work], warm: list[Work], threads: 
         errors["transformers"] = f"{type(err).__name__}: {err}"
         traceback.print_exc()
     for n in LLAMA_SEQS:
+
         def llama(n: int = n) -> Throughput:
             runner = LlamaCppRunner(gguf, n, threads)
             try:
@@ -147,12 +163,22 @@ def run(quick: bool = False) -> dict[str, Any]:
     return report(runs, errors, quick, threads, dtype, work, sizing)
 
 
-def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads: int,
-           dtype: torch.dtype, work: list[Work], sizing: dict[str, Any]) -> dict[str, Any]:
+def report(
+    runs: list[Throughput],
+    errors: dict[str, str],
+    quick: bool,
+    threads: int,
+    dtype: torch.dtype,
+    work: list[Work],
+    sizing: dict[str, Any],
+) -> dict[str, Any]:
     out = results_dir(quick)
     kv = _best(runs, "kvfence engine")
     grpc = _best(runs, "kvfence gRPC")
-    peers = {"llama.cpp best": _best(runs, "llama.cpp"), "transformers best": _best(runs, "transformers")}
+    peers = {
+        "llama.cpp best": _best(runs, "llama.cpp"),
+        "transformers best": _best(runs, "transformers"),
+    }
     targets: list[Target] = []
     ratios: dict[str, float] = {}
     if kv is not None:
@@ -160,29 +186,68 @@ def report(runs: list[Throughput], errors: dict[str, str], quick: bool, threads:
             ratios[r.system] = kv.output_tok_s / r.output_tok_s
         for label, peer in peers.items():
             if peer is not None:
-                targets.append(Target(f"offline output tok/s vs {label} ({peer.system})",
-                                      kv.output_tok_s / peer.output_tok_s, 2.0))
+                targets.append(
+                    Target(
+                        f"offline output tok/s vs {label} ({peer.system})",
+                        kv.output_tok_s / peer.output_tok_s,
+                        2.0,
+                    )
+                )
         if grpc is not None:
-            targets.append(Target("gRPC / in-process output tok/s",
-                                  grpc.output_tok_s / kv.output_tok_s, 0.95))
-    rows = [(r.system, r.output_tok_s, r.total_tok_s, r.wall_s,
-             f"{ratios[r.system]:.2f}" if r.system in ratios else "-", r.notes) for r in runs]
-    plot = bar_plot(out, f"{SUITE}_throughput", [r.system for r in runs],
-                    [r.output_tok_s for r in runs], "Offline output throughput", "output tok/s")
-    md = "\n\n".join([
-        f"# Offline throughput{' (quick)' if quick else ''}",
-        f"{len(work)} requests, {sum(len(w.prompt_ids) for w in work)} prompt and "
-        f"{sum(w.max_tokens for w in work)} output tokens; greedy, ignore_eos; {threads} threads; "
-        f"dtype {str(dtype).removeprefix('torch.')} (kvfence, transformers), Q4_1 (llama.cpp).",
-        md_table(("system", "output tok/s", "total tok/s", "wall s", "kvfence engine / system", "notes"), rows),
-        targets_table(targets),
-        f"![throughput]({plot})",
-        *(f"**error** {name}: {msg}" for name, msg in errors.items()),
-    ])
+            targets.append(
+                Target("gRPC / in-process output tok/s", grpc.output_tok_s / kv.output_tok_s, 0.95)
+            )
+    rows = [
+        (
+            r.system,
+            r.output_tok_s,
+            r.total_tok_s,
+            r.wall_s,
+            f"{ratios[r.system]:.2f}" if r.system in ratios else "-",
+            r.notes,
+        )
+        for r in runs
+    ]
+    plot = bar_plot(
+        out,
+        f"{SUITE}_throughput",
+        [r.system for r in runs],
+        [r.output_tok_s for r in runs],
+        "Offline output throughput",
+        "output tok/s",
+    )
+    md = "\n\n".join(
+        [
+            f"# Offline throughput{' (quick)' if quick else ''}",
+            f"{len(work)} requests, {sum(len(w.prompt_ids) for w in work)} prompt and "
+            f"{sum(w.max_tokens for w in work)} output tokens; greedy, ignore_eos; {threads} threads; "
+            f"dtype {str(dtype).removeprefix('torch.')} (kvfence, transformers), Q4_1 (llama.cpp).",
+            md_table(
+                (
+                    "system",
+                    "output tok/s",
+                    "total tok/s",
+                    "wall s",
+                    "kvfence engine / system",
+                    "notes",
+                ),
+                rows,
+            ),
+            targets_table(targets),
+            f"![throughput]({plot})",
+            *(f"**error** {name}: {msg}" for name, msg in errors.items()),
+        ]
+    )
     data = {
-        "suite": SUITE, "quick": quick, "machine": machine_info(threads),
-        "dtype": str(dtype), "kvfence_sizing": sizing, "runs": [r.as_dict() for r in runs], "ratios_kvfence_over": ratios,
-        "targets": targets, "errors": errors,
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "dtype": str(dtype),
+        "kvfence_sizing": sizing,
+        "runs": [r.as_dict() for r in runs],
+        "ratios_kvfence_over": ratios,
+        "targets": targets,
+        "errors": errors,
     }
     write_suite(out, SUITE, data, md)
     return data

@@ -53,16 +53,30 @@ async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
         plans: list[tuple[str, float | None]] = [("inf", None)]
         for label, rate in plans:
             arrivals = poisson_arrivals(rate, n, seed=len(results)) if rate else None
-            wall, traces = await run_grpc(target, keys, work, TENANTS, arrivals=arrivals,
-                                          max_concurrency=None if rate else MAX_CONCURRENCY)
+            wall, traces = await run_grpc(
+                target,
+                keys,
+                work,
+                TENANTS,
+                arrivals=arrivals,
+                max_concurrency=None if rate else MAX_CONCURRENCY,
+            )
             check_complete(work, traces)
             overall = summarize(traces, wall)
-            results.append({"rate": label, "request_rate": rate, "max_concurrency":
-                            None if rate else MAX_CONCURRENCY, "overall": overall,
-                            "per_tenant": by_tenant(traces, wall)})
-            print(f"[{SUITE}] rate={label}: {overall['req_s']:.2f} req/s, "
-                  f"{overall['output_tok_s']:.1f} out tok/s, TTFT p50 {overall['ttft_p50_ms']:.0f} ms",
-                  flush=True)
+            results.append(
+                {
+                    "rate": label,
+                    "request_rate": rate,
+                    "max_concurrency": None if rate else MAX_CONCURRENCY,
+                    "overall": overall,
+                    "per_tenant": by_tenant(traces, wall),
+                }
+            )
+            print(
+                f"[{SUITE}] rate={label}: {overall['req_s']:.2f} req/s, "
+                f"{overall['output_tok_s']:.1f} out tok/s, TTFT p50 {overall['ttft_p50_ms']:.0f} ms",
+                flush=True,
+            )
             if rate is None:  # capacity known: add the Poisson runs
                 capacity = overall["req_s"]
                 plans += [(f"{f * capacity:.2f}", f * capacity) for f in RATE_FRACTIONS]
@@ -77,36 +91,75 @@ def run(quick: bool = False) -> dict[str, Any]:
     set_torch_threads(threads)
     loaded = load_kvfence(default_model_file())
     results = asyncio.run(_runs(loaded, quick))
-    cols = ("rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-            "ITL p50", "ITL p99")
+    cols = (
+        "rate",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL p50",
+        "ITL p99",
+    )
 
     def row(label: str, s: dict[str, Any]) -> tuple[Any, ...]:
-        return (label, s["req_s"], s["output_tok_s"], s["ttft_p50_ms"], s["ttft_p99_ms"],
-                s["tpot_p50_ms"], s["tpot_p99_ms"], s["itl_p50_ms"], s["itl_p99_ms"])
+        return (
+            label,
+            s["req_s"],
+            s["output_tok_s"],
+            s["ttft_p50_ms"],
+            s["ttft_p99_ms"],
+            s["tpot_p50_ms"],
+            s["tpot_p99_ms"],
+            s["itl_p50_ms"],
+            s["itl_p99_ms"],
+        )
 
     overall = [row(r["rate"], r["overall"]) for r in results]
     tenants = [row(f"{r['rate']} / {t}", s) for r in results for t, s in r["per_tenant"].items()]
     ordered = sorted(results, key=lambda r: r["overall"]["req_s"])
     x = [r["overall"]["req_s"] for r in ordered]
     plots = [
-        line_plot(out, f"{SUITE}_ttft", x, {q: [r["overall"][f"ttft_{q}_ms"] for r in ordered]
-                                       for q in ("p50", "p99")},
-                  "TTFT vs request rate", "achieved req/s", "TTFT ms"),
-        line_plot(out, f"{SUITE}_itl", x, {q: [r["overall"][f"itl_{q}_ms"] for r in ordered]
-                                      for q in ("p50", "p99")},
-                  "ITL vs request rate", "achieved req/s", "ITL ms"),
+        line_plot(
+            out,
+            f"{SUITE}_ttft",
+            x,
+            {q: [r["overall"][f"ttft_{q}_ms"] for r in ordered] for q in ("p50", "p99")},
+            "TTFT vs request rate",
+            "achieved req/s",
+            "TTFT ms",
+        ),
+        line_plot(
+            out,
+            f"{SUITE}_itl",
+            x,
+            {q: [r["overall"][f"itl_{q}_ms"] for r in ordered] for q in ("p50", "p99")},
+            "ITL vs request rate",
+            "achieved req/s",
+            "ITL ms",
+        ),
     ]
-    md = "\n\n".join([
-        f"# Online serving over gRPC{' (quick)' if quick else ''}",
-        f"{results[0]['overall']['requests']} requests per run, tenants {', '.join(TENANTS)}; "
-        f"rate `inf` = all at once, at most {MAX_CONCURRENCY} in flight; the other rates are "
-        f"Poisson at {', '.join(str(f) for f in RATE_FRACTIONS)} x its req/s. Times in ms; "
-        f"{threads} threads.",
-        md_table(cols, overall), "## Per tenant", md_table(cols, tenants),
-        *(f"![plot]({p})" for p in plots),
-    ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads),
-            "kvfence_sizing": asdict(Sizing()), "runs": results,
-            "targets": []}
+    md = "\n\n".join(
+        [
+            f"# Online serving over gRPC{' (quick)' if quick else ''}",
+            f"{results[0]['overall']['requests']} requests per run, tenants {', '.join(TENANTS)}; "
+            f"rate `inf` = all at once, at most {MAX_CONCURRENCY} in flight; the other rates are "
+            f"Poisson at {', '.join(str(f) for f in RATE_FRACTIONS)} x its req/s. Times in ms; "
+            f"{threads} threads.",
+            md_table(cols, overall),
+            "## Per tenant",
+            md_table(cols, tenants),
+            *(f"![plot]({p})" for p in plots),
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "kvfence_sizing": asdict(Sizing()),
+        "runs": results,
+        "targets": [],
+    }
     write_suite(out, SUITE, data, md)
     return data

@@ -38,27 +38,64 @@ def run(quick: bool = False) -> dict[str, Any]:
     for context in contexts:
         for batch in batches:
             engine_s, raw_s = measure_step_overhead(loaded, batch, context, repeats=repeats)
-            points.append({"batch": batch, "context": context, "engine_step_ms": 1000 * engine_s,
-                           "raw_forward_ms": 1000 * raw_s, "ratio_raw_over_engine": raw_s / engine_s})
-            print(f"[{SUITE}] B={batch} ctx={context}: engine {1000 * engine_s:.2f} ms, "
-                  f"raw {1000 * raw_s:.2f} ms", flush=True)
+            points.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "engine_step_ms": 1000 * engine_s,
+                    "raw_forward_ms": 1000 * raw_s,
+                    "ratio_raw_over_engine": raw_s / engine_s,
+                }
+            )
+            print(
+                f"[{SUITE}] B={batch} ctx={context}: engine {1000 * engine_s:.2f} ms, "
+                f"raw {1000 * raw_s:.2f} ms",
+                flush=True,
+            )
     worst = min(points, key=lambda p: p["ratio_raw_over_engine"])
-    targets = [Target(f"engine step vs raw forward (worst: B={worst['batch']} ctx={worst['context']})",
-                      worst["ratio_raw_over_engine"], 0.9)]
-    rows = [(p["batch"], p["context"], p["engine_step_ms"], p["raw_forward_ms"],
-             f"{p['ratio_raw_over_engine']:.3f}") for p in points]
-    plot = bar_plot(out, f"{SUITE}_ratio", [f"B={p['batch']} ctx={p['context']}" for p in points],
-                    [100 * p["ratio_raw_over_engine"] for p in points],
-                    "Raw forward time as % of engine step", "% (100 = no overhead)")
-    md = "\n\n".join([
-        f"# Engine step overhead{' (quick)' if quick else ''}",
-        f"Median of {repeats} decode steps per point; {threads} threads; dtype "
-        f"{str(loaded.dtype).removeprefix('torch.')}.",
-        md_table(("B", "context", "engine step ms", "raw forward ms", "raw / engine"), rows),
-        targets_table(targets),
-        f"![ratio]({plot})",
-    ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "repeats": repeats,
-            "dtype": str(loaded.dtype), "points": points, "targets": targets}
+    targets = [
+        Target(
+            f"engine step vs raw forward (worst: B={worst['batch']} ctx={worst['context']})",
+            worst["ratio_raw_over_engine"],
+            0.9,
+        )
+    ]
+    rows = [
+        (
+            p["batch"],
+            p["context"],
+            p["engine_step_ms"],
+            p["raw_forward_ms"],
+            f"{p['ratio_raw_over_engine']:.3f}",
+        )
+        for p in points
+    ]
+    plot = bar_plot(
+        out,
+        f"{SUITE}_ratio",
+        [f"B={p['batch']} ctx={p['context']}" for p in points],
+        [100 * p["ratio_raw_over_engine"] for p in points],
+        "Raw forward time as % of engine step",
+        "% (100 = no overhead)",
+    )
+    md = "\n\n".join(
+        [
+            f"# Engine step overhead{' (quick)' if quick else ''}",
+            f"Median of {repeats} decode steps per point; {threads} threads; dtype "
+            f"{str(loaded.dtype).removeprefix('torch.')}.",
+            md_table(("B", "context", "engine step ms", "raw forward ms", "raw / engine"), rows),
+            targets_table(targets),
+            f"![ratio]({plot})",
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "repeats": repeats,
+        "dtype": str(loaded.dtype),
+        "points": points,
+        "targets": targets,
+    }
     write_suite(out, SUITE, data, md)
     return data

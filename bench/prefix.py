@@ -39,8 +39,9 @@ async def _ttft(client: Any, ids: list[int]) -> tuple[float, int]:
     start = time.perf_counter()
     ttft: float | None = None
     cached = -1
-    async for event in client.generate(token_ids=ids, max_tokens=2, temperature=0.0,
-                                       ignore_eos=True):
+    async for event in client.generate(
+        token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True
+    ):
         if isinstance(event, Started):
             cached = event.cached_prompt_tokens
         elif isinstance(event, Chunk) and event.token_ids and ttft is None:
@@ -90,23 +91,55 @@ def run(quick: bool = False) -> dict[str, Any]:
     med = {k: statistics.median(t for t, _ in v) for k, v in samples.items()}
     cached = {k: max(c for _, c in v) for k, v in samples.items()}
     targets = [
-        Target("warm / cold TTFT (same tenant)", med["warm"] / med["cold"], 0.2, higher_is_better=False),
-        Target("cached tokens for the other tenant", float(cached["other tenant"]), 0.0,
-               higher_is_better=False),
+        Target(
+            "warm / cold TTFT (same tenant)", med["warm"] / med["cold"], 0.2, higher_is_better=False
+        ),
+        Target(
+            "cached tokens for the other tenant",
+            float(cached["other tenant"]),
+            0.0,
+            higher_is_better=False,
+        ),
     ]
-    rows = [(k, 1000 * med[k], med[k] / med["cold"], cached[k],
-             ", ".join(f"{1000 * t:.0f}" for t, _ in v)) for k, v in samples.items()]
-    plot = bar_plot(out, f"{SUITE}_ttft", list(med), [1000 * v for v in med.values()],
-                    f"TTFT with a {system_len}-token system prompt", "median TTFT ms")
-    md = "\n\n".join([
-        f"# Prefix cache{' (quick)' if quick else ''}",
-        f"System prompt {system_len} tokens + {SUFFIX}-token suffix; {reps} repetitions, caches "
-        f"purged before each; max_tokens 2; {threads} threads.",
-        md_table(("request", "median TTFT ms", "/ cold", "max cached tokens", "samples ms"), rows),
-        targets_table(targets), f"![ttft]({plot})",
-    ])
-    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads),
-            "system_prompt_tokens": system_len, "samples": samples, "median_ttft_s": med,
-            "cached_tokens": cached, "targets": targets}
+    rows = [
+        (
+            k,
+            1000 * med[k],
+            med[k] / med["cold"],
+            cached[k],
+            ", ".join(f"{1000 * t:.0f}" for t, _ in v),
+        )
+        for k, v in samples.items()
+    ]
+    plot = bar_plot(
+        out,
+        f"{SUITE}_ttft",
+        list(med),
+        [1000 * v for v in med.values()],
+        f"TTFT with a {system_len}-token system prompt",
+        "median TTFT ms",
+    )
+    md = "\n\n".join(
+        [
+            f"# Prefix cache{' (quick)' if quick else ''}",
+            f"System prompt {system_len} tokens + {SUFFIX}-token suffix; {reps} repetitions, caches "
+            f"purged before each; max_tokens 2; {threads} threads.",
+            md_table(
+                ("request", "median TTFT ms", "/ cold", "max cached tokens", "samples ms"), rows
+            ),
+            targets_table(targets),
+            f"![ttft]({plot})",
+        ]
+    )
+    data = {
+        "suite": SUITE,
+        "quick": quick,
+        "machine": machine_info(threads),
+        "system_prompt_tokens": system_len,
+        "samples": samples,
+        "median_ttft_s": med,
+        "cached_tokens": cached,
+        "targets": targets,
+    }
     write_suite(out, SUITE, data, md)
     return data

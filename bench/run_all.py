@@ -29,9 +29,16 @@ assert tuple(SUITES) == SUITE_ORDER
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke-sized run (results/quick/)")
-    parser.add_argument("--only", action="append", choices=list(SUITES), metavar="SUITE",
-                        help=f"run only this suite (repeatable): {', '.join(SUITES)}")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny smoke-sized run (results/quick/)"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=list(SUITES),
+        metavar="SUITE",
+        help=f"run only this suite (repeatable): {', '.join(SUITES)}",
+    )
     args = parser.parse_args(argv)
     chosen = args.only or list(SUITES)
     failures: dict[str, str] = {}

@@ -48,35 +48,75 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
     for suite, data in results.items():
         for t in data.get("targets", []):
             goal = ("≥ " if t["higher_is_better"] else "≤ ") + f"{t['threshold']:g}"
-            rows.append((suite, t["name"], f"{t['value']:.3f}", goal,
-                         "pass" if t["passed"] else "MISS", f"{t['margin']:+.3f}"))
-    parts = ["## Targets", md_table(("suite", "target", "measured", "goal", "result", "margin"), rows)]
+            rows.append(
+                (
+                    suite,
+                    t["name"],
+                    f"{t['value']:.3f}",
+                    goal,
+                    "pass" if t["passed"] else "MISS",
+                    f"{t['margin']:+.3f}",
+                )
+            )
+    parts = [
+        "## Targets",
+        md_table(("suite", "target", "measured", "goal", "result", "margin"), rows),
+    ]
     offline = results.get("offline")
     if offline:
-        parts += ["## Offline throughput (output tok/s)",
-                  md_table(("system", "output tok/s", "total tok/s"),
-                           [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]])]
+        parts += [
+            "## Offline throughput (output tok/s)",
+            md_table(
+                ("system", "output tok/s", "total tok/s"),
+                [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]],
+            ),
+        ]
     cont = results.get("continuous")
     if cont:
-        parts.append(f"Continuous batching is **{cont['speedup']:.2f}x** static batching "
-                     f"(max batch {cont['max_batch']}).")
+        parts.append(
+            f"Continuous batching is **{cont['speedup']:.2f}x** static batching "
+            f"(max batch {cont['max_batch']})."
+        )
     online = results.get("online")
     if online:
-        parts += ["## Online serving (gRPC)",
-                  md_table(("rate", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                            "ITL p99 ms"),
-                           [(r["rate"], r["overall"]["req_s"], r["overall"]["output_tok_s"],
-                             r["overall"]["ttft_p50_ms"], r["overall"]["ttft_p99_ms"],
-                             r["overall"]["itl_p50_ms"], r["overall"]["itl_p99_ms"])
-                            for r in online["runs"]])]
+        parts += [
+            "## Online serving (gRPC)",
+            md_table(
+                (
+                    "rate",
+                    "req/s",
+                    "out tok/s",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                    "ITL p50 ms",
+                    "ITL p99 ms",
+                ),
+                [
+                    (
+                        r["rate"],
+                        r["overall"]["req_s"],
+                        r["overall"]["output_tok_s"],
+                        r["overall"]["ttft_p50_ms"],
+                        r["overall"]["ttft_p99_ms"],
+                        r["overall"]["itl_p50_ms"],
+                        r["overall"]["itl_p99_ms"],
+                    )
+                    for r in online["runs"]
+                ],
+            ),
+        ]
     any_data = next(iter(results.values()), None)
     if any_data:
         m = any_data["machine"]
         flags = ", ".join(f for f, on in m["cpu_flags"].items() if on)
         versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
-        parts.append(f"Machine: {m['cpu_model']}, {m['usable_cores']} cores, {m['threads']} threads; "
-                     f"flags: {flags}; {versions}.")
-    errors = [f"- {s}: {k}: {v}" for s, d in results.items() for k, v in d.get("errors", {}).items()]
+        parts.append(
+            f"Machine: {m['cpu_model']}, {m['usable_cores']} cores, {m['threads']} threads; "
+            f"flags: {flags}; {versions}."
+        )
+    errors = [
+        f"- {s}: {k}: {v}" for s, d in results.items() for k, v in d.get("errors", {}).items()
+    ]
     if errors:
         parts += ["## Errors", "\n".join(errors)]
     return "\n\n".join(parts)
@@ -87,7 +127,8 @@ def write_summary(out: Path, failures: dict[str, str]) -> str:
     text = summary_markdown(results)
     if failures:
         text += "\n\n## Suites that failed in the last run\n\n" + "\n".join(
-            f"- {s}: {msg}" for s, msg in failures.items())
+            f"- {s}: {msg}" for s, msg in failures.items()
+        )
     (out / "summary.md").write_text(text + "\n")
     (out / "README.md").write_text(README_HEAD + "\n" + text + "\n")
     return text

@@ -58,11 +58,18 @@ T = TypeVar("T")
 class AsyncClient:
     """An asyncio client; see Client for the meaning of every argument."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None,
-                 tls: TlsConfig | None = None, retries: int | RetryPolicy = DEFAULT_RETRY_POLICY,
-                 timeout: float | None = None,
-                 options: Sequence[tuple[str, str | int]] = (),
-                 clock: Clock = time.monotonic, sleep: AsyncSleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        tls: TlsConfig | None = None,
+        retries: int | RetryPolicy = DEFAULT_RETRY_POLICY,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, str | int]] = (),
+        clock: Clock = time.monotonic,
+        sleep: AsyncSleep = asyncio.sleep,
+    ) -> None:
         self._config = ChannelConfig(target, resolve_api_key(api_key), tls, tuple(options))
         if tls is not None:
             tls.channel_credentials()  # unreadable files fail here, not at the first call
@@ -91,45 +98,80 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
 
     # -- Generate ---------------------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 messages: Messages | None = None, add_generation_prompt: bool = True,
-                 timeout: float | None = None, **options: Unpack[GenerateOptions],
-                 ) -> AsyncGenerator[GenerateEvent, None]:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Messages | None = None,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> AsyncGenerator[GenerateEvent, None]:
         """Stream Started, then Chunks, then Finished. Bad arguments raise here, not later."""
-        request = build_generate_request(prompt, token_ids=token_ids, messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         options=options)
+        request = build_generate_request(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            options=options,
+        )
         return self._stream(request, timeout)
 
-    async def generate_text(self, prompt: str | None = None, *,
-                            token_ids: Sequence[int] | None = None,
-                            messages: Messages | None = None,
-                            add_generation_prompt: bool = True, timeout: float | None = None,
-                            **options: Unpack[GenerateOptions]) -> GenerateResult:
+    async def generate_text(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Messages | None = None,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
         builder = ResultBuilder()
-        async for event in self.generate(prompt, token_ids=token_ids, messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         timeout=timeout, **options):
+        async for event in self.generate(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            timeout=timeout,
+            **options,
+        ):
             builder.add(event)
         return builder.result()
 
-    async def chat(self, messages: Messages, *, timeout: float | None = None,
-                   **options: Unpack[GenerateOptions]) -> GenerateResult:
+    async def chat(
+        self,
+        messages: Messages,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
         """One assistant turn; to stream it, use `generate(messages=...)`."""
         return await self.generate_text(messages=messages, timeout=timeout, **options)
 
-    async def _stream(self, request: inference_pb2.GenerateRequest,
-                      timeout: float | None) -> AsyncGenerator[GenerateEvent, None]:
+    async def _stream(
+        self, request: inference_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncGenerator[GenerateEvent, None]:
         deadline = self._deadline(timeout)  # the clock starts at the first next()
         call, held = await acall_with_retries(
-            lambda: self._open_stream(request, deadline), method="Generate", deadline=deadline,
-            policy=self._policy, clock=self._clock, sleep=self._sleep)
+            lambda: self._open_stream(request, deadline),
+            method="Generate",
+            deadline=deadline,
+            policy=self._policy,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
         finished = any(isinstance(e, Finished) for e in held)
         try:
             for event in held:
@@ -145,12 +187,14 @@ class AsyncClient:
         if not finished:
             raise ProtocolError("Generate stream ended without a finished event")
 
-    async def _open_stream(self, request: inference_pb2.GenerateRequest,
-                           deadline: float | None) -> tuple[Any, list[GenerateEvent]]:
+    async def _open_stream(
+        self, request: inference_pb2.GenerateRequest, deadline: float | None
+    ) -> tuple[Any, list[GenerateEvent]]:
         """One attempt, up to the first Chunk or Finished (see Client._open_stream)."""
         inference, _ = self._stubs()
-        call = inference.Generate(request, timeout=self._remaining(deadline),
-                                  metadata=self._metadata)
+        call = inference.Generate(
+            request, timeout=self._remaining(deadline), metadata=self._metadata
+        )
         held: list[GenerateEvent] = []
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
@@ -167,45 +211,69 @@ class AsyncClient:
 
     # -- Unary calls ------------------------------------------------------------------------
 
-    async def tokenize(self, text: str | None = None, *, messages: Messages | None = None,
-                       add_special_tokens: bool = False,
-                       timeout: float | None = None) -> Tokenized:
-        request = build_tokenize_request(text, messages=messages,
-                                         add_special_tokens=add_special_tokens)
-        response = await self._unary("Tokenize", lambda: self._stubs()[0].Tokenize,
-                                     request, timeout)
+    async def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Messages | None = None,
+        add_special_tokens: bool = False,
+        timeout: float | None = None,
+    ) -> Tokenized:
+        request = build_tokenize_request(
+            text, messages=messages, add_special_tokens=add_special_tokens
+        )
+        response = await self._unary(
+            "Tokenize", lambda: self._stubs()[0].Tokenize, request, timeout
+        )
         return tokenized_from_proto(response)
 
     async def models(self, *, timeout: float | None = None) -> tuple[ModelInfo, ...]:
-        response = await self._unary("ListModels", lambda: self._stubs()[0].ListModels,
-                                     inference_pb2.ListModelsRequest(), timeout)
+        response = await self._unary(
+            "ListModels",
+            lambda: self._stubs()[0].ListModels,
+            inference_pb2.ListModelsRequest(),
+            timeout,
+        )
         return models_from_proto(response)
 
     async def usage(self, *, timeout: float | None = None) -> CacheUsage:
-        response = await self._unary("GetUsage", lambda: self._stubs()[1].GetUsage,
-                                     cache_pb2.GetUsageRequest(), timeout)
+        response = await self._unary(
+            "GetUsage", lambda: self._stubs()[1].GetUsage, cache_pb2.GetUsageRequest(), timeout
+        )
         return usage_from_proto(response)
 
     async def purge(self, *, timeout: float | None = None) -> int:
-        response = await self._unary("Purge", lambda: self._stubs()[1].Purge,
-                                     cache_pb2.PurgeRequest(), timeout)
+        response = await self._unary(
+            "Purge", lambda: self._stubs()[1].Purge, cache_pb2.PurgeRequest(), timeout
+        )
         return int(response.pages_purged)
 
-    async def _unary(self, name: str, method: Callable[[], Callable[..., Awaitable[T]]],
-                     request: object, timeout: float | None) -> T:
+    async def _unary(
+        self,
+        name: str,
+        method: Callable[[], Callable[..., Awaitable[T]]],
+        request: object,
+        timeout: float | None,
+    ) -> T:
         deadline = self._deadline(timeout)
 
         async def attempt() -> T:
             try:
-                response: T = await method()(request, timeout=self._remaining(deadline),
-                                             metadata=self._metadata)
+                response: T = await method()(
+                    request, timeout=self._remaining(deadline), metadata=self._metadata
+                )
                 return response
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
 
-        return await acall_with_retries(attempt, method=name, deadline=deadline,
-                                        policy=self._policy, clock=self._clock,
-                                        sleep=self._sleep)
+        return await acall_with_retries(
+            attempt,
+            method=name,
+            deadline=deadline,
+            policy=self._policy,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
 
     def _deadline(self, timeout: float | None) -> float | None:
         timeout = self._timeout if timeout is None else timeout

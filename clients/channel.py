@@ -115,5 +115,6 @@ class ChannelConfig:
     def open_aio(self) -> grpc.aio.Channel:
         if self.tls is None:
             return grpc.aio.insecure_channel(self.target, options=self._all_options())
-        return grpc.aio.secure_channel(self.target, self._credentials(),
-                                       options=self._all_options())
+        return grpc.aio.secure_channel(
+            self.target, self._credentials(), options=self._all_options()
+        )

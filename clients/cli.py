@@ -47,8 +47,10 @@ def exit_code(error: Exception) -> int:
     return EXIT_LOCAL_ERROR
 
 
-EXIT_CODES_HELP = ("exit codes: 0 ok, 1 local error, 2 usage error, 10+N the server's gRPC "
-                   "status N (e.g. 24 UNAVAILABLE, 26 UNAUTHENTICATED), 130 interrupted")
+EXIT_CODES_HELP = (
+    "exit codes: 0 ok, 1 local error, 2 usage error, 10+N the server's gRPC "
+    "status N (e.g. 24 UNAVAILABLE, 26 UNAUTHENTICATED), 130 interrupted"
+)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,18 +59,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sampling = _sampling_parser()
     add_parser = subparsers.add_parser
 
-    def add(name: str, parents: list[argparse.ArgumentParser],
-            help: str) -> argparse.ArgumentParser:
-        return add_parser(name, parents=parents, help=help, description=help,
-                          epilog=EXIT_CODES_HELP)
+    def add(
+        name: str, parents: list[argparse.ArgumentParser], help: str
+    ) -> argparse.ArgumentParser:
+        return add_parser(
+            name, parents=parents, help=help, description=help, epilog=EXIT_CODES_HELP
+        )
 
     p = add("generate", [common, sampling], "stream a completion of PROMPT to stdout")
     p.add_argument("prompt", help="the prompt text ('-' reads it from stdin)")
     p.add_argument("--json", action="store_true", help="print one JSON object per event")
     p.set_defaults(func=_runner(_generate))
 
-    p = add("chat", [common, sampling],
-            "interactive chat (server-side chat template); /exit or EOF ends it")
+    p = add(
+        "chat",
+        [common, sampling],
+        "interactive chat (server-side chat template); /exit or EOF ends it",
+    )
     p.add_argument("--system", help="a system message that starts the conversation")
     p.set_defaults(func=_runner(_chat))
 
@@ -89,8 +96,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _common_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("connection")
-    g.add_argument("--target", default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
-                   help=f"server host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})")
+    g.add_argument(
+        "--target",
+        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+        help=f"server host:port (env {TARGET_ENV}; default {DEFAULT_TARGET})",
+    )
     g.add_argument("--api-key", default=None, help=f"API key (env {API_KEY_ENV})")
     g.add_argument("--tls-ca", default=None, help="CA certificate (PEM); enables TLS")
     g.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mTLS")
@@ -140,9 +150,12 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
             # logs through stdlib logging instead: stderr, warnings and up, so the info-level
             # retry notices stay quiet and an error is the single line printed below.
             structlog.configure(
-                processors=[structlog.processors.add_log_level,
-                            structlog.dev.ConsoleRenderer(colors=False)],
-                logger_factory=structlog.stdlib.LoggerFactory())
+                processors=[
+                    structlog.processors.add_log_level,
+                    structlog.dev.ConsoleRenderer(colors=False),
+                ],
+                logger_factory=structlog.stdlib.LoggerFactory(),
+            )
         try:
             with _client(args) as client:
                 return verb(args, client)
@@ -153,6 +166,7 @@ def _runner(verb: Verb) -> Callable[[argparse.Namespace], int]:
         except KeyboardInterrupt:
             print("kvfence: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
+
     return run
 
 

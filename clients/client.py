@@ -61,11 +61,18 @@ class Client:
     the whole stream.
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None,
-                 tls: TlsConfig | None = None, retries: int | RetryPolicy = DEFAULT_RETRY_POLICY,
-                 timeout: float | None = None,
-                 options: Sequence[tuple[str, str | int]] = (),
-                 clock: Clock = time.monotonic, sleep: Sleep = time.sleep) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        api_key: str | None = None,
+        tls: TlsConfig | None = None,
+        retries: int | RetryPolicy = DEFAULT_RETRY_POLICY,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, str | int]] = (),
+        clock: Clock = time.monotonic,
+        sleep: Sleep = time.sleep,
+    ) -> None:
         self._config = ChannelConfig(target, resolve_api_key(api_key), tls, tuple(options))
         self._policy = as_policy(retries)
         self._timeout = timeout
@@ -82,48 +89,86 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     # -- Generate ---------------------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 messages: Messages | None = None, add_generation_prompt: bool = True,
-                 timeout: float | None = None, **options: Unpack[GenerateOptions],
-                 ) -> Generator[GenerateEvent, None, None]:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Messages | None = None,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> Generator[GenerateEvent, None, None]:
         """Stream Started, then Chunks, then Finished. Bad arguments raise here, not later.
 
         Close the iterator (or let it be collected) to cancel the call on the server.
         """
-        request = build_generate_request(prompt, token_ids=token_ids, messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         options=options)
+        request = build_generate_request(
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            options=options,
+        )
         return self._stream(request, timeout)
 
-    def generate_text(self, prompt: str | None = None, *,
-                      token_ids: Sequence[int] | None = None, messages: Messages | None = None,
-                      add_generation_prompt: bool = True, timeout: float | None = None,
-                      **options: Unpack[GenerateOptions]) -> GenerateResult:
+    def generate_text(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Messages | None = None,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
         """Run a generation to the end and return its text, finish reason and usage."""
-        return collect(self.generate(prompt, token_ids=token_ids, messages=messages,
-                                     add_generation_prompt=add_generation_prompt,
-                                     timeout=timeout, **options))
+        return collect(
+            self.generate(
+                prompt,
+                token_ids=token_ids,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                timeout=timeout,
+                **options,
+            )
+        )
 
-    def chat(self, messages: Messages, *, timeout: float | None = None,
-             **options: Unpack[GenerateOptions]) -> GenerateResult:
+    def chat(
+        self,
+        messages: Messages,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
         """One assistant turn rendered by the server's chat template.
 
         To stream a turn, use `generate(messages=...)`.
         """
         return self.generate_text(messages=messages, timeout=timeout, **options)
 
-    def _stream(self, request: inference_pb2.GenerateRequest,
-                timeout: float | None) -> Generator[GenerateEvent, None, None]:
+    def _stream(
+        self, request: inference_pb2.GenerateRequest, timeout: float | None
+    ) -> Generator[GenerateEvent, None, None]:
         deadline = self._deadline(timeout)  # the clock starts at the first next()
         call, held = call_with_retries(
-            lambda: self._open_stream(request, deadline), method="Generate", deadline=deadline,
-            policy=self._policy, clock=self._clock, sleep=self._sleep)
+            lambda: self._open_stream(request, deadline),
+            method="Generate",
+            deadline=deadline,
+            policy=self._policy,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
         finished = any(isinstance(e, Finished) for e in held)
         try:
             yield from held
@@ -138,15 +183,17 @@ class Client:
         if not finished:
             raise ProtocolError("Generate stream ended without a finished event")
 
-    def _open_stream(self, request: inference_pb2.GenerateRequest,
-                     deadline: float | None) -> tuple[Any, list[GenerateEvent]]:
+    def _open_stream(
+        self, request: inference_pb2.GenerateRequest, deadline: float | None
+    ) -> tuple[Any, list[GenerateEvent]]:
         """One attempt: start the call and read up to the first Chunk or Finished.
 
         Started is held back so that an attempt that fails before its first Chunk can be
         retried without the caller having seen anything of it.
         """
-        call = self._inference.Generate(request, timeout=self._remaining(deadline),
-                                        metadata=self._metadata)
+        call = self._inference.Generate(
+            request, timeout=self._remaining(deadline), metadata=self._metadata
+        )
         held: list[GenerateEvent] = []
         try:
             for response in call:
@@ -163,22 +210,32 @@ class Client:
 
     # -- Unary calls ------------------------------------------------------------------------
 
-    def tokenize(self, text: str | None = None, *, messages: Messages | None = None,
-                 add_special_tokens: bool = False, timeout: float | None = None) -> Tokenized:
-        request = build_tokenize_request(text, messages=messages,
-                                         add_special_tokens=add_special_tokens)
-        return tokenized_from_proto(self._unary("Tokenize", self._inference.Tokenize,
-                                                request, timeout))
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Messages | None = None,
+        add_special_tokens: bool = False,
+        timeout: float | None = None,
+    ) -> Tokenized:
+        request = build_tokenize_request(
+            text, messages=messages, add_special_tokens=add_special_tokens
+        )
+        return tokenized_from_proto(
+            self._unary("Tokenize", self._inference.Tokenize, request, timeout)
+        )
 
     def models(self, *, timeout: float | None = None) -> tuple[ModelInfo, ...]:
-        response = self._unary("ListModels", self._inference.ListModels,
-                               inference_pb2.ListModelsRequest(), timeout)
+        response = self._unary(
+            "ListModels", self._inference.ListModels, inference_pb2.ListModelsRequest(), timeout
+        )
         return models_from_proto(response)
 
     def usage(self, *, timeout: float | None = None) -> CacheUsage:
         """The caller's own KV usage and quotas."""
-        response = self._unary("GetUsage", self._cache.GetUsage,
-                               cache_pb2.GetUsageRequest(), timeout)
+        response = self._unary(
+            "GetUsage", self._cache.GetUsage, cache_pb2.GetUsageRequest(), timeout
+        )
         return usage_from_proto(response)
 
     def purge(self, *, timeout: float | None = None) -> int:
@@ -186,19 +243,25 @@ class Client:
         response = self._unary("Purge", self._cache.Purge, cache_pb2.PurgeRequest(), timeout)
         return int(response.pages_purged)
 
-    def _unary(self, name: str, method: Callable[..., T], request: object,
-               timeout: float | None) -> T:
+    def _unary(
+        self, name: str, method: Callable[..., T], request: object, timeout: float | None
+    ) -> T:
         deadline = self._deadline(timeout)
 
         def attempt() -> T:
             try:
-                return method(request, timeout=self._remaining(deadline),
-                              metadata=self._metadata)
+                return method(request, timeout=self._remaining(deadline), metadata=self._metadata)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
 
-        return call_with_retries(attempt, method=name, deadline=deadline, policy=self._policy,
-                                 clock=self._clock, sleep=self._sleep)
+        return call_with_retries(
+            attempt,
+            method=name,
+            deadline=deadline,
+            policy=self._policy,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
 
     def _deadline(self, timeout: float | None) -> float | None:
         timeout = self._timeout if timeout is None else timeout

@@ -38,8 +38,9 @@ class ErrorDetails:
 class KvfenceError(Exception):
     """A call failed with a non-OK gRPC status. `str(err)` is `CODE: message`."""
 
-    def __init__(self, code: grpc.StatusCode, message: str,
-                 details: ErrorDetails | None = None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, details: ErrorDetails | None = None
+    ) -> None:
         self.code = code
         self.message = message
         self.details = details if details is not None else ErrorDetails()
@@ -51,20 +52,50 @@ class KvfenceError(Exception):
 
 
 class Cancelled(KvfenceError): ...
+
+
 class Unknown(KvfenceError): ...
+
+
 class InvalidArgument(KvfenceError): ...
+
+
 class DeadlineExceeded(KvfenceError): ...
+
+
 class NotFound(KvfenceError): ...
+
+
 class AlreadyExists(KvfenceError): ...
+
+
 class PermissionDenied(KvfenceError): ...
+
+
 class ResourceExhausted(KvfenceError): ...
+
+
 class FailedPrecondition(KvfenceError): ...
+
+
 class Aborted(KvfenceError): ...
+
+
 class OutOfRange(KvfenceError): ...
+
+
 class Unimplemented(KvfenceError): ...
+
+
 class Internal(KvfenceError): ...
+
+
 class Unavailable(KvfenceError): ...
+
+
 class DataLoss(KvfenceError): ...
+
+
 class Unauthenticated(KvfenceError): ...
 
 
@@ -88,8 +119,9 @@ _BY_CODE: dict[grpc.StatusCode, type[KvfenceError]] = {
 }
 
 
-def error_for(code: grpc.StatusCode, message: str,
-              details: ErrorDetails | None = None) -> KvfenceError:
+def error_for(
+    code: grpc.StatusCode, message: str, details: ErrorDetails | None = None
+) -> KvfenceError:
     """The typed exception for `code` (KvfenceError itself for codes without a subclass)."""
     return _BY_CODE.get(code, KvfenceError)(code, message, details)
 

@@ -33,17 +33,27 @@ class GenerateOptions(TypedDict, total=False):
     bypass_prefix_cache: bool
 
 
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "seed")
+_SAMPLING = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 _KNOWN = frozenset(GenerateOptions.__annotations__)
 
 
-def build_generate_request(prompt: str | None = None, *,
-                           token_ids: Sequence[int] | None = None,
-                           messages: Messages | None = None,
-                           add_generation_prompt: bool = True,
-                           options: GenerateOptions | None = None,
-                           ) -> inference_pb2.GenerateRequest:
+def build_generate_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    messages: Messages | None = None,
+    add_generation_prompt: bool = True,
+    options: GenerateOptions | None = None,
+) -> inference_pb2.GenerateRequest:
     """Exactly one of prompt / token_ids / messages is the input."""
     opts: GenerateOptions = options or {}
     unknown = sorted(set(opts) - _KNOWN)
@@ -79,14 +89,23 @@ def _strings(values: object, name: str) -> list[str]:
     return list(values)
 
 
-def _set_input(request: inference_pb2.GenerateRequest, prompt: str | None,
-               token_ids: Sequence[int] | None, messages: Messages | None,
-               add_generation_prompt: bool) -> None:
-    given = [n for n, v in (("prompt", prompt), ("token_ids", token_ids),
-                            ("messages", messages)) if v is not None]
+def _set_input(
+    request: inference_pb2.GenerateRequest,
+    prompt: str | None,
+    token_ids: Sequence[int] | None,
+    messages: Messages | None,
+    add_generation_prompt: bool,
+) -> None:
+    given = [
+        n
+        for n, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
+        if v is not None
+    ]
     if len(given) != 1:
-        raise ClientError("give exactly one of prompt, token_ids or messages"
-                          + (f" (got {', '.join(given)})" if given else ""))
+        raise ClientError(
+            "give exactly one of prompt, token_ids or messages"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
     if prompt is not None:
         request.text = prompt
     elif token_ids is not None:
@@ -96,8 +115,10 @@ def _set_input(request: inference_pb2.GenerateRequest, prompt: str | None,
         request.chat.CopyFrom(chat_messages(messages, add_generation_prompt))
 
 
-def chat_messages(messages: Messages, add_generation_prompt: bool = True,
-                  ) -> inference_pb2.ChatMessages:
+def chat_messages(
+    messages: Messages,
+    add_generation_prompt: bool = True,
+) -> inference_pb2.ChatMessages:
     proto = inference_pb2.ChatMessages(add_generation_prompt=add_generation_prompt)
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
@@ -107,10 +128,13 @@ def chat_messages(messages: Messages, add_generation_prompt: bool = True,
     return proto
 
 
-def build_tokenize_request(text: str | None = None, *, messages: Messages | None = None,
-                           add_special_tokens: bool = False,
-                           add_generation_prompt: bool = True,
-                           ) -> inference_pb2.TokenizeRequest:
+def build_tokenize_request(
+    text: str | None = None,
+    *,
+    messages: Messages | None = None,
+    add_special_tokens: bool = False,
+    add_generation_prompt: bool = True,
+) -> inference_pb2.TokenizeRequest:
     if (text is None) == (messages is None):
         raise ClientError("give exactly one of text or messages")
     request = inference_pb2.TokenizeRequest(add_special_tokens=add_special_tokens)

@@ -82,8 +82,15 @@ def is_retryable(error: BaseException) -> bool:
     return isinstance(error, ResourceExhausted) and error.retry_delay is not None
 
 
-def call_with_retries(fn: Callable[[], T], *, policy: RetryPolicy, method: str,
-                      deadline: float | None, clock: Clock, sleep: Sleep) -> T:
+def call_with_retries(
+    fn: Callable[[], T],
+    *,
+    policy: RetryPolicy,
+    method: str,
+    deadline: float | None,
+    clock: Clock,
+    sleep: Sleep,
+) -> T:
     """Run `fn` (one attempt of a call) until it succeeds or the rule says stop."""
     for attempt in tenacity.Retrying(sleep=sleep, **_settings(policy, method, deadline, clock)):
         with attempt:
@@ -91,9 +98,15 @@ def call_with_retries(fn: Callable[[], T], *, policy: RetryPolicy, method: str,
     raise AssertionError("unreachable: with reraise=True tenacity stops by raising")
 
 
-async def acall_with_retries(fn: Callable[[], Awaitable[T]], *, policy: RetryPolicy,
-                             method: str, deadline: float | None, clock: Clock,
-                             sleep: AsyncSleep) -> T:
+async def acall_with_retries(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    policy: RetryPolicy,
+    method: str,
+    deadline: float | None,
+    clock: Clock,
+    sleep: AsyncSleep,
+) -> T:
     """The asyncio twin of call_with_retries."""
     retrying = tenacity.AsyncRetrying(sleep=sleep, **_settings(policy, method, deadline, clock))
     async for attempt in retrying:
@@ -102,16 +115,22 @@ async def acall_with_retries(fn: Callable[[], Awaitable[T]], *, policy: RetryPol
     raise AssertionError("unreachable: with reraise=True tenacity stops by raising")
 
 
-def _settings(policy: RetryPolicy, method: str, deadline: float | None,
-              clock: Clock) -> dict[str, Any]:
+def _settings(
+    policy: RetryPolicy, method: str, deadline: float | None, clock: Clock
+) -> dict[str, Any]:
     def wait(state: tenacity.RetryCallState) -> float:
         server_delay = _error(state).retry_delay or 0.0
         return max(policy.backoff_s(state.attempt_number), server_delay)
 
     def log_retry(state: tenacity.RetryCallState) -> None:
         error = _error(state)
-        _log.info("kvfence.retry", method=method, attempt=state.attempt_number,
-                  code=error.code.name, wait_s=round(state.upcoming_sleep, 3))
+        _log.info(
+            "kvfence.retry",
+            method=method,
+            attempt=state.attempt_number,
+            code=error.code.name,
+            wait_s=round(state.upcoming_sleep, 3),
+        )
 
     return {
         "retry": tenacity.retry_if_exception(is_retryable),

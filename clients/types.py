@@ -140,8 +140,9 @@ def event_from_proto(response: inference_pb2.GenerateResponse) -> GenerateEvent:
     kind = response.WhichOneof("event")
     if kind == "started":
         s = response.started
-        return Started(s.request_id, s.client_request_id, s.prompt_tokens,
-                       s.cached_prompt_tokens, s.model)
+        return Started(
+            s.request_id, s.client_request_id, s.prompt_tokens, s.cached_prompt_tokens, s.model
+        )
     if kind == "chunk":
         c = response.chunk
         return Chunk(tuple(c.token_ids), c.text, tuple(_logprob(lp) for lp in c.logprobs))
@@ -149,17 +150,20 @@ def event_from_proto(response: inference_pb2.GenerateResponse) -> GenerateEvent:
         f = response.finished
         return Finished(
             reason=_FINISH_REASONS.get(f.reason, "unspecified"),
-            usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens,
-                        f.usage.cached_prompt_tokens),
-            timings=Timings(f.timings.queue_seconds, f.timings.ttft_seconds,
-                            f.timings.total_seconds),
+            usage=Usage(
+                f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_prompt_tokens
+            ),
+            timings=Timings(
+                f.timings.queue_seconds, f.timings.ttft_seconds, f.timings.total_seconds
+            ),
         )
     raise ProtocolError("GenerateResponse with no event set")
 
 
 def _logprob(lp: inference_pb2.TokenLogprobs) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob,
-                        tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top))
+    return TokenLogprob(
+        lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob, t.token) for t in lp.top)
+    )
 
 
 def tokenized_from_proto(response: inference_pb2.TokenizeResponse) -> Tokenized:
@@ -167,8 +171,10 @@ def tokenized_from_proto(response: inference_pb2.TokenizeResponse) -> Tokenized:
 
 
 def models_from_proto(response: inference_pb2.ListModelsResponse) -> tuple[ModelInfo, ...]:
-    return tuple(ModelInfo(m.name, m.architecture, m.max_model_len, m.vocab_size, m.dtype)
-                 for m in response.models)
+    return tuple(
+        ModelInfo(m.name, m.architecture, m.max_model_len, m.vocab_size, m.dtype)
+        for m in response.models
+    )
 
 
 def usage_from_proto(response: cache_pb2.GetUsageResponse) -> CacheUsage:
@@ -182,8 +188,13 @@ def usage_from_proto(response: cache_pb2.GetUsageResponse) -> CacheUsage:
         hit_rate=response.hit_rate,
         page_size=response.page_size,
         running_requests=response.running_requests,
-        quotas=Quotas(q.max_kv_pages, q.max_concurrent_streams, q.max_prompt_tokens,
-                      q.tokens_per_minute, q.prefix_cache_ttl_seconds),
+        quotas=Quotas(
+            q.max_kv_pages,
+            q.max_concurrent_streams,
+            q.max_prompt_tokens,
+            q.tokens_per_minute,
+            q.prefix_cache_ttl_seconds,
+        ),
     )
 
 

@@ -1,6 +1,6 @@
 """Run several prompts at once with the asyncio client.
 
-    KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=sk-... python examples/generate_async.py
+KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=sk-... python examples/generate_async.py
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from clients import AsyncClient, KvfenceError
 async def main(target: str, prompts: list[str], max_tokens: int) -> None:
     # The API key comes from $KVFENCE_API_KEY (or pass api_key=...).
     async with AsyncClient(target, timeout=60.0) as client:
-        results = await asyncio.gather(*(
-            client.generate_text(p, max_tokens=max_tokens, temperature=0.0) for p in prompts))
+        results = await asyncio.gather(
+            *(client.generate_text(p, max_tokens=max_tokens, temperature=0.0) for p in prompts)
+        )
         for prompt, result in zip(prompts, results, strict=True):
-            print(f"{prompt!r} -> {result.text!r} ({result.finish_reason}, "
-                  f"{result.usage.completion_tokens} tokens)")
+            print(
+                f"{prompt!r} -> {result.text!r} ({result.finish_reason}, "
+                f"{result.usage.completion_tokens} tokens)"
+            )
 
 
 if __name__ == "__main__":

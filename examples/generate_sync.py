@@ -1,6 +1,6 @@
 """Stream a completion with the blocking client.
 
-    KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=sk-... python examples/generate_sync.py "Hi"
+KVFENCE_TARGET=127.0.0.1:50051 KVFENCE_API_KEY=sk-... python examples/generate_sync.py "Hi"
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ def main() -> None:
     # The API key comes from $KVFENCE_API_KEY (or pass api_key=...).
     with Client(args.target, timeout=60.0) as client:
         try:
-            for event in client.generate(args.prompt, max_tokens=args.max_tokens,
-                                         temperature=0.0):
+            for event in client.generate(args.prompt, max_tokens=args.max_tokens, temperature=0.0):
                 if isinstance(event, Chunk):
                     print(event.text, end="", flush=True)
                 elif isinstance(event, Finished):

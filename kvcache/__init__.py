@@ -34,7 +34,7 @@ from kvcache.errors import (
 )
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import AttentionMetadata, StepEntry, write_kv
-from kvcache.pool import PagePool, pages_for_budget, pages_for_fraction
+from kvcache.pool import PagePool, pages_for_budget, pages_for_fraction, size_pool
 from kvcache.stats import CacheStats, TenantUsage
 from kvcache.step import StepAttention
 
@@ -61,5 +61,6 @@ __all__ = [
     "UnknownSequence",
     "pages_for_budget",
     "pages_for_fraction",
+    "size_pool",
     "write_kv",
 ]

@@ -155,3 +155,8 @@ class PageAllocator:
         s.owner = None
         s.generation += 1  # free / eviction
         self._free[page_id] = None
+
+    def bump_generation(self, page_id: int) -> None:
+        """Fault-injection hook for fence tests: the page moves to its next life under
+        whoever holds it, as a buggy recycle would. Never called by kvcache itself."""
+        self._pages[page_id].generation += 1

@@ -8,7 +8,8 @@ completes or raises having changed nothing that matters (allocation is all-or-no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from kvcache.allocator import PageAllocator, PageRef
 from kvcache.backends.base import AttentionBackend
@@ -60,6 +61,8 @@ class KVCacheManager:
         self._policies: dict[str, TenantCachePolicy] = {}
         self._tables: dict[str, PageTable] = {}
         self._counters = Counters()
+        #: Test hook: called with the sequence id after every ``free`` (even a refused one).
+        self.on_free: Callable[[str], None] | None = None
 
     @property
     def page_size(self) -> int:
@@ -244,6 +247,13 @@ class KVCacheManager:
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages, tail first. Cached pages become evictable."""
+        try:
+            self._free(seq_id)
+        finally:
+            if self.on_free is not None:
+                self.on_free(seq_id)
+
+    def _free(self, seq_id: str) -> None:
         table = self._table(seq_id)
         del self._tables[seq_id]
         now = self._clock()
@@ -348,8 +358,29 @@ class KVCacheManager:
             hash_collisions=self.prefix.collisions,
             free_pages=self.allocator.num_free(),
             total_pages=self.num_pages,
+            open_sequences=len(self._tables),
         )
+
+    def table(self, seq_id: str) -> PageTable:
+        """The sequence's live page table, for invariant checks in tests (read it; change
+        it only through the manager or the fault-injection hooks below)."""
+        return self._table(seq_id)
+
+    def tables(self) -> Mapping[str, PageTable]:
+        """Every open sequence's page table (read-only mapping; see ``table``)."""
+        return MappingProxyType(self._tables)
 
     def sequence_pages(self, seq_id: str) -> tuple[PageRef, ...]:
         """The sequence's page refs in order (for the engine's accounting and tests)."""
         return tuple(self._table(seq_id).pages)
+
+    # -- fault injection (documented test hooks; never called in serving) -----------------
+    def inject_stale_page(self, seq_id: str, index: int = 0) -> None:
+        """The sequence's page ``index`` is recycled under it (its generation moves on), so
+        the next fence over it must refuse."""
+        self.allocator.bump_generation(self._table(seq_id).pages[index].page_id)
+
+    def inject_page_ref(self, seq_id: str, index: int, ref: PageRef) -> None:
+        """Splice ``ref`` into the sequence's page table at ``index`` (a foreign or stale
+        page), as a bookkeeping bug would; the fence must refuse it."""
+        self._table(seq_id).pages[index] = ref

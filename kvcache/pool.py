@@ -69,6 +69,39 @@ def pages_for_fraction(
     )
 
 
+def size_pool(
+    *,
+    kv_pages: int | None = None,
+    kv_bytes: int | None = None,
+    kv_fraction: float | None = None,
+    num_layers: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> int:
+    """The one rule that sizes the KV pool: exactly one of a page count, a byte budget or a
+    fraction of free device memory. Raises ValueError unless at least one page results."""
+    if sum(x is not None for x in (kv_pages, kv_bytes, kv_fraction)) != 1:
+        raise ValueError("give exactly one of kv_pages, kv_bytes or kv_fraction")
+    geometry = {
+        "num_layers": num_layers,
+        "page_size": page_size,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+    }
+    if kv_bytes is not None:
+        kv_pages = pages_for_budget(kv_bytes, **geometry)  # type: ignore[arg-type]
+    elif kv_fraction is not None:
+        kv_pages = pages_for_fraction(kv_fraction, device=device, **geometry)  # type: ignore[arg-type]
+    assert kv_pages is not None
+    if kv_pages < 1:
+        raise ValueError("the KV budget holds no page")
+    return kv_pages
+
+
 class PagePool:
     """Owns the KV tensor. Knows nothing of tenants; the allocator decides who uses a page."""
 

@@ -37,6 +37,7 @@ class CacheStats:
     hash_collisions: int  # key hits rejected by the token comparison
     free_pages: int
     total_pages: int
+    open_sequences: int = 0  # opened and not freed yet
 
 
 @dataclass(slots=True)

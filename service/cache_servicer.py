@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from kvcache.stats import TenantUsage
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc
 from service.auth import current_tenant
+from service.engine import TenantUsage
 from service.limits import TenantLimiter
 from service.metrics import Metrics
 from service.tenants import Tenant

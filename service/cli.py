@@ -149,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         sizing=sizing,
         log_format=args.log_format,
     )
-    log = make_logger(args.log_format)
+    log = make_logger(args.log_format, module_loggers=True)
     if args.log_content:
         log.warning("log_content.enabled", note="prompt and output text will be logged")
     return asyncio.run(serve(config, log))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from kvcache.errors import FenceViolation, OutOfPages, QuotaExceeded
 from service.engine.types import (
     EngineError,
     EngineStopped,
@@ -35,17 +34,11 @@ def finish_error(event: Finished, draining: bool) -> ServiceError:
     if event.reason == "abort":
         return unavailable("server is shutting down") if draining else cancelled()
     error = event.error
-    if isinstance(error, FenceViolation):
+    if error is None or error.kind == "internal":
+        return internal()
+    if error.kind == "kv_fence":
         return fence_violation()
-    if isinstance(error, QuotaExceeded):
-        return resource_exhausted(
-            "max_kv_pages", f"tenant KV page quota exceeded (limit {error.limit_pages} pages)"
-        )
-    if isinstance(error, RequestTooLarge | OutOfPages):
-        return resource_exhausted("kv_pages", str(error))
-    if isinstance(error, EngineStopped):
-        return unavailable("engine stopped")
-    return internal()
+    return resource_exhausted("kv_pages", error.message)  # too_large
 
 
 def submit_error(exc: EngineError) -> ServiceError:

@@ -161,7 +161,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._active.add(req.request_id)
         try:
             try:
-                events = self._engine.submit(req)
+                events = await self._engine.submit(req)
             except EngineError as exc:
                 raise submit_error(exc) from None
             last = self._clock()

@@ -19,11 +19,18 @@ LogFormat = Literal["json", "console", "auto"]
 
 
 def make_logger(
-    fmt: LogFormat = "auto", stream: TextIO | None = None, level: int = logging.INFO
+    fmt: LogFormat = "auto",
+    stream: TextIO | None = None,
+    level: int = logging.INFO,
+    *,
+    module_loggers: bool = False,
 ) -> FilteringBoundLogger:
     """A structlog logger writing to ``stream`` (stderr by default).
 
     ``auto`` picks the console renderer when ``stream`` is a TTY and JSON otherwise.
+    ``module_loggers=True`` (the ``serve`` process only) also routes the engine's and model's
+    ``structlog.get_logger`` loggers through the same format and stream, so a server prints
+    one log format from its first line.
     """
     out = stream if stream is not None else sys.stderr
     if fmt == "auto":
@@ -39,6 +46,13 @@ def make_logger(
         structlog.processors.format_exc_info,
         renderer,
     ]
+    if module_loggers:
+        structlog.configure(
+            processors=processors,
+            logger_factory=structlog.PrintLoggerFactory(file=out),
+            wrapper_class=structlog.make_filtering_bound_logger(level),
+            cache_logger_on_first_use=False,
+        )
     logger: FilteringBoundLogger = structlog.wrap_logger(
         structlog.PrintLogger(file=out),
         processors=processors,

@@ -1,7 +1,8 @@
-"""What the service layer needs from the engine and the KV cache (structural types).
+"""What the service layer needs from the engine (a structural type).
 
-The real classes are ``service.engine.Engine`` and ``kvcache.KVCacheManager``; naming only
-the methods used keeps the servicers testable and the dependency explicit.
+The real class is ``service.engine.Engine``; naming only the methods used keeps the
+servicers testable and the dependency explicit. Everything goes through the engine's
+inbox: the service never holds the KV cache.
 """
 
 from __future__ import annotations
@@ -9,20 +10,29 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from kvcache.stats import CacheStats, TenantUsage
-from service.engine.types import EngineEvent, Request
+from service.engine import (
+    EngineEvent,
+    EngineStats,
+    Request,
+    TenantCachePolicy,
+    TenantSchedPolicy,
+    TenantUsage,
+)
 
 
 class EngineLike(Protocol):
-    def submit(self, request: Request) -> AsyncIterator[EngineEvent]: ...
-    def abort(self, request_id: str) -> None: ...
-    def num_waiting(self) -> int: ...
-    def num_running(self) -> int: ...
-
-
-class CacheLike(Protocol):
     page_size: int
 
-    def usage(self, tenant: str) -> TenantUsage: ...
-    def stats(self) -> CacheStats: ...
-    def purge_tenant(self, tenant: str) -> int: ...
+    async def submit(self, request: Request) -> AsyncIterator[EngineEvent]: ...
+    def abort(self, request_id: str) -> None: ...
+    def set_tenant_policy(
+        self,
+        tenant: str,
+        sched: TenantSchedPolicy | None = None,
+        cache: TenantCachePolicy | None = None,
+    ) -> None: ...
+    async def usage(self, tenant: str) -> TenantUsage: ...
+    async def purge(self, tenant: str) -> int: ...
+    async def stats(self) -> EngineStats: ...
+    def num_waiting(self) -> int: ...
+    def num_running(self) -> int: ...

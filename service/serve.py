@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Literal
 
 from structlog.typing import FilteringBoundLogger
 
-from service.cache_access import CacheAccess
 from service.server import KVFenceServer, ServedModel, ServerOptions
 from service.tenants import TenantRegistry, load_tenants
 
@@ -103,13 +102,11 @@ def build_server(
     clock: Callable[[], float] = time.monotonic,
 ) -> Stack:
     """Size the KV pool, start (warm up) the engine and build the server around it."""
-    from kvcache import CacheConfig, pages_for_fraction
+    from kvcache import CacheConfig
     from service.engine.factory import build_engine
     from service.engine.types import EngineConfig
 
     cfg = loaded.model.config
-    model_len = cfg.max_position_embeddings
-    max_model_len = min(sizing.max_model_len, model_len) if sizing.max_model_len > 0 else model_len
     try:
         cache_config = CacheConfig(
             page_size=sizing.page_size,
@@ -119,63 +116,43 @@ def build_server(
         engine_config = EngineConfig(
             max_num_seqs=sizing.max_num_seqs,
             max_num_batched_tokens=sizing.max_num_batched_tokens,
-            max_model_len=max_model_len,
+            # 0 = the model's own length; the engine caps larger values to the model's.
+            max_model_len=sizing.max_model_len or cfg.max_position_embeddings,
             warmup=sizing.warmup,
         )
     except ValueError as err:
         raise ConfigError(str(err)) from None
     kind, amount = parse_kv_memory(sizing.kv_memory)
-    param = next(loaded.model.parameters())
-    kv_pages = None
-    kv_bytes = None
-    if kind == "fraction":
-        kv_pages = pages_for_fraction(
-            amount,
-            num_layers=cfg.num_layers,
-            page_size=sizing.page_size,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=param.dtype,
-            device=param.device,
-        )
-    else:
-        kv_bytes = int(amount)
     try:
         engine = build_engine(
             loaded,
             engine_config,
             cache_config,
-            kv_pages=kv_pages,
-            kv_bytes=kv_bytes,
+            kv_fraction=amount if kind == "fraction" else None,
+            kv_bytes=int(amount) if kind == "bytes" else None,
             clock=clock,
             sampler_seed=sizing.sampler_seed,
         )
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None
     engine.start()
-    cache = engine.core.cache
-    # NOTE: the engine thread touches the cache manager only under the core's lock.
-    access = CacheAccess(cache, engine.core._lock)  # type: ignore[arg-type]
     served = ServedModel(
         name=loaded.name,
         architecture=cfg.arch,
         dtype=str(loaded.dtype).removeprefix("torch."),
         vocab_size=cfg.vocab_size,
-        max_model_len=max_model_len,
+        max_model_len=engine.config.max_model_len,
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         default_ttl_s=sizing.prefix_ttl_s,
     )
     server = KVFenceServer(
         engine=engine,
-        cache=access,
         model=served,
         registry=registry,
         options=options,
         log=log,
         tenants_path=tenants_path,
-        set_engine_policy=engine.set_tenant_policy,
-        set_cache_policy=cache.set_tenant_policy,  # type: ignore[attr-defined]
         clock=clock,
     )
     return Stack(engine=engine, server=server, model=loaded)

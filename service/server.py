@@ -21,17 +21,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
-from kvcache.config import TenantCachePolicy
 from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator, AuthInterceptor
-from service.cache_access import CacheAccess
 from service.cache_servicer import CacheServicer
-from service.engine.types import TenantSchedPolicy
+from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.inference_servicer import InferenceOptions, InferenceServicer
 from service.limits import TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
-from service.protocols import CacheLike, EngineLike
+from service.protocols import EngineLike
 from service.tenants import TenantRegistry, TenantsFileError, load_tenants
 from service.validation import ModelLimits
 from service.wire import add_cache_service, add_inference_service
@@ -102,24 +100,18 @@ class KVFenceServer:
         self,
         *,
         engine: EngineLike,
-        cache: CacheAccess,
         model: ServedModel,
         registry: TenantRegistry,
         options: ServerOptions,
         log: FilteringBoundLogger,
         tenants_path: Path | None = None,
-        set_engine_policy: Callable[[str, TenantSchedPolicy], None] | None = None,
-        set_cache_policy: Callable[[str, TenantCachePolicy], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
-        self._cache = cache
         self._model = model
         self._options = options
         self._log = log
         self._tenants_path = tenants_path
-        self._set_engine_policy = set_engine_policy
-        self._set_cache_policy = set_cache_policy
         self._clock = clock
         self._draining = False
         self._server: grpc.aio.Server | None = None
@@ -147,7 +139,7 @@ class KVFenceServer:
                     vocab_size=model.vocab_size,
                     dtype=model.dtype,
                 ),
-                page_size=cache.page_size,
+                page_size=engine.page_size,
                 log_content=options.log_content,
                 alert_request_kv_pages=options.alert_request_kv_pages,
             ),
@@ -174,9 +166,9 @@ class KVFenceServer:
         add_inference_service(self.inference, server)
         add_cache_service(
             CacheServicer(
-                self._cache.usage,
-                self._cache.purge,
-                self._cache.page_size,
+                self._engine.usage,
+                self._engine.purge,
+                self._engine.page_size,
                 self._model.default_ttl_s,
                 self.limiter,
                 self.metrics,
@@ -222,22 +214,17 @@ class KVFenceServer:
         for tenant in registry.tenants.values():
             q = tenant.quotas
             self.limiter.configure(tenant.name, q)
-            if self._set_engine_policy is not None:
-                self._set_engine_policy(
-                    tenant.name,
-                    TenantSchedPolicy(
-                        weight=tenant.weight,
-                        max_running=q.max_concurrent_streams,
-                        max_waiting=q.max_concurrent_streams,
-                    ),
-                )
-            if self._set_cache_policy is not None:
-                self._set_cache_policy(
-                    tenant.name,
-                    TenantCachePolicy(
-                        max_pages=q.max_kv_pages or None, ttl_s=tenant.prefix_cache_ttl_seconds
-                    ),
-                )
+            self._engine.set_tenant_policy(
+                tenant.name,
+                TenantSchedPolicy(
+                    weight=tenant.weight,
+                    max_running=q.max_concurrent_streams,
+                    max_waiting=q.max_concurrent_streams,
+                ),
+                TenantCachePolicy(
+                    max_pages=q.max_kv_pages or None, ttl_s=tenant.prefix_cache_ttl_seconds
+                ),
+            )
 
     async def drain(self, grace_s: float | None = None) -> None:
         """SIGTERM: health NOT_SERVING and new RPCs UNAVAILABLE at once; in-flight streams
@@ -286,8 +273,9 @@ class KVFenceServer:
 
     async def refresh_stats(self) -> None:
         """Snapshot cache and engine gauges for /metrics and check the tenant KV alert."""
-        stats = await self._cache.stats()
-        gauges = EngineGauges(self._engine.num_waiting(), self._engine.num_running())
+        snapshot = await self._engine.stats()
+        stats = snapshot.cache
+        gauges = EngineGauges(snapshot.counters.num_waiting, snapshot.counters.num_running)
         self.metrics.observe_cache(stats, gauges)
         threshold = self._options.alert_tenant_kv_pages
         if threshold <= 0:
@@ -312,4 +300,4 @@ def _credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     )
 
 
-__all__ = ["CacheLike", "KVFenceServer", "ServedModel", "ServerOptions", "TlsFiles"]
+__all__ = ["KVFenceServer", "ServedModel", "ServerOptions", "TlsFiles"]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protos.kvfence.v1 import inference_pb2
+from service.engine.invariants import MAX_LOGPROBS
 from service.engine.types import SamplingParams, StoppingParams
 from service.errors import invalid_argument
 
@@ -22,7 +23,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHAT_MESSAGES = 512
-MAX_LOGPROBS = 20
 MAX_CLIENT_REQUEST_ID = 128
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _MAX_TEMPERATURE = 100.0

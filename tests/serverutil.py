@@ -6,8 +6,8 @@ In-process, synchronous tests (the usual case)::
     with running_server(model, {"acme": TenantSpec(), "globex": TenantSpec()}) as srv:
         stub = inference_pb2_grpc.InferenceStub(srv.channel())
         stream = stub.Generate(req, metadata=srv.auth("acme"))
-        srv.cache            # the KVCacheManager (read it only via srv.usage(tenant))
-        srv.usage("acme")    # TenantUsage, taken under the engine lock
+        srv.usage("acme")    # TenantUsage, answered by the engine thread
+        srv.stats()          # CacheStats, likewise
 
 ``model`` is a path (.gguf or HF dir) or an already loaded ``LoadedModel`` (share one per
 session: loading is the slow part). The server binds 127.0.0.1:0 and runs its asyncio loop in
@@ -24,7 +24,8 @@ For signals (SIGTERM drain, SIGHUP reload) start a real process::
     proc = start_server_process(model_path, tenants_path, extra_args=["--grace-seconds", "5"])
     proc.target, proc.metrics_port; proc.popen.send_signal(signal.SIGTERM); proc.wait()
 
-``srv.paused_engine()`` holds the engine lock so a stream provably stays open (see its doc).
+``srv.paused_engine()`` holds the engine thread at a step boundary (``Engine.paused``, a
+documented test hook) so a stream provably stays open (see its doc).
 ``write_tenants_file(path, specs)`` writes a tenants file and returns the plaintext keys.
 """
 
@@ -47,6 +48,8 @@ from typing import Any
 
 import grpc
 
+from kvcache.stats import CacheStats, TenantUsage
+from service.engine import Engine
 from service.logging import make_logger
 from service.serve import EngineSizing, Stack, build_server
 from service.server import KVFenceServer, ServerOptions
@@ -122,13 +125,8 @@ class ServerHandle:
         return self.stack.server
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         return self.stack.engine
-
-    @property
-    def cache(self) -> Any:
-        """The KVCacheManager. Read it from tests only through ``usage``/``stats``."""
-        return self.stack.engine.core.cache
 
     def auth(self, tenant: str) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.keys[tenant]}"),)
@@ -136,20 +134,19 @@ class ServerHandle:
     def channel(self, **options: Any) -> grpc.Channel:
         return grpc.insecure_channel(self.target, options=list(options.items()))
 
-    def usage(self, tenant: str) -> Any:
-        with self.stack.engine.core._lock:
-            return self.cache.usage(tenant)
+    def usage(self, tenant: str) -> TenantUsage:
+        """The tenant's usage, from the engine thread (call from a thread without a loop)."""
+        return asyncio.run(self.engine.usage(tenant))
 
-    def stats(self) -> Any:
-        with self.stack.engine.core._lock:
-            return self.cache.stats()
+    def stats(self) -> CacheStats:
+        return asyncio.run(self.engine.stats()).cache
 
     @contextlib.contextmanager
     def paused_engine(self) -> Iterator[None]:
-        """Hold the engine core's lock: no step runs, so streams stay open. While paused,
-        ``submit``/``abort`` on the server's loop block, so only issue RPCs that refuse
-        before reaching the engine (auth, validation, drain)."""
-        with self.stack.engine.core._lock:
+        """Hold the engine thread at a step boundary: no step runs, so streams stay open.
+        While paused, ``submit`` and queries wait (``abort`` does not), so only issue RPCs
+        that refuse before reaching the engine (auth, validation, drain)."""
+        with self.engine.paused():
             yield
 
     def call(self, coro: Any, timeout: float = 30.0) -> Any:

@@ -27,9 +27,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _package_imports(package: str) -> dict[str, set[str]]:
-    return {
-        str(p.relative_to(ROOT)): _imports(p) for p in sorted((ROOT / package).rglob("*.py"))
-    }
+    return {str(p.relative_to(ROOT)): _imports(p) for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -83,3 +81,69 @@ def test_client_side_imports_need_no_torch() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+#: Private state and who owns it: a reach-in from anywhere else fails the test below.
+_PRIVATE_OWNERS = {
+    "_lock": "service/engine/",
+    "_seqs": "service/engine/",
+    "_pages": "kvcache/",
+    "_tables": "kvcache/",
+}
+
+
+def _reach_ins(source: str, rel: str) -> list[str]:
+    """``x._lock``/``x._seqs``/``x._pages``/``x._tables`` on anything but ``self``, and
+    ``x.core.cache`` (the engine's cache taken from outside its thread)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = _PRIVATE_OWNERS.get(node.attr)
+        on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+        if owner is not None and not on_self and not rel.startswith(owner):
+            found.append(f"{rel}:{node.lineno}: .{node.attr}")
+        core = node.value
+        named_core = (isinstance(core, ast.Attribute) and core.attr == "core") or (
+            isinstance(core, ast.Name) and core.id == "core"
+        )
+        if node.attr == "cache" and named_core and not rel.startswith("service/engine/"):
+            found.append(f"{rel}:{node.lineno}: core.cache")
+    return found
+
+
+def test_no_private_reach_ins_outside_the_owning_package() -> None:
+    """Tests, bench and the service use the engine's and the cache's public API (and their
+    documented test hooks), never their locks, tables or request maps."""
+    bad = []
+    for package in ("service", "kvcache", "clients", "tests", "bench", "examples"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            bad.extend(_reach_ins(path.read_text(), rel))
+    assert bad == []
+
+
+def test_reach_in_check_catches_each_form() -> None:
+    source = (
+        "def f(engine, mgr, core, alloc):\n"
+        "    with engine.core._lock:\n"
+        "        core._seqs\n"
+        "    engine.core.cache\n"
+        "    mgr._tables, alloc._pages\n"
+        "    self._lock\n"
+    )
+    found = [f.split(": ", 1)[1] for f in _reach_ins(source, "tests/probe.py")]
+    assert sorted(found) == sorted(["._lock", "._seqs", "core.cache", "._tables", "._pages"])
+    # The owning package may use its own private state.
+    assert _reach_ins("mgr._tables\n", "kvcache/probe.py") == []
+
+
+def test_service_top_level_reaches_kvcache_only_at_the_composition_root() -> None:
+    """The servicers see the engine's API (which re-exports the few cache value types);
+    only ``serve.py``, which builds the stack, names kvcache."""
+    bad = []
+    for path in sorted((ROOT / "service").glob("*.py")):
+        mods = {m for m in _imports(path) if m == "kvcache" or m.startswith("kvcache.")}
+        if mods and path.name != "serve.py":
+            bad.append(f"{path.name} imports {sorted(mods)}")
+    assert bad == []

@@ -28,7 +28,11 @@ def test_stubs_are_not_stale(tmp_path: Path) -> None:
     )
     fresh = sorted((tmp_path / "kvfence" / "v1").glob("*_pb2*.py*"))
     assert [p.name for p in fresh] == [p.name for p in GENERATED]
-    stale = [p.name for p in GENERATED if not filecmp.cmp(p, tmp_path / "kvfence" / "v1" / p.name, shallow=False)]
+    stale = [
+        p.name
+        for p in GENERATED
+        if not filecmp.cmp(p, tmp_path / "kvfence" / "v1" / p.name, shallow=False)
+    ]
     assert stale == [], f"stale generated stubs (run `make protos`): {stale}"
 
 

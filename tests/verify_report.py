@@ -23,8 +23,11 @@ SUITES = ("tests/isolation", "tests/reliability")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.verify_report")
     parser.add_argument("--short", action="store_true", help="run the short sizes")
-    parser.add_argument("--results", default=str(ROOT / "bench" / "results"),
-                        help="where verify.json and verify.md go")
+    parser.add_argument(
+        "--results",
+        default=str(ROOT / "bench" / "results"),
+        help="where verify.json and verify.md go",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     os.environ["KVFENCE_VERIFY"] = "short" if args.short else "full"

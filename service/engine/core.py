@@ -1,37 +1,45 @@
-"""The engine's step loop without threads: ``add``, ``abort``, ``step``.
+"""The engine's state machine without threads: commands, and ``step``.
 
-``step()`` reads as schedule -> fence -> forward -> sample -> postprocess. Every finish
-(stop, length, abort, deadline, error) frees the sequence's pages in the step that decides
-it. ``add`` and ``abort`` may be called from another thread: they and the parts of ``step``
-that touch the waiting queue run under one lock; the forward and sampling run outside it.
+Everything here runs on one thread (the engine thread, or a test driving the core by hand):
+there is no lock. ``Engine`` hands commands from other threads in through its inbox.
+
+``step()`` reads schedule -> execute -> update. Every finish (stop, length, abort, deadline,
+error) frees the sequence's pages in the call that decides it. The scheduler is the only
+caller of the KV cache; the core owns the requests, their sinks and deadlines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import torch
 
-from kvcache.attention import AttentionFn
-from service.engine.cache_api import CacheManager
+from kvcache.config import TenantCachePolicy
+from kvcache.manager import KVCacheManager
+from kvcache.stats import TenantUsage
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.request import SeqStatus, Sequence
-from service.engine.runner import ForwardModel, ModelRunner, build_inputs, fence
-from service.engine.sampler import Sampler, SampleRow
-from service.engine.scheduler import ScheduledSeq, Scheduler
+from service.engine.invariants import validate_request
+from service.engine.request import SeqState, SeqStatus
+from service.engine.runner import ForwardModel, ModelRunner, build_inputs
+from service.engine.sampler import Sampler, SampleResult, SampleRow
+from service.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from service.engine.stop import StopMatcher
-from service.engine.tokens import TokenSource
+from service.engine.tokens import TokenizerLike, TokenSource
 from service.engine.types import (
     Admitted,
     Delta,
     EngineConfig,
+    EngineCounters,
     EngineEvent,
+    EngineStats,
     Finished,
+    FinishError,
     FinishReason,
     InvalidRequest,
     QueueFull,
@@ -39,7 +47,7 @@ from service.engine.types import (
     TenantSchedPolicy,
     TokenLogprob,
 )
-from service.engine.validate import validate_request
+from service.model.llama import LlamaModel
 
 log = structlog.get_logger(__name__)
 
@@ -50,43 +58,67 @@ class StepStats:
     num_seqs: int
     num_sampled: int
     num_preempted: int
+    forward_s: float = 0.0  # the model forward alone (for the step-overhead profile)
 
 
 class EngineCore:
-    """Owns every request's state; one thread drives ``step``."""
+    """Owns every request's state. Single-threaded: call it from one thread only."""
 
     def __init__(
         self,
         model: ForwardModel,
         tokens: TokenSource,
-        cache: CacheManager,
+        cache: KVCacheManager,
         config: EngineConfig,
         clock: Callable[[], float],
         device: torch.device,
         sampler_seed: int | None = None,
     ) -> None:
         self.config = config
-        self.cache = cache
         self.tokens = tokens
         self._clock = clock
         self._policies: dict[str, TenantSchedPolicy] = {}
-        self.scheduler = Scheduler(config, cache, self.policy, clock, config.drr_quantum)
-        self.runner = ModelRunner(model, device)
-        self.sampler = Sampler(device, sampler_seed)
-        self._seqs: dict[str, Sequence] = {}
+        self._scheduler = Scheduler(config, cache, self.policy, clock, config.drr_quantum)
+        self._runner = ModelRunner(model, device)
+        self._sampler = Sampler(device, sampler_seed)
+        self._seqs: dict[str, SeqState] = {}
         self._deadlines: list[tuple[float, int, str]] = []
+        self._num_deadlined = 0  # live requests with a deadline (the heap may hold stale ones)
         self._tiebreak = itertools.count()
-        self._abort_ids: set[str] = set()
-        self._lock = threading.Lock()
         self._last_evict = clock()
         self.num_steps = 0
 
-    # ---- called from any thread -------------------------------------------------------
-    def set_tenant_policy(self, tenant: str, policy: TenantSchedPolicy) -> None:
-        if policy.weight <= 0 or policy.max_running < 1 or policy.max_waiting < 0:
-            raise ValueError("weight must be > 0, max_running >= 1, max_waiting >= 0")
-        with self._lock:
-            self._policies[tenant] = policy
+    @classmethod
+    def for_model(
+        cls,
+        model: LlamaModel,
+        tokenizer: TokenizerLike,
+        cache: KVCacheManager,
+        config: EngineConfig,
+        clock: Callable[[], float],
+        sampler_seed: int | None = None,
+    ) -> EngineCore:
+        """A core for a Llama model. Positions past the model's RoPE table do not exist, so
+        the context length is capped here (the one place it is)."""
+        mc = model.config
+        config = dataclasses.replace(
+            config, max_model_len=min(config.max_model_len, mc.max_position_embeddings)
+        )
+        tokens = TokenSource(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        return cls(model, tokens, cache, config, clock, model.device, sampler_seed)
+
+    # ---- commands ------------------------------------------------------------------------
+    def set_tenant_policy(
+        self,
+        tenant: str,
+        sched: TenantSchedPolicy | None = None,
+        cache: TenantCachePolicy | None = None,
+    ) -> None:
+        if sched is not None:
+            check_policy(sched)
+            self._policies[tenant] = sched
+        if cache is not None:
+            self._scheduler.set_cache_policy(tenant, cache)
 
     def policy(self, tenant: str) -> TenantSchedPolicy:
         return self._policies.get(tenant) or TenantSchedPolicy()
@@ -96,15 +128,20 @@ class EngineCore:
     ) -> None:
         """Queue a request. Raises QueueFull, InvalidRequest or RequestTooLarge at once."""
         max_tokens = validate_request(request, self.config, self.tokens.vocab_size, internal)
+        if request.request_id in self._seqs:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+        limit = self.policy(request.tenant).max_waiting
+        if self._scheduler.waiting.num_waiting(request.tenant) >= limit:
+            raise QueueFull(request.tenant, limit)
         stopping = request.stopping
         stop_ids = set(stopping.stop_token_ids)
         if not stopping.ignore_eos:
             stop_ids.update(self.tokens.eos_token_ids)
         generator = None
         if request.sampling.seed is not None:
-            generator = torch.Generator(device=self.runner.device)
+            generator = torch.Generator(device=self._runner.device)
             generator.manual_seed(request.sampling.seed)
-        seq = Sequence(
+        seq = SeqState(
             request=request,
             sink=sink,
             detok=IncrementalDetokenizer(
@@ -115,74 +152,102 @@ class EngineCore:
             max_tokens=max_tokens,
             arrival=self._clock(),
         )
-        with self._lock:
-            if request.request_id in self._seqs:
-                raise InvalidRequest(f"request id {request.request_id!r} is already in use")
-            limit = self.policy(request.tenant).max_waiting
-            if self.scheduler.waiting.num_waiting(request.tenant) >= limit:
-                raise QueueFull(request.tenant, limit)
-            self._seqs[request.request_id] = seq
-            self.scheduler.add(seq)
-            if request.deadline is not None:
-                entry = (request.deadline, next(self._tiebreak), request.request_id)
-                heapq.heappush(self._deadlines, entry)
+        self._seqs[request.request_id] = seq
+        self._scheduler.add(seq)
+        if request.deadline is not None:
+            entry = (request.deadline, next(self._tiebreak), request.request_id)
+            heapq.heappush(self._deadlines, entry)
+            self._num_deadlined += 1
 
     def abort(self, request_id: str) -> None:
-        """Finish the request with reason "abort" at the start of the next step."""
-        with self._lock:
-            if request_id in self._seqs:
-                self._abort_ids.add(request_id)
+        """Finish the request with reason "abort" now. Unknown ids are ignored."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
 
-    def num_waiting(self) -> int:
-        with self._lock:
-            return len(self.scheduler.waiting)
+    def usage(self, tenant: str) -> TenantUsage:
+        return self._scheduler.usage(tenant)
 
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
+    def purge(self, tenant: str) -> int:
+        """Drop the tenant's cached prefix pages; returns how many entries went."""
+        return self._scheduler.purge(tenant)
 
-    def num_requests(self) -> int:
-        with self._lock:
-            return len(self._seqs)
+    def counters(self) -> EngineCounters:
+        return EngineCounters(
+            num_waiting=len(self._scheduler.waiting),
+            num_running=len(self._scheduler.running),
+            num_requests=len(self._seqs),
+            num_preemptions=self._scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_deadlines=len(self._deadlines),
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.counters(), self._scheduler.cache_stats())
+
+    @property
+    def page_size(self) -> int:
+        return self._scheduler.page_size
+
+    def num_free_pages(self) -> int:
+        return self._scheduler.num_free_pages()
 
     def has_work(self) -> bool:
-        return bool(self._seqs) or bool(self._abort_ids)
+        return bool(self._seqs)
 
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return self._deadlines[0][0] if self._deadlines else None
+    @property
+    def scheduler(self) -> Scheduler:
+        """Read-only view for engine tests and tools; mutate only through the commands."""
+        return self._scheduler
 
-    # ---- engine thread only ----------------------------------------------------------------
+    def inject_stale_page(self, tenant: str, request_id: str | None = None) -> tuple[str, int]:
+        """Test hook (fence tests): recycle the first page under a running request of
+        ``tenant`` (``request_id``, or its oldest). Returns the request's id and how many
+        tokens it had generated by then."""
+        seq = next(
+            s
+            for s in self._scheduler.running
+            if s.tenant == tenant and request_id in (None, s.seq_id)
+        )
+        self._scheduler.inject_stale_page(seq)
+        return seq.seq_id, seq.num_output
+
+    # ---- the step --------------------------------------------------------------------------
     def step(self) -> StepStats:
-        """Run one iteration: admit, run one forward over the batch, sample, stream."""
+        """One iteration: schedule a batch, run it through the model, update the sequences."""
         self.num_steps += 1
-        with self._lock:
-            now = self._clock()
-            self._housekeeping(now)
-            out = self.scheduler.schedule()
-            for seq, err in out.rejected:
-                self._finish(seq, "error", err)
-            for seq in out.admitted:
-                if not seq.announced:
-                    seq.announced = True
-                    queue_s = (seq.admitted_at or now) - seq.arrival
-                    seq.sink(Admitted(seq.seq_id, seq.num_prompt, seq.cached_tokens, queue_s))
-        stats = StepStats(out.num_tokens, len(out.entries), 0, len(out.preempted))
-        if not out.entries:
-            return stats
-        batch = fence(self.cache, out.entries)
-        with self._lock:
-            for e, violation in batch.violations:
-                log.warning("fence_violation", request_id=e.seq.seq_id, page_id=violation.page_id)
-                self._finish(e.seq, "error", violation)
-        if batch.attn is None:
-            return stats
-        sampled = self._run(batch.entries, batch.attn)
-        return StepStats(out.num_tokens, len(batch.entries), sampled, len(out.preempted))
+        self._housekeeping(self._clock())
+        plan = self._schedule()
+        if plan.attn is None:
+            return StepStats(0, 0, 0, len(plan.preempted))
+        result, forward_s = self._execute(plan)
+        sampled = self._update(plan, result)
+        return StepStats(
+            plan.num_tokens, len(plan.entries), sampled, len(plan.preempted), forward_s
+        )
 
-    def _run(self, entries: tuple[ScheduledSeq, ...], attn: AttentionFn) -> int:
-        inputs = build_inputs(entries, self.runner.device)
-        logits = self.runner.forward(inputs, attn)
-        samplers = [e for e in entries if e.samples]
+    def _schedule(self) -> SchedulerOutput:
+        plan = self._scheduler.schedule()
+        now = self._clock()
+        for seq, err in plan.rejected:
+            self._finish(seq, "error", FinishError.too_large(err))
+        for seq, violation in plan.refused:
+            log.warning("fence_violation", request_id=seq.seq_id, page_id=violation.page_id)
+            self._finish(seq, "error", FinishError("kv_fence", str(violation)))
+        for seq in plan.admitted:
+            if not seq.announced and seq.status is SeqStatus.RUNNING:
+                seq.announced = True
+                queue_s = (seq.admitted_at or now) - seq.arrival
+                seq.sink(Admitted(seq.seq_id, seq.num_prompt, seq.cached_tokens, queue_s))
+        return plan
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[SampleResult | None, float]:
+        """The forward over the fenced batch, then sampling of the rows that reached the end."""
+        assert plan.attn is not None
+        inputs = build_inputs(plan.entries, self._runner.device)
+        start = time.perf_counter()
+        logits = self._runner.forward(inputs, plan.attn)
+        forward_s = time.perf_counter() - start
         rows = [
             SampleRow(
                 params=e.seq.request.sampling,
@@ -192,22 +257,24 @@ class EngineCore:
                 banned_ids=e.seq.banned_ids(),
                 num_logprobs=e.seq.request.logprobs,
             )
-            for e in samplers
+            for e in plan.entries
+            if e.samples
         ]
-        result = self.sampler.sample(logits, rows) if rows else None
-        with self._lock:
-            for e in entries:
-                e.seq.num_computed += e.num_new
-                self.cache.commit(e.seq.seq_id, e.seq.num_computed)
-            if result is not None:
-                for e, token, lp in zip(samplers, result.token_ids, result.logprobs, strict=True):
-                    if e.seq.status is SeqStatus.RUNNING:
-                        self._accept(e.seq, token, lp)
+        return (self._sampler.sample(logits, rows) if rows else None), forward_s
+
+    def _update(self, plan: SchedulerOutput, result: SampleResult | None) -> int:
+        """Commit the step's KV, then append, stream and stop-check each sampled token."""
+        samplers: list[ScheduledSeq] = [e for e in plan.entries if e.samples]  # before commit
+        self._scheduler.update(plan.entries)
+        if result is None:
+            return 0
+        for e, token, lp in zip(samplers, result.token_ids, result.logprobs, strict=True):
+            if e.seq.status is SeqStatus.RUNNING:
+                self._accept(e.seq, token, lp)
         return len(samplers)
 
-    def _accept(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        seq.token_ids.append(token)
-        self.cache.append_token(seq.seq_id, token)
+    def _accept(self, seq: SeqState, token: int, logprob: TokenLogprob | None) -> None:
+        self._scheduler.append(seq, token)
         if seq.first_token_at is None:
             seq.first_token_at = self._clock()
         reason: FinishReason | None = None
@@ -227,12 +294,8 @@ class EngineCore:
         if reason is not None:
             self._finish(seq, reason)
 
+    # ---- finishing and housekeeping --------------------------------------------------------
     def _expire(self, now: float) -> None:
-        for request_id in self._abort_ids:
-            seq = self._seqs.get(request_id)
-            if seq is not None:
-                self._finish(seq, "abort")
-        self._abort_ids.clear()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request_id = heapq.heappop(self._deadlines)
             seq = self._seqs.get(request_id)
@@ -240,14 +303,23 @@ class EngineCore:
             if seq is not None and seq.request.deadline is not None and seq.request.deadline <= now:
                 self._finish(seq, "deadline")
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
-        """Free the sequence's pages now and send its last event. Caller holds the lock."""
-        if seq.status is SeqStatus.RUNNING:
-            self.scheduler.remove_running(seq)
-        elif seq.status is SeqStatus.WAITING:
-            self.scheduler.remove_waiting(seq)  # waiting sequences hold no pages
-        seq.status = SeqStatus.FINISHED
+    def _forget_deadline(self) -> None:
+        """A request with a deadline finished: rebuild the heap once stale entries dominate,
+        so finished long-timeout requests do not pile up in it."""
+        self._num_deadlined -= 1
+        if len(self._deadlines) > 2 * self._num_deadlined + 16:
+            live = {rid for rid, s in self._seqs.items() if s.request.deadline is not None}
+            self._deadlines = [e for e in self._deadlines if e[2] in live]
+            heapq.heapify(self._deadlines)
+
+    def _finish(
+        self, seq: SeqState, reason: FinishReason, error: FinishError | None = None
+    ) -> None:
+        """Free the sequence's pages now and send its last event."""
+        self._scheduler.finish(seq)
         del self._seqs[seq.seq_id]
+        if seq.request.deadline is not None:
+            self._forget_deadline()
         now = self._clock()
         admitted = seq.admitted_at if seq.admitted_at is not None else now
         ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
@@ -265,27 +337,30 @@ class EngineCore:
         )
 
     def idle_tick(self) -> None:
-        """Between steps when idle: expire deadlines and aborts, evict expired cache pages."""
-        with self._lock:
-            self._housekeeping(self._clock())
+        """Between steps when idle: expire deadlines, evict expired cache pages."""
+        self._housekeeping(self._clock())
 
     def _housekeeping(self, now: float) -> None:
-        """Expire deadlines and aborts; every ``evict_interval_s``, evict TTL-expired pages."""
+        """Expire deadlines; every ``evict_interval_s``, evict TTL-expired pages."""
         self._expire(now)
         if now - self._last_evict >= self.config.evict_interval_s:
             self._last_evict = now
-            self.cache.evict_expired()
+            self._scheduler.evict_expired()
 
     def fail_running(self, error: Exception) -> None:
         """A step raised unexpectedly: finish the running sequences with that error."""
-        with self._lock:
-            for seq in list(self.scheduler.running):
-                self._finish(seq, "error", error)
+        failure = FinishError("internal", type(error).__name__)
+        for seq in list(self._scheduler.running):
+            self._finish(seq, "error", failure)
 
     def finish_all(self, reason: FinishReason) -> None:
-        """Finish every request (shutdown). Engine thread stopped, or called from it."""
-        with self._lock:
-            for seq in list(self._seqs.values()):
-                self._finish(seq, reason)
-            self._abort_ids.clear()
-            self._deadlines.clear()
+        """Finish every request (shutdown)."""
+        for seq in list(self._seqs.values()):
+            self._finish(seq, reason)
+        self._deadlines.clear()
+        self._num_deadlined = 0
+
+
+def check_policy(policy: TenantSchedPolicy) -> None:
+    if policy.weight <= 0 or policy.max_running < 1 or policy.max_waiting < 0:
+        raise ValueError("weight must be > 0, max_running >= 1, max_waiting >= 0")

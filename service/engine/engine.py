@@ -1,29 +1,39 @@
-"""The engine the service talks to: an engine thread driving ``EngineCore`` plus the
-asyncio bridge.
+"""The engine the service talks to: one engine thread that owns an ``EngineCore``, its inbox,
+and the asyncio bridge.
 
-``submit`` must be called on the asyncio loop. Each request gets an ``asyncio.Queue``; the
-engine thread hands events over with ``loop.call_soon_threadsafe`` so the loop never blocks
-on the model and the engine never blocks on a slow consumer.
+Single owner: only the engine thread touches the core (and, through its scheduler, the KV
+cache). Every other thread talks to it by putting a command in the inbox, which the thread
+drains at each step boundary and while idle. Results come back through per-request sinks
+(``loop.call_soon_threadsafe`` into an ``asyncio.Queue``), futures for queries, and
+``counters()``, a snapshot published after every step. No lock of the engine is visible
+outside this module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TypeVar
 
 import structlog
 import torch
 
-from service.engine.cache_api import CacheManager
-from service.engine.core import EngineCore
-from service.engine.tokens import TokenizerLike, TokenSource
+from kvcache.config import TenantCachePolicy
+from kvcache.manager import KVCacheManager
+from kvcache.stats import TenantUsage
+from service.engine.core import EngineCore, check_policy
+from service.engine.tokens import TokenizerLike
 from service.engine.types import (
     EngineConfig,
+    EngineCounters,
     EngineEvent,
+    EngineStats,
     EngineStopped,
     Finished,
     Request,
@@ -34,74 +44,95 @@ from service.model.llama import LlamaModel
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True)
+class _Command:
+    fn: Callable[[EngineCore], object]
+    future: concurrent.futures.Future[object]
+
 
 class Engine:
-    """Continuous-batching engine. Thread-safe except where noted."""
+    """Continuous-batching engine. Every public method may be called from any thread;
+    the coroutines must be awaited on the asyncio loop that streams the results."""
 
     def __init__(
         self,
         model: LlamaModel,
         tokenizer: TokenizerLike,
-        cache: CacheManager,
+        cache: KVCacheManager,
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         *,
         sampler_seed: int | None = None,
     ) -> None:
-        model_config = model.config
-        # Positions past the model's RoPE table do not exist: cap the context length.
-        config = dataclasses.replace(
-            config, max_model_len=min(config.max_model_len, model_config.max_position_embeddings)
-        )
-        device = model.device
-        tokens = TokenSource(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
-        self.config = config
-        self.core = EngineCore(model, tokens, cache, config, clock, device, sampler_seed)
+        self._core = EngineCore.for_model(model, tokenizer, cache, config, clock, sampler_seed)
+        self.config = self._core.config  # max_model_len capped to the model
+        self.page_size = cache.page_size
+        self.vocab_size = model.config.vocab_size
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._counters = self._core.counters()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._done = False  # the engine thread has exited; commands run on the caller
 
-    def set_tenant_policy(self, tenant: str, policy: TenantSchedPolicy) -> None:
-        self.core.set_tenant_policy(tenant, policy)
-
+    # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Warm up (if configured), then start the engine thread. Returns when ready."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
         if self.config.warmup:
-            run_warmup(self.core)
+            run_warmup(self._core)
+            self._counters = self._core.counters()
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request) -> AsyncGenerator[EngineEvent, None]:
+    def shutdown(self) -> None:
+        """Abort everything and join the engine thread."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._done = True
+        self._drain()
+        self._core.finish_all("abort")
+        self._counters = self._core.counters()
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def submit(self, request: Request) -> AsyncIterator[EngineEvent]:
         """Queue ``request`` and return its event stream: Admitted, Delta..., Finished.
 
-        Raises QueueFull, InvalidRequest or RequestTooLarge at once. Closing the iterator
-        before Finished aborts the request.
+        Raises QueueFull, InvalidRequest or RequestTooLarge once the engine thread has
+        looked at it (at the next step boundary). Closing the stream before Finished aborts
+        the request.
         """
         if self._thread is None or self._stop.is_set():
             raise EngineStopped("engine is not running")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        events: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
         def sink(event: EngineEvent) -> None:
             # A closed loop means nobody is listening any more.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                loop.call_soon_threadsafe(events.put_nowait, event)
 
-        self.core.add(request, sink)
-        self._wake.set()
-        return self._stream(request.request_id, queue)
+        try:
+            await self._ask(lambda core: core.add(request, sink))
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+        return self._stream(request.request_id, events)
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[EngineEvent]
-    ) -> AsyncGenerator[EngineEvent, None]:
+        self, request_id: str, events: asyncio.Queue[EngineEvent]
+    ) -> AsyncIterator[EngineEvent]:
         finished = False
         try:
             while True:
-                event = await queue.get()
-                if isinstance(event, Finished):
-                    finished = True
+                event = await events.get()
+                finished = isinstance(event, Finished)
                 yield event
                 if finished:
                     return
@@ -110,28 +141,106 @@ class Engine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Finish the request with reason "abort" within one step. Unknown ids are ignored."""
-        self.core.abort(request_id)
-        self._wake.set()
+        """Finish the request with reason "abort" at the next step boundary. Unknown ids
+        are ignored. Does not wait."""
+        self._post(lambda core: core.abort(request_id))
 
-    def shutdown(self) -> None:
-        """Abort everything and join the engine thread."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.core.finish_all("abort")
+    # ---- tenants and queries -----------------------------------------------------------------
+    def set_tenant_policy(
+        self,
+        tenant: str,
+        sched: TenantSchedPolicy | None = None,
+        cache: TenantCachePolicy | None = None,
+    ) -> None:
+        """Scheduling and/or KV policy for ``tenant``; applies to requests submitted after
+        this call (commands run in order). Raises ValueError at once on a bad policy."""
+        if sched is not None:
+            check_policy(sched)
+        self._post(lambda core: core.set_tenant_policy(tenant, sched, cache))
+
+    async def usage(self, tenant: str) -> TenantUsage:
+        """The tenant's own KV pages and hit counters."""
+        return await self._ask(lambda core: core.usage(tenant))
+
+    async def purge(self, tenant: str) -> int:
+        """Drop the tenant's cached prefixes; returns how many entries went."""
+        return await self._ask(lambda core: core.purge(tenant))
+
+    async def stats(self) -> EngineStats:
+        """Counters and cache stats, taken together on the engine thread."""
+        return await self._ask(lambda core: core.stats())
+
+    def counters(self) -> EngineCounters:
+        """The counters published after the last step (never waits)."""
+        return self._counters
 
     def num_waiting(self) -> int:
-        return self.core.num_waiting()
+        return self._counters.num_waiting
 
     def num_running(self) -> int:
-        return self.core.num_running()
+        return self._counters.num_running
+
+    # ---- documented test hooks ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Test hook: hold the engine thread at a step boundary. While paused no step runs
+        and commands queue up (``submit`` and queries wait; ``abort`` does not)."""
+        entered, release = threading.Event(), threading.Event()
+
+        def hold(core: EngineCore) -> None:
+            entered.set()
+            release.wait()
+
+        self._post(hold)
+        entered.wait()
+        try:
+            yield
+        finally:
+            release.set()
+
+    async def inject_stale_page(self, tenant: str) -> tuple[str, int]:
+        """Test hook for fence tests: recycle a page under the tenant's oldest running
+        request (see ``KVCacheManager.inject_stale_page``). Returns its id and the tokens
+        it had generated."""
+        return await self._ask(lambda core: core.inject_stale_page(tenant))
+
+    def observe_frees(self, observer: Callable[[str], None] | None) -> None:
+        """Test hook: ``observer(request_id)`` is called on the engine thread each time a
+        request's KV pages are freed (finish, abort, deadline, preemption); None removes it.
+        Blocks until the engine thread has installed it (at the next step boundary)."""
+        self._post(lambda core: core.scheduler.observe_frees(observer)).result()
+
+    # ---- the inbox and the engine thread --------------------------------------------------------
+    def _post(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(_Command(fn, future))  # type: ignore[arg-type]
+        if self._thread is None or self._done:
+            self._drain()  # no engine thread: this thread is the only one using the core
+        else:
+            self._wake.set()
+        return future
+
+    async def _ask(self, fn: Callable[[EngineCore], T]) -> T:
+        return await asyncio.wrap_future(self._post(fn))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not command.future.set_running_or_notify_cancel():
+                continue
+            try:
+                command.future.set_result(command.fn(self._core))
+            except BaseException as err:  # the caller gets it; the engine keeps going
+                command.future.set_exception(err)
 
     def _loop(self) -> None:
-        core = self.core
+        core = self._core
         with torch.inference_mode():
             while not self._stop.is_set():
+                self._drain()
                 ran = 0
                 if core.has_work():
                     try:
@@ -139,9 +248,10 @@ class Engine:
                     except Exception as err:  # fail what was in flight, keep serving
                         log.exception("engine_step_failed", error=type(err).__name__)
                         core.fail_running(err)
-                if ran == 0:
-                    # Idle, or everything waiting is blocked: sleep until a submit/abort or
-                    # the idle tick (deadlines, TTL eviction) instead of spinning.
+                self._counters = core.counters()
+                if ran == 0 and self._inbox.empty():
+                    # Idle, or everything waiting is blocked: sleep until a command arrives
+                    # or the idle tick (deadlines, TTL eviction) instead of spinning.
                     self._wake.wait(self.config.idle_wait_s)
                     self._wake.clear()
                     core.idle_tick()

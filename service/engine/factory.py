@@ -5,7 +5,8 @@ This is the one place the service (and tests, benchmarks) wires model, kvcache a
     engine = build_engine(loaded, EngineConfig(), CacheConfig(), kv_bytes=2 << 30)
     engine.start()
 
-Exactly one of ``kv_pages`` / ``kv_bytes`` sizes the pool. The pool takes the model's
+Exactly one of ``kv_pages`` / ``kv_bytes`` / ``kv_fraction`` sizes the pool
+(``kvcache.size_pool``). The pool takes the model's
 dtype and device; its geometry (layers, KV heads, head dim) comes from the model config.
 """
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvcache import CacheConfig, KVCacheManager, PagePool, pages_for_budget
+from kvcache import CacheConfig, KVCacheManager, PagePool, size_pool
 from kvcache.backends import AttentionBackend
+from service.engine.core import EngineCore
 from service.engine.engine import Engine
 from service.engine.types import EngineConfig
 from service.model.llama import LlamaModel
@@ -28,25 +30,23 @@ def build_cache(
     *,
     kv_pages: int | None = None,
     kv_bytes: int | None = None,
+    kv_fraction: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     backend: AttentionBackend | None = None,
 ) -> KVCacheManager:
     """A KVCacheManager over a fresh PagePool shaped for ``model``."""
-    if (kv_pages is None) == (kv_bytes is None):
-        raise ValueError("give exactly one of kv_pages or kv_bytes")
     cfg = model.config
-    if kv_pages is None:
-        assert kv_bytes is not None
-        kv_pages = pages_for_budget(
-            kv_bytes,
-            num_layers=cfg.num_layers,
-            page_size=cache_config.page_size,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=model.dtype,
-        )
-    if kv_pages < 1:
-        raise ValueError("the KV budget holds no page")
+    kv_pages = size_pool(
+        kv_pages=kv_pages,
+        kv_bytes=kv_bytes,
+        kv_fraction=kv_fraction,
+        num_layers=cfg.num_layers,
+        page_size=cache_config.page_size,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=model.dtype,
+        device=model.device,
+    )
     pool = PagePool(
         cfg.num_layers,
         kv_pages,
@@ -66,6 +66,7 @@ def build_engine(
     *,
     kv_pages: int | None = None,
     kv_bytes: int | None = None,
+    kv_fraction: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     backend: AttentionBackend | None = None,
     sampler_seed: int | None = None,
@@ -76,9 +77,38 @@ def build_engine(
         cache_config,
         kv_pages=kv_pages,
         kv_bytes=kv_bytes,
+        kv_fraction=kv_fraction,
         clock=clock,
         backend=backend,
     )
     return Engine(
         loaded.model, loaded.tokenizer, cache, engine_config, clock, sampler_seed=sampler_seed
+    )
+
+
+def build_core(
+    loaded: LoadedModel,
+    engine_config: EngineConfig,
+    cache_config: CacheConfig,
+    *,
+    kv_pages: int | None = None,
+    kv_bytes: int | None = None,
+    kv_fraction: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    backend: AttentionBackend | None = None,
+    sampler_seed: int | None = None,
+) -> EngineCore:
+    """A thread-free EngineCore over a new pool, driven by hand (tests, profile, tools):
+    ``core.add(...)``, then ``core.step()`` until ``not core.has_work()``."""
+    cache = build_cache(
+        loaded.model,
+        cache_config,
+        kv_pages=kv_pages,
+        kv_bytes=kv_bytes,
+        kv_fraction=kv_fraction,
+        clock=clock,
+        backend=backend,
+    )
+    return EngineCore.for_model(
+        loaded.model, loaded.tokenizer, cache, engine_config, clock, sampler_seed
     )

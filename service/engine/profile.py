@@ -1,31 +1,23 @@
 """Step overhead: one full engine decode step versus the raw batched model forward.
 
-``measure_step_overhead(loaded, batch=8, context=256)`` fills a fresh engine with ``batch``
-greedy sequences of ``context`` prompt tokens, lets them reach steady decoding, then times
-``EngineCore.step()`` (schedule, fence, inputs, forward, sample, detokenize, stream) and the
-bare ``model(...)`` call on the same batch, alternately; both are medians over ``repeats``.
+``measure_step_overhead(loaded, batch=8, context=256)`` fills a fresh thread-free core with
+``batch`` greedy sequences of ``context`` prompt tokens, lets them reach steady decoding, then
+times whole ``EngineCore.step()`` calls (schedule, fence, inputs, forward, sample, detokenize,
+stream) and, inside the same steps, the bare model forward (``StepStats.forward_s``); both
+are medians over ``repeats``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
 from kvcache import CacheConfig
-from service.engine.factory import build_engine
-from service.engine.runner import build_inputs, fence
-from service.engine.scheduler import ScheduledSeq
+from service.engine.factory import build_core
 from service.engine.types import EngineConfig, Request, SamplingParams, StoppingParams
 from service.model.loader import LoadedModel
-
-
-def _time(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def measure_step_overhead(
@@ -42,8 +34,7 @@ def measure_step_overhead(
     )
     cache_config = CacheConfig(page_size=16, default_ttl_s=0.0)
     pages = batch * (-(-config.max_model_len // cache_config.page_size) + 1)
-    engine = build_engine(loaded, config, cache_config, kv_pages=pages, sampler_seed=0)
-    core = engine.core
+    core = build_core(loaded, config, cache_config, kv_pages=pages, sampler_seed=0)
     vocab = core.tokens.vocab_size
     for i in range(batch):
         core.add(
@@ -56,20 +47,18 @@ def measure_step_overhead(
             ),
             lambda event: None,
         )
+    engine_times: list[float] = []
+    raw_times: list[float] = []
     with torch.inference_mode():
-        while any(s.num_output < 2 for s in core.scheduler.running) or core.num_waiting():
-            core.step()
-        engine_times: list[float] = []
-        raw_times: list[float] = []
-        # NOTE: alternate the two measurements so machine load drifts hit both alike.
+        # Prefill, then two decode steps so every shape is warm.
+        while core.step().num_tokens > batch or core.counters().num_waiting:
+            pass
+        core.step()
         for _ in range(repeats):
-            engine_times.append(_time(core.step))
-            entries = [ScheduledSeq(s, 1) for s in core.scheduler.running]
-            for e in entries:
-                core.cache.allocate_slots(e.seq.seq_id, 1)
-            attn = fence(core.cache, entries).attn
-            assert attn is not None
-            inputs = build_inputs(entries, core.runner.device)
-            raw_times.append(_time(lambda: core.runner.forward(inputs, attn)))  # noqa: B023
+            start = time.perf_counter()
+            stats = core.step()
+            engine_times.append(time.perf_counter() - start)
+            assert stats.num_seqs == batch and stats.num_tokens == batch
+            raw_times.append(stats.forward_s)
     core.finish_all("abort")
     return statistics.median(engine_times), statistics.median(raw_times)

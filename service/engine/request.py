@@ -1,4 +1,4 @@
-"""Per-request engine state: one ``Sequence`` from submit to finish.
+"""Per-request engine state: one ``SeqState`` from submit to finish.
 
 A sequence's tokens are ``prompt + output``. The scheduler's only rule is that
 ``num_computed`` (tokens whose KV is in the cache) catches up with ``num_tokens``; a token
@@ -10,13 +10,43 @@ lost nor repeated.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.types import EngineEvent, Request
+
+
+class TokenTail(Sequence[int]):
+    """``tokens[start:]`` without copying; sees tokens appended later."""
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            return self._tokens[self._start :][index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._tokens[self._start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens[self._start :])
 
 
 class SeqStatus(enum.Enum):
@@ -26,7 +56,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(slots=True)
-class Sequence:
+class SeqState:
     request: Request
     sink: Callable[[EngineEvent], None]  # receives this request's events, in order
     detok: IncrementalDetokenizer
@@ -71,8 +101,9 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
+    def output_ids(self) -> Sequence[int]:
+        """The generated tokens, as a view (no copy: the sampler reads it every step)."""
+        return TokenTail(self.token_ids, self.num_prompt)
 
     @property
     def max_total_tokens(self) -> int:

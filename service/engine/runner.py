@@ -14,9 +14,6 @@ from typing import Protocol
 import torch
 
 from kvcache.attention import AttentionFn
-from kvcache.errors import FenceViolation
-from kvcache.metadata import StepEntry
-from service.engine.cache_api import CacheManager
 from service.engine.scheduler import ScheduledSeq
 
 
@@ -37,38 +34,6 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] int64: last new token of each sampling sequence
-
-
-@dataclass(frozen=True, slots=True)
-class FencedBatch:
-    """The entries that passed the fence, their attention, and the ones that did not."""
-
-    entries: tuple[ScheduledSeq, ...]
-    attn: AttentionFn | None  # None when no entry passed
-    violations: tuple[tuple[ScheduledSeq, FenceViolation], ...]
-
-
-def step_entries(entries: Sequence[ScheduledSeq]) -> list[StepEntry]:
-    return [StepEntry(e.seq.seq_id, e.seq.num_computed, e.num_new) for e in entries]
-
-
-def fence(cache: CacheManager, entries: Sequence[ScheduledSeq]) -> FencedBatch:
-    """``begin_step`` for the batch. A FenceViolation names a page, not a sequence, so on one
-    the entries are fenced one by one to find the culprits; the rest run without them."""
-    try:
-        return FencedBatch(tuple(entries), cache.begin_step(step_entries(entries)), ())
-    except FenceViolation:
-        pass
-    good: list[ScheduledSeq] = []
-    bad: list[tuple[ScheduledSeq, FenceViolation]] = []
-    for e in entries:
-        try:
-            cache.begin_step(step_entries([e]))
-            good.append(e)
-        except FenceViolation as err:
-            bad.append((e, err))
-    attn = cache.begin_step(step_entries(good)) if good else None
-    return FencedBatch(tuple(good), attn, tuple(bad))
 
 
 def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> BatchInputs:

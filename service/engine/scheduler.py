@@ -11,6 +11,10 @@ preempted: its pages are freed and it re-queues at the front of its tenant's que
 recomputed from prompt + output. ``QuotaExceeded`` does the same within the tenant.
 A request that could never fit the pool or its tenant's quota is rejected with
 ``RequestTooLarge`` instead of waiting forever.
+
+The scheduler is the engine's only caller of ``KVCacheManager``: schedule (allocate, fence),
+update (commit, append) and finish (free) all go through it, so the engine core never holds
+the cache.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from dataclasses import dataclass
 
 import structlog
 
-from kvcache.errors import KVCacheError, OutOfPages, QuotaExceeded
-from service.engine.cache_api import CacheManager
+from kvcache.attention import AttentionFn
+from kvcache.config import TenantCachePolicy
+from kvcache.errors import FenceViolation, KVCacheError, OutOfPages, QuotaExceeded
+from kvcache.manager import KVCacheManager
+from kvcache.metadata import StepEntry
+from kvcache.stats import CacheStats, TenantUsage
 from service.engine.fairness import FairQueue
-from service.engine.request import SeqStatus, Sequence
+from service.engine.request import SeqState, SeqStatus
 from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolicy
 
 log = structlog.get_logger(__name__)
@@ -32,7 +40,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
-    seq: Sequence
+    seq: SeqState
     num_new: int  # tokens computed this step, from seq.num_computed
 
     @property
@@ -43,10 +51,14 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    entries: tuple[ScheduledSeq, ...]
-    admitted: tuple[Sequence, ...]  # first admissions and re-admissions after preemption
-    preempted: tuple[Sequence, ...]
-    rejected: tuple[tuple[Sequence, RequestTooLarge], ...]
+    """One step's plan: the fenced batch and its attention, plus what left the batch."""
+
+    entries: tuple[ScheduledSeq, ...]  # passed the fence; run this step
+    attn: AttentionFn | None  # None when no entry runs
+    admitted: tuple[SeqState, ...]  # first admissions and re-admissions after preemption
+    preempted: tuple[SeqState, ...]
+    rejected: tuple[tuple[SeqState, RequestTooLarge], ...]
+    refused: tuple[tuple[SeqState, FenceViolation], ...]  # the fence refused their pages
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +71,7 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        cache: CacheManager,
+        cache: KVCacheManager,
         policy: Callable[[str], TenantSchedPolicy],
         clock: Callable[[], float],
         drr_quantum: int = 128,
@@ -68,8 +80,8 @@ class Scheduler:
         self._cache = cache
         self._policy = policy
         self._clock = clock
-        self.waiting: FairQueue[Sequence] = FairQueue(drr_quantum, lambda t: policy(t).weight)
-        self.running: list[Sequence] = []
+        self.waiting: FairQueue[SeqState] = FairQueue(drr_quantum, lambda t: policy(t).weight)
+        self.running: list[SeqState] = []
         self._running_per_tenant: dict[str, int] = {}
         self._admit_counter = itertools.count(1)
         self.num_preemptions = 0
@@ -77,14 +89,14 @@ class Scheduler:
     def num_running(self, tenant: str) -> int:
         return self._running_per_tenant.get(tenant, 0)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SeqState) -> None:
         self.waiting.push(seq)
 
     def schedule(self) -> SchedulerOutput:
         budget = self._config.max_num_batched_tokens
         entries: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
-        rejected: list[tuple[Sequence, RequestTooLarge]] = []
+        preempted: list[SeqState] = []
+        rejected: list[tuple[SeqState, RequestTooLarge]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -95,12 +107,90 @@ class Scheduler:
                 i += 1
             # else: seq itself left the running list; index i now names the next one.
 
-        admitted: list[Sequence] = []
+        admitted: list[SeqState] = []
         if not preempted:
             self._admit(budget, entries, admitted, rejected)
-        return SchedulerOutput(tuple(entries), tuple(admitted), tuple(preempted), tuple(rejected))
+        good, attn, refused = self._fence(entries)
+        return SchedulerOutput(
+            good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
+        )
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _fence(
+        self, entries: list[ScheduledSeq]
+    ) -> tuple[
+        tuple[ScheduledSeq, ...], AttentionFn | None, tuple[tuple[SeqState, FenceViolation], ...]
+    ]:
+        """``begin_step`` for the batch. A FenceViolation names a page, not a sequence, so on
+        one the entries are fenced one by one to find the culprits; the rest run without
+        them. Refused sequences leave the running list (their pages stay with kvcache)."""
+        if not entries:
+            return (), None, ()
+        try:
+            return tuple(entries), self._cache.begin_step(_step_entries(entries)), ()
+        except FenceViolation:
+            pass
+        good: list[ScheduledSeq] = []
+        refused: list[tuple[SeqState, FenceViolation]] = []
+        for e in entries:
+            try:
+                self._cache.begin_step(_step_entries([e]))
+                good.append(e)
+            except FenceViolation as err:
+                refused.append((e.seq, err))
+        attn = self._cache.begin_step(_step_entries(good)) if good else None
+        return tuple(good), attn, tuple(refused)
+
+    def update(self, entries: tuple[ScheduledSeq, ...]) -> None:
+        """After the forward: the entries' new tokens have KV (full pages enter the cache)."""
+        for e in entries:
+            e.seq.num_computed += e.num_new
+            self._cache.commit(e.seq.seq_id, e.seq.num_computed)
+
+    def append(self, seq: SeqState, token: int) -> None:
+        """Record a sampled token; its KV is written by a later step."""
+        seq.token_ids.append(token)
+        self._cache.append_token(seq.seq_id, token)
+
+    def finish(self, seq: SeqState) -> None:
+        """Take ``seq`` out of the queues and free its pages (waiting ones hold none)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.remove_running(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    # ---- cache facts and housekeeping, for the engine core ------------------------------
+    @property
+    def page_size(self) -> int:
+        return self._cache.page_size
+
+    def num_free_pages(self) -> int:
+        return self._cache.num_free_pages()
+
+    def evict_expired(self) -> int:
+        return self._cache.evict_expired()
+
+    def set_cache_policy(self, tenant: str, policy: TenantCachePolicy) -> None:
+        self._cache.set_tenant_policy(tenant, policy)
+
+    def usage(self, tenant: str) -> TenantUsage:
+        return self._cache.usage(tenant)
+
+    def purge(self, tenant: str) -> int:
+        return self._cache.purge_tenant(tenant)
+
+    def cache_stats(self) -> CacheStats:
+        return self._cache.stats()
+
+    def observe_frees(self, observer: Callable[[str], None] | None) -> None:
+        """Test hook: ``observer(seq_id)`` after every free of a sequence's pages."""
+        self._cache.on_free = observer
+
+    def inject_stale_page(self, seq: SeqState) -> None:
+        """Test hook (fence tests): the sequence's first page is recycled under it."""
+        self._cache.inject_stale_page(seq.seq_id)
+
+    def _chunk(self, seq: SeqState, budget: int) -> int:
         num_new = min(seq.num_tokens - seq.num_computed, budget)
         threshold = self._config.long_prefill_threshold
         if threshold > 0:
@@ -109,10 +199,10 @@ class Scheduler:
 
     def _allocate_running(
         self,
-        seq: Sequence,
+        seq: SeqState,
         num_new: int,
-        preempted: list[Sequence],
-        rejected: list[tuple[Sequence, RequestTooLarge]],
+        preempted: list[SeqState],
+        rejected: list[tuple[SeqState, RequestTooLarge]],
     ) -> bool:
         """Grow ``seq``'s slots, preempting newer sequences as needed. False if ``seq`` left."""
         while True:
@@ -144,8 +234,8 @@ class Scheduler:
         self,
         budget: int,
         entries: list[ScheduledSeq],
-        admitted: list[Sequence],
-        rejected: list[tuple[Sequence, RequestTooLarge]],
+        admitted: list[SeqState],
+        rejected: list[tuple[SeqState, RequestTooLarge]],
     ) -> None:
         blocked: set[str] = set()  # tenants at their quota this step
 
@@ -202,13 +292,13 @@ class Scheduler:
             limit, what = quota, "tenant page quota"
         return limit, what
 
-    def _check_fits(self, seq: Sequence) -> RequestTooLarge | None:
+    def _check_fits(self, seq: SeqState) -> RequestTooLarge | None:
         """Reject a request whose prompt plus full output budget can never fit."""
         needed = -(-seq.max_total_tokens // self._cache.page_size)
         limit, what = self._page_limit(seq.tenant)
         return RequestTooLarge(needed, limit, what) if needed > limit else None
 
-    def _close(self, seq: Sequence) -> None:
+    def _close(self, seq: SeqState) -> None:
         try:
             self._cache.free(seq.seq_id)
         except KVCacheError as err:  # e.g. a fenced page; the pages stay with kvcache
@@ -216,7 +306,7 @@ class Scheduler:
         seq.in_cache = False
         seq.num_computed = 0
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: SeqState) -> None:
         """Free ``seq``'s pages and queue it for recomputation ahead of its tenant's others."""
         self.remove_running(seq)
         seq.status = SeqStatus.WAITING
@@ -224,7 +314,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(seq, front=True)
 
-    def remove_running(self, seq: Sequence) -> None:
+    def remove_running(self, seq: SeqState) -> None:
         """Take ``seq`` out of the running list and free its pages."""
         self.running.remove(seq)
         self._running_per_tenant[seq.tenant] -= 1
@@ -232,5 +322,6 @@ class Scheduler:
             del self._running_per_tenant[seq.tenant]
         self._close(seq)
 
-    def remove_waiting(self, seq: Sequence) -> bool:
-        return self.waiting.remove(seq)
+
+def _step_entries(entries: list[ScheduledSeq]) -> list[StepEntry]:
+    return [StepEntry(e.seq.seq_id, e.seq.num_computed, e.num_new) for e in entries]

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvcache.stats import CacheStats
+
 FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
+
+#: Why a request finished with reason "error": its pages failed the KV fence, it can never
+#: fit the pool or its tenant's page quota, or the step it was in failed unexpectedly.
+ErrorKind = Literal["kv_fence", "too_large", "internal"]
 
 #: Tenant names starting with this prefix are reserved for the engine itself (warm-up).
 RESERVED_TENANT_PREFIX = "__kvfence"
@@ -154,7 +160,42 @@ class Finished:
     queue_s: float
     ttft_s: float | None
     total_s: float
-    error: Exception | None = None
+    error: FinishError | None = None  # set when reason == "error"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishError:
+    """The typed cause of an "error" finish. ``message`` names no prompt or output text;
+    ``what``/``limit_pages`` are set for ``too_large`` (which limit, and its size)."""
+
+    kind: ErrorKind
+    message: str
+    what: str = ""
+    limit_pages: int | None = None
+
+    @staticmethod
+    def too_large(err: RequestTooLarge) -> FinishError:
+        return FinishError("too_large", str(err), err.what, err.limit_pages)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """Request counts the engine thread publishes after every step (read without waiting)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_requests: int = 0  # added and not finished yet
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_deadlines: int = 0  # entries in the deadline heap (finished requests leave it)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A consistent snapshot taken on the engine thread: counters plus the KV cache's."""
+
+    counters: EngineCounters
+    cache: CacheStats
 
 
 EngineEvent = Admitted | Delta | Finished

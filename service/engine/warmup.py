@@ -40,7 +40,7 @@ def _discard(event: EngineEvent) -> None:
 def _run(core: EngineCore, requests: list[Request]) -> None:
     for request in requests:
         core.add(request, _discard, internal=True)
-    while core.num_requests() > 0:
+    while core.has_work():
         core.step()
 
 
@@ -48,8 +48,8 @@ def run_warmup(core: EngineCore) -> None:
     """Run warm-up batches on ``core`` (engine thread not started yet)."""
     config = core.config
     vocab = core.tokens.vocab_size
-    page_size = core.cache.page_size
-    free = core.cache.num_free_pages()
+    page_size = core.page_size
+    free = core.num_free_pages()
     decode_steps = 3
 
     def prompt(n: int, salt: int) -> tuple[int, ...]:
@@ -79,5 +79,5 @@ def run_warmup(core: EngineCore) -> None:
         batch = [request(counter + i, 2, greedy=i % 2 == 0) for i in range(size)]
         counter += size
         _run(core, batch)
-    core.cache.purge_tenant(WARMUP_TENANT)
+    core.purge(WARMUP_TENANT)
     log.info("engine_warmup_done", requests=counter, steps=core.num_steps)

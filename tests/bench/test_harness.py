@@ -62,7 +62,11 @@ def test_target_margin_sign_follows_direction() -> None:
 
 def test_md_table_shape() -> None:
     assert md_table(("a", "b"), [(1, 0.12345), ("x", 12345.6)]).splitlines() == [
-        "| a | b |", "|---|---|", "| 1 | 0.123 |", "| x | 12346 |"]
+        "| a | b |",
+        "|---|---|",
+        "| 1 | 0.123 |",
+        "| x | 12346 |",
+    ]
 
 
 def _trace(tenant: str, start: float, chunks: list[tuple[float, int]]) -> RequestTrace:
@@ -107,11 +111,20 @@ def test_pad_left_right_aligns_prompts() -> None:
 
 
 def test_write_suite_and_summary(tmp_path: Path) -> None:
-    data = {"suite": "prefix", "targets": [Target("warm / cold", 0.1, 0.2, higher_is_better=False),
-                                           Target("ratio", 1.5, 2.0)],
-            "machine": {"cpu_model": "cpu", "usable_cores": 2, "threads": 2,
-                        "cpu_flags": {"avx2": True, "avx512_bf16": False},
-                        "versions": {"torch": "1"}}}
+    data = {
+        "suite": "prefix",
+        "targets": [
+            Target("warm / cold", 0.1, 0.2, higher_is_better=False),
+            Target("ratio", 1.5, 2.0),
+        ],
+        "machine": {
+            "cpu_model": "cpu",
+            "usable_cores": 2,
+            "threads": 2,
+            "cpu_flags": {"avx2": True, "avx512_bf16": False},
+            "versions": {"torch": "1"},
+        },
+    }
     path = write_suite(tmp_path, "prefix", data, "# t")
     loaded = json.loads(path.read_text())
     assert loaded["targets"][0]["passed"] is True and loaded["targets"][1]["passed"] is False

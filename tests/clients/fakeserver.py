@@ -69,10 +69,14 @@ class Recorder:
 
 
 class FakeInference(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, chunks: tuple[str, ...] = ("Hel", "lo", ", ", "wor", "ld"),
-                 failures: list[Fail] | None = None, keys: tuple[str, ...] = (GOOD_KEY,),
-                 first_chunk_delay_s: float = 0.0,
-                 gate: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        chunks: tuple[str, ...] = ("Hel", "lo", ", ", "wor", "ld"),
+        failures: list[Fail] | None = None,
+        keys: tuple[str, ...] = (GOOD_KEY,),
+        first_chunk_delay_s: float = 0.0,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.chunks = chunks
         self.failures = list(failures or [])  # one popped per Generate call
         self.keys = keys
@@ -91,9 +95,11 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         if md.get("authorization") not in {f"Bearer {k}" for k in self.keys}:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
 
-    async def Generate(self, request: inference_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext,
-                       ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def Generate(
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
             async for response in self._generate(request, context):
                 yield response
@@ -102,16 +108,24 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             raise
         self.cancelled.append(False)
 
-    async def _generate(self, request: inference_pb2.GenerateRequest,
-                        context: grpc.aio.ServicerContext,
-                        ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def _generate(
+        self,
+        request: inference_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         await self._auth(request, context)
         self.generate_calls += 1
         n = self.generate_calls
         fail = self.failures.pop(0) if self.failures else None
-        yield inference_pb2.GenerateResponse(started=inference_pb2.Started(
-            request_id=f"req-{n}", client_request_id=request.client_request_id,
-            prompt_tokens=3, cached_prompt_tokens=1, model="fake"))
+        yield inference_pb2.GenerateResponse(
+            started=inference_pb2.Started(
+                request_id=f"req-{n}",
+                client_request_id=request.client_request_id,
+                prompt_tokens=3,
+                cached_prompt_tokens=1,
+                model="fake",
+            )
+        )
         if self.first_chunk_delay_s:
             await asyncio.sleep(self.first_chunk_delay_s)
         for i, text in enumerate(self.chunks):
@@ -119,30 +133,47 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                 await context.abort_with_status(_status(fail))
             if i == 1 and self.gate is not None:
                 await asyncio.to_thread(self.gate.wait, 10.0)
-            yield inference_pb2.GenerateResponse(chunk=inference_pb2.Chunk(
-                token_ids=[100 + i], text=text))
+            yield inference_pb2.GenerateResponse(
+                chunk=inference_pb2.Chunk(token_ids=[100 + i], text=text)
+            )
         if fail is not None:
             await context.abort_with_status(_status(fail))
-        yield inference_pb2.GenerateResponse(finished=inference_pb2.Finished(
-            reason=inference_pb2.FINISH_REASON_LENGTH,
-            usage=inference_pb2.Usage(prompt_tokens=3, completion_tokens=len(self.chunks),
-                                      cached_prompt_tokens=1),
-            timings=inference_pb2.Timings(queue_seconds=0.01, ttft_seconds=0.02,
-                                          total_seconds=0.03)))
+        yield inference_pb2.GenerateResponse(
+            finished=inference_pb2.Finished(
+                reason=inference_pb2.FINISH_REASON_LENGTH,
+                usage=inference_pb2.Usage(
+                    prompt_tokens=3, completion_tokens=len(self.chunks), cached_prompt_tokens=1
+                ),
+                timings=inference_pb2.Timings(
+                    queue_seconds=0.01, ttft_seconds=0.02, total_seconds=0.03
+                ),
+            )
+        )
 
     async def Tokenize(self, request, context):  # type: ignore[no-untyped-def]
         await self._auth(request, context)
         if self.failures:
             await context.abort_with_status(_status(self.failures.pop(0)))
-        words = request.text.split() if request.WhichOneof("input") == "text" else [
-            m.content for m in request.chat.messages]
+        words = (
+            request.text.split()
+            if request.WhichOneof("input") == "text"
+            else [m.content for m in request.chat.messages]
+        )
         return inference_pb2.TokenizeResponse(token_ids=[len(w) for w in words], tokens=words)
 
     async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
         await self._auth(request, context)
-        return inference_pb2.ListModelsResponse(models=[inference_pb2.ModelInfo(
-            name="fake", architecture="llama", max_model_len=2048, vocab_size=49152,
-            dtype="float32")])
+        return inference_pb2.ListModelsResponse(
+            models=[
+                inference_pb2.ModelInfo(
+                    name="fake",
+                    architecture="llama",
+                    max_model_len=2048,
+                    vocab_size=49152,
+                    dtype="float32",
+                )
+            ]
+        )
 
 
 class FakeCache(cache_pb2_grpc.CacheServicer):
@@ -152,11 +183,22 @@ class FakeCache(cache_pb2_grpc.CacheServicer):
     async def GetUsage(self, request, context):  # type: ignore[no-untyped-def]
         await self._inference._auth(request, context)
         return cache_pb2.GetUsageResponse(
-            pages_in_use=2, pages_cached=5, cached_prefixes=1, prefix_hit_tokens=48,
-            prefix_miss_tokens=16, hit_rate=0.75, page_size=16, running_requests=1,
-            quotas=cache_pb2.Quotas(max_kv_pages=100, max_concurrent_streams=4,
-                                    max_prompt_tokens=1024, tokens_per_minute=0,
-                                    prefix_cache_ttl_seconds=600.0))
+            pages_in_use=2,
+            pages_cached=5,
+            cached_prefixes=1,
+            prefix_hit_tokens=48,
+            prefix_miss_tokens=16,
+            hit_rate=0.75,
+            page_size=16,
+            running_requests=1,
+            quotas=cache_pb2.Quotas(
+                max_kv_pages=100,
+                max_concurrent_streams=4,
+                max_prompt_tokens=1024,
+                tokens_per_minute=0,
+                prefix_cache_ttl_seconds=600.0,
+            ),
+        )
 
     async def Purge(self, request, context):  # type: ignore[no-untyped-def]
         await self._inference._auth(request, context)
@@ -177,8 +219,10 @@ def serve(inference: FakeInference, tls: ServerTls | None = None) -> Iterator[st
             port = server.add_insecure_port("127.0.0.1:0")
         else:
             creds = grpc.ssl_server_credentials(
-                [(tls.key_pem, tls.cert_pem)], root_certificates=tls.client_ca_pem,
-                require_client_auth=tls.client_ca_pem is not None)
+                [(tls.key_pem, tls.cert_pem)],
+                root_certificates=tls.client_ca_pem,
+                require_client_auth=tls.client_ca_pem is not None,
+            )
             port = server.add_secure_port("127.0.0.1:0", creds)
         await server.start()
         stop = asyncio.Event()

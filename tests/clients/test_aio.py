@@ -17,9 +17,13 @@ def test_stream_order_text_and_unary_calls(fake: FakeInference, target: str) -> 
         async with AsyncClient(target, api_key=GOOD_KEY) as client:
             events = [e async for e in client.generate("hi", client_request_id="a-1")]
             result = await client.generate_text("hi")
-            others = (await client.tokenize("a bb"), await client.models(),
-                      (await client.usage()).pages_cached, await client.purge(),
-                      (await client.chat([{"role": "user", "content": "x"}])).text)
+            others = (
+                await client.tokenize("a bb"),
+                await client.models(),
+                (await client.usage()).pages_cached,
+                await client.purge(),
+                (await client.chat([{"role": "user", "content": "x"}])).text,
+            )
             return events, result.text, others
 
     events, text, others = asyncio.run(main())
@@ -27,9 +31,13 @@ def test_stream_order_text_and_unary_calls(fake: FakeInference, target: str) -> 
     assert [e.text for e in events[1:-1] if isinstance(e, Chunk)] == list(fake.chunks)
     assert isinstance(events[-1], Finished) and len(events) == 2 + len(fake.chunks)
     assert text == "Hello, world"
-    assert others == (Tokenized((1, 2), ("a", "bb")),
-                      (ModelInfo("fake", "llama", 2048, 49152, "float32"),), 5, 5,
-                      "Hello, world")
+    assert others == (
+        Tokenized((1, 2), ("a", "bb")),
+        (ModelInfo("fake", "llama", 2048, 49152, "float32"),),
+        5,
+        5,
+        "Hello, world",
+    )
     assert fake.seen.metadata[0]["authorization"] == f"Bearer {GOOD_KEY}"
 
 

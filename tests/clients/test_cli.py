@@ -30,10 +30,22 @@ def test_generate_streams_text_as_it_arrives() -> None:
     fake = FakeInference(gate=gate)
     with serve(fake) as target:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", "generate", "hi", "--target", target,
-             "--max-tokens", "5"],
-            cwd=repo_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, "KVFENCE_API_KEY": GOOD_KEY})
+            [
+                sys.executable,
+                "-m",
+                "clients.cli",
+                "generate",
+                "hi",
+                "--target",
+                target,
+                "--max-tokens",
+                "5",
+            ],
+            cwd=repo_root(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "KVFENCE_API_KEY": GOOD_KEY},
+        )
         try:
             assert proc.stdout is not None
             first = proc.stdout.read(3)
@@ -49,14 +61,18 @@ def test_generate_streams_text_as_it_arrives() -> None:
 
 
 def test_bad_key_prints_one_line_and_exits_with_the_status_code(
-        target: str, capsys: pytest.CaptureFixture[str]) -> None:
+    target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run(["generate", "hi", "--target", target, "--api-key", "bad"], capsys)
     assert (code, out, err) == (26, "", "kvfence: error: UNAUTHENTICATED: invalid API key\n")
 
 
 def test_api_key_and_target_come_from_the_environment(
-        fake: FakeInference, target: str, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake: FakeInference,
+    target: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("KVFENCE_API_KEY", GOOD_KEY)
     monkeypatch.setenv("KVFENCE_TARGET", target)
     assert run(["purge"], capsys) == (0, "purged 5 pages\n", "")
@@ -71,27 +87,53 @@ def test_exit_codes_are_distinct_per_status() -> None:
     assert cli.exit_code(ValueError("local")) == 1
 
 
-def test_server_errors_mid_stream(fake: FakeInference, target: str,
-                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_server_errors_mid_stream(
+    fake: FakeInference, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake.failures = [Fail(grpc.StatusCode.PERMISSION_DENIED, "model not allowed")]
     code, _, err = run(["generate", "hi", "--target", target, "--api-key", GOOD_KEY], capsys)
     assert (code, err) == (17, "kvfence: error: PERMISSION_DENIED: model not allowed\n")
 
 
 def test_local_errors_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(["usage", "--target", "127.0.0.1:1", "--tls-ca", "/nope/ca.pem"],
-                         capsys)
+    code, out, err = run(["usage", "--target", "127.0.0.1:1", "--tls-ca", "/nope/ca.pem"], capsys)
     assert (code, out) == (1, "")
-    assert err == "kvfence: error: cannot read CA certificate '/nope/ca.pem': " \
-                  "No such file or directory\n"
+    assert (
+        err == "kvfence: error: cannot read CA certificate '/nope/ca.pem': "
+        "No such file or directory\n"
+    )
 
 
-def test_generate_flags_reach_the_request(fake: FakeInference, target: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["generate", "hi", "--target", target, "--api-key", GOOD_KEY,
-                        "--max-tokens", "9", "--temperature", "0", "--top-p", "0.5",
-                        "--top-k", "4", "--seed", "11", "--stop", "a", "--stop", "b",
-                        "--timeout", "30"], capsys)
+def test_generate_flags_reach_the_request(
+    fake: FakeInference, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(
+        [
+            "generate",
+            "hi",
+            "--target",
+            target,
+            "--api-key",
+            GOOD_KEY,
+            "--max-tokens",
+            "9",
+            "--temperature",
+            "0",
+            "--top-p",
+            "0.5",
+            "--top-k",
+            "4",
+            "--seed",
+            "11",
+            "--stop",
+            "a",
+            "--stop",
+            "b",
+            "--timeout",
+            "30",
+        ],
+        capsys,
+    )
     assert (code, out) == (0, "Hello, world\n")
     sent = fake.seen.requests[0]
     assert isinstance(sent, inference_pb2.GenerateRequest)
@@ -102,38 +144,57 @@ def test_generate_flags_reach_the_request(fake: FakeInference, target: str,
     assert timeout is not None and 29 < timeout <= 30.05
 
 
-def test_generate_json_prints_one_object_per_event(target: str,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["generate", "hi", "--json", "--target", target, "--api-key", GOOD_KEY],
-                       capsys)
+def test_generate_json_prints_one_object_per_event(
+    target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(
+        ["generate", "hi", "--json", "--target", target, "--api-key", GOOD_KEY], capsys
+    )
     events = [json.loads(line) for line in out.splitlines()]
     assert code == 0
     assert [e["event"] for e in events] == ["started"] + ["chunk"] * 5 + ["finished"]
     assert "".join(e["text"] for e in events if e["event"] == "chunk") == "Hello, world"
     assert events[-1]["reason"] == "length"
-    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 5,
-                                   "cached_prompt_tokens": 1}
+    assert events[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "cached_prompt_tokens": 1,
+    }
 
 
-def test_chat_keeps_history_and_stops_at_exit(fake: FakeInference, target: str,
-                                              capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chat_keeps_history_and_stops_at_exit(
+    fake: FakeInference,
+    target: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\nagain\n/exit\nnot sent\n"))
-    code, out, err = run(["chat", "--system", "be brief", "--target", target,
-                          "--api-key", GOOD_KEY], capsys)
+    code, out, err = run(
+        ["chat", "--system", "be brief", "--target", target, "--api-key", GOOD_KEY], capsys
+    )
     assert (code, out, err) == (0, "Hello, world\nHello, world\n", "")
-    turns = [[(m.role, m.content) for m in r.chat.messages]
-             for r in fake.seen.requests if isinstance(r, inference_pb2.GenerateRequest)]
+    turns = [
+        [(m.role, m.content) for m in r.chat.messages]
+        for r in fake.seen.requests
+        if isinstance(r, inference_pb2.GenerateRequest)
+    ]
     assert turns == [
         [("system", "be brief"), ("user", "hello")],
-        [("system", "be brief"), ("user", "hello"), ("assistant", "Hello, world"),
-         ("user", "again")],
+        [
+            ("system", "be brief"),
+            ("user", "hello"),
+            ("assistant", "Hello, world"),
+            ("user", "again"),
+        ],
     ]
 
 
-def test_chat_ends_at_eof(fake: FakeInference, target: str,
-                          capsys: pytest.CaptureFixture[str],
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chat_ends_at_eof(
+    fake: FakeInference,
+    target: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("only turn"))
     code, out, _ = run(["chat", "--target", target, "--api-key", GOOD_KEY], capsys)
     assert (code, out, fake.generate_calls) == (0, "Hello, world\n", 1)
@@ -166,14 +227,20 @@ def test_register_plugs_into_a_foreign_parser() -> None:
         assert callable(parser.parse_args(argv).func)
 
 
-def test_retried_failures_still_print_exactly_one_line(
-        fake: FakeInference, target: str) -> None:
+def test_retried_failures_still_print_exactly_one_line(fake: FakeInference, target: str) -> None:
     # A real process: under pytest, log records are captured and would never reach stderr.
     fake.failures = [Fail(grpc.StatusCode.UNAVAILABLE, "draining")] * 4
     proc = subprocess.run(
         [sys.executable, "-m", "clients.cli", "tokenize", "a", "--target", target],
-        cwd=repo_root(), env={**os.environ, "KVFENCE_API_KEY": GOOD_KEY},
-        capture_output=True, text=True, timeout=60)
+        cwd=repo_root(),
+        env={**os.environ, "KVFENCE_API_KEY": GOOD_KEY},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert len(fake.seen.requests) == 4  # the default policy: four attempts
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        24, "", "kvfence: error: UNAVAILABLE: draining\n")
+        24,
+        "",
+        "kvfence: error: UNAVAILABLE: draining\n",
+    )

@@ -22,7 +22,8 @@ from tests.clients.fakeserver import GOOD_KEY, FakeInference, serve
 
 
 def test_events_arrive_in_order_and_text_matches_generate_text(
-        fake: FakeInference, target: str) -> None:
+    fake: FakeInference, target: str
+) -> None:
     with Client(target, api_key=GOOD_KEY) as client:
         events = list(client.generate("hi", max_tokens=5, client_request_id="c-1"))
         result = client.generate_text("hi", max_tokens=5)
@@ -30,8 +31,13 @@ def test_events_arrive_in_order_and_text_matches_generate_text(
     assert events[0].client_request_id == "c-1" and events[0].request_id == "req-1"
     chunks = events[1:-1]
     assert [c.text for c in chunks if isinstance(c, Chunk)] == list(fake.chunks)
-    assert [c.token_ids for c in chunks if isinstance(c, Chunk)] == [(100,), (101,), (102,),
-                                                                     (103,), (104,)]
+    assert [c.token_ids for c in chunks if isinstance(c, Chunk)] == [
+        (100,),
+        (101,),
+        (102,),
+        (103,),
+        (104,),
+    ]
     assert isinstance(events[-1], Finished) and events[-1].reason == "length"
     assert result.text == "Hello, world" == "".join(fake.chunks)
     assert result.finish_reason == "length"
@@ -41,14 +47,16 @@ def test_events_arrive_in_order_and_text_matches_generate_text(
 
 
 def test_key_travels_as_bearer_metadata_on_an_insecure_channel(
-        fake: FakeInference, target: str) -> None:
+    fake: FakeInference, target: str
+) -> None:
     with Client(target, api_key=GOOD_KEY) as client:
         client.generate_text("hi")
     assert fake.seen.metadata[0]["authorization"] == f"Bearer {GOOD_KEY}"
 
 
-def test_key_is_read_from_the_environment(fake: FakeInference, target: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_is_read_from_the_environment(
+    fake: FakeInference, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVFENCE_API_KEY", GOOD_KEY)
     with Client(target) as client:
         assert client.generate_text("hi").text == "Hello, world"
@@ -64,7 +72,9 @@ def test_chat_sends_messages(fake: FakeInference, target: str) -> None:
     sent = fake.seen.requests[0]
     assert isinstance(sent, inference_pb2.GenerateRequest)
     assert [(m.role, m.content) for m in sent.chat.messages] == [
-        ("system", "be brief"), ("user", "hi")]
+        ("system", "be brief"),
+        ("user", "hi"),
+    ]
     assert sent.chat.add_generation_prompt is True
     assert sent.sampling.HasField("temperature") and sent.sampling.temperature == 0.0
 
@@ -131,8 +141,7 @@ def test_closing_a_stream_early_cancels_the_call() -> None:
     assert fake.cancelled == [True]
 
 
-def test_completed_calls_are_not_reported_as_cancelled(fake: FakeInference,
-                                                       target: str) -> None:
+def test_completed_calls_are_not_reported_as_cancelled(fake: FakeInference, target: str) -> None:
     with Client(target, api_key=GOOD_KEY) as client:
         client.generate_text("hi")
     deadline = time.monotonic() + 2.0

@@ -32,17 +32,26 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
 
     model_dir: Path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-clients"))
     model: Any = load_model(model_dir, dtype="float32", progress=False)
-    with running_server(model, {"acme": TenantSpec(), "globex": TenantSpec()},
-                        tenants_dir=tmp_path_factory.mktemp("tenants")) as handle:
+    with running_server(
+        model,
+        {"acme": TenantSpec(), "globex": TenantSpec()},
+        tenants_dir=tmp_path_factory.mktemp("tenants"),
+    ) as handle:
         yield handle
 
 
 def test_sync_client_streams_from_the_real_server(real: ServerHandle) -> None:
     with Client(real.target, api_key=real.keys["acme"], timeout=60) as client:
-        events = list(client.generate("Hello, world", max_tokens=6, temperature=0.0,
-                                      ignore_eos=True, client_request_id="real-1"))
-        again = client.generate_text("Hello, world", max_tokens=6, temperature=0.0,
-                                     ignore_eos=True)
+        events = list(
+            client.generate(
+                "Hello, world",
+                max_tokens=6,
+                temperature=0.0,
+                ignore_eos=True,
+                client_request_id="real-1",
+            )
+        )
+        again = client.generate_text("Hello, world", max_tokens=6, temperature=0.0, ignore_eos=True)
         tokens = client.tokenize("Hello, world")
         assert client.models()[0].architecture == "llama"
         usage = client.usage()
@@ -77,10 +86,23 @@ def test_async_client_and_typed_errors_from_the_real_server(real: ServerHandle) 
     assert asyncio.run(main()) >= 0
 
 
-def test_cli_generate_against_the_real_server(real: ServerHandle,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["generate", "Hello", "--target", real.target, "--api-key",
-                     real.keys["acme"], "--max-tokens", "4", "--temperature", "0"])
+def test_cli_generate_against_the_real_server(
+    real: ServerHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(
+        [
+            "generate",
+            "Hello",
+            "--target",
+            real.target,
+            "--api-key",
+            real.keys["acme"],
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ]
+    )
     out, err = capsys.readouterr()
     with Client(real.target, api_key=real.keys["acme"]) as client:
         expected = client.generate_text("Hello", max_tokens=4, temperature=0.0).text

@@ -36,7 +36,8 @@ def _client(target: str, sleeps: list[float], **kwargs: object) -> Client:
 
 
 def test_unavailable_is_retried_with_exponential_backoff(
-        fake: FakeInference, target: str, sleeps: list[float]) -> None:
+    fake: FakeInference, target: str, sleeps: list[float]
+) -> None:
     fake.failures = [UNAVAILABLE] * 4
     with _client(target, sleeps) as client:
         result = client.generate_text("hi")
@@ -46,9 +47,11 @@ def test_unavailable_is_retried_with_exponential_backoff(
 
 
 def test_resource_exhausted_with_retry_info_waits_at_least_the_servers_delay(
-        fake: FakeInference, target: str, sleeps: list[float]) -> None:
-    fake.failures = [Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant queue full",
-                          retry_delay_s=2.5)] * 2
+    fake: FakeInference, target: str, sleeps: list[float]
+) -> None:
+    fake.failures = [
+        Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant queue full", retry_delay_s=2.5)
+    ] * 2
     with _client(target, sleeps) as client:
         assert client.generate_text("hi").text == "Hello, world"
     assert fake.generate_calls == 3
@@ -56,7 +59,8 @@ def test_resource_exhausted_with_retry_info_waits_at_least_the_servers_delay(
 
 
 def test_resource_exhausted_without_retry_info_is_not_retried(
-        fake: FakeInference, target: str, sleeps: list[float]) -> None:
+    fake: FakeInference, target: str, sleeps: list[float]
+) -> None:
     fake.failures = [Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota")]
     with _client(target, sleeps) as client, pytest.raises(ResourceExhausted, match="quota"):
         client.generate_text("hi")
@@ -64,7 +68,8 @@ def test_resource_exhausted_without_retry_info_is_not_retried(
 
 
 def test_a_stream_that_failed_after_its_first_chunk_is_never_retried(
-        fake: FakeInference, target: str, sleeps: list[float]) -> None:
+    fake: FakeInference, target: str, sleeps: list[float]
+) -> None:
     fake.failures = [Fail(grpc.StatusCode.UNAVAILABLE, "lost", after_chunks=1)]
     seen: list[GenerateEvent] = []
     with _client(target, sleeps) as client, pytest.raises(Unavailable, match="lost"):
@@ -76,7 +81,8 @@ def test_a_stream_that_failed_after_its_first_chunk_is_never_retried(
 
 
 def test_a_failure_after_started_but_before_any_chunk_is_retried_invisibly(
-        fake: FakeInference, target: str, sleeps: list[float]) -> None:
+    fake: FakeInference, target: str, sleeps: list[float]
+) -> None:
     fake.failures = [Fail(grpc.StatusCode.UNAVAILABLE, after_chunks=0)]
     with _client(target, sleeps) as client:
         events = list(client.generate("hi"))
@@ -85,16 +91,23 @@ def test_a_failure_after_started_but_before_any_chunk_is_retried_invisibly(
     assert fake.generate_calls == 2 and sleeps == pytest.approx([0.1])
 
 
-@pytest.mark.parametrize(("code", "error_type"), [
-    (grpc.StatusCode.UNAUTHENTICATED, Unauthenticated),
-    (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
-    (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
-    (grpc.StatusCode.CANCELLED, Cancelled),
-    (grpc.StatusCode.INTERNAL, Internal),
-])
+@pytest.mark.parametrize(
+    ("code", "error_type"),
+    [
+        (grpc.StatusCode.UNAUTHENTICATED, Unauthenticated),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
+        (grpc.StatusCode.CANCELLED, Cancelled),
+        (grpc.StatusCode.INTERNAL, Internal),
+    ],
+)
 def test_other_codes_raise_at_once_as_their_type(
-        fake: FakeInference, target: str, sleeps: list[float], code: grpc.StatusCode,
-        error_type: type[KvfenceError]) -> None:
+    fake: FakeInference,
+    target: str,
+    sleeps: list[float],
+    code: grpc.StatusCode,
+    error_type: type[KvfenceError],
+) -> None:
     # RetryInfo attached on purpose: only UNAVAILABLE/RESOURCE_EXHAUSTED may honour it.
     fake.failures = [Fail(code, "nope", retry_delay_s=0.1)] * 3
     with _client(target, sleeps) as client, pytest.raises(error_type) as caught:
@@ -106,8 +119,9 @@ def test_other_codes_raise_at_once_as_their_type(
 
 
 @pytest.mark.parametrize("retries", [0, RetryPolicy(enabled=False)])
-def test_retries_can_be_switched_off(fake: FakeInference, target: str, sleeps: list[float],
-                                     retries: int | RetryPolicy) -> None:
+def test_retries_can_be_switched_off(
+    fake: FakeInference, target: str, sleeps: list[float], retries: int | RetryPolicy
+) -> None:
     fake.failures = [UNAVAILABLE]
     with _client(target, sleeps, retries=retries) as client, pytest.raises(Unavailable):
         client.generate_text("hi")
@@ -131,8 +145,12 @@ def test_retries_stop_at_the_deadline(fake: FakeInference, target: str) -> None:
 
     fake.failures = [UNAVAILABLE] * 10
     policy = RetryPolicy(max_attempts=100, initial_backoff_s=0.4, jitter_s=0.0)
-    with Client(target, api_key=GOOD_KEY, retries=policy, clock=lambda: now[0],
-                sleep=sleep) as client, pytest.raises(Unavailable):
+    with (
+        Client(
+            target, api_key=GOOD_KEY, retries=policy, clock=lambda: now[0], sleep=sleep
+        ) as client,
+        pytest.raises(Unavailable),
+    ):
         client.generate_text("hi", timeout=1.0)
     # 0.4 s fits in the 1 s budget; the next wait (0.8 s) would end past the deadline.
     assert waits == [0.4] and fake.generate_calls == 2
@@ -141,7 +159,8 @@ def test_retries_stop_at_the_deadline(fake: FakeInference, target: str) -> None:
 
 
 def test_server_delay_beyond_the_deadline_is_not_waited_for(
-        fake: FakeInference, target: str, sleeps: list[float]) -> None:
+    fake: FakeInference, target: str, sleeps: list[float]
+) -> None:
     fake.failures = [Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", retry_delay_s=30.0)]
     with _client(target, sleeps) as client, pytest.raises(ResourceExhausted) as caught:
         client.generate_text("hi", timeout=5.0)
@@ -149,8 +168,7 @@ def test_server_delay_beyond_the_deadline_is_not_waited_for(
     assert (fake.generate_calls, sleeps) == (1, [])
 
 
-def test_unary_calls_are_retried_too(fake: FakeInference, target: str,
-                                     sleeps: list[float]) -> None:
+def test_unary_calls_are_retried_too(fake: FakeInference, target: str, sleeps: list[float]) -> None:
     fake.failures = [UNAVAILABLE, UNAVAILABLE]
     with _client(target, sleeps) as client:
         assert client.tokenize("a bb").token_ids == (1, 2)
@@ -181,10 +199,10 @@ def _run_async(target: str, sleeps: list[float], prompt_events: list[GenerateEve
     asyncio.run(main())
 
 
-def test_async_retries_before_the_first_chunk_and_honours_retry_info(
-        sleeps: list[float]) -> None:
-    fake = FakeInference(failures=[UNAVAILABLE, Fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                     retry_delay_s=1.5)])
+def test_async_retries_before_the_first_chunk_and_honours_retry_info(sleeps: list[float]) -> None:
+    fake = FakeInference(
+        failures=[UNAVAILABLE, Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, retry_delay_s=1.5)]
+    )
     events: list[GenerateEvent] = []
     with serve(fake) as target:
         _run_async(target, sleeps, events)
@@ -202,12 +220,16 @@ def test_async_stream_is_not_retried_after_a_chunk(sleeps: list[float]) -> None:
     assert (fake.generate_calls, sleeps) == (1, [])
 
 
-@pytest.mark.parametrize(("code", "error_type"), [
-    (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
-    (grpc.StatusCode.CANCELLED, Cancelled),
-])
-def test_async_non_retryable_codes(sleeps: list[float], code: grpc.StatusCode,
-                                   error_type: type[KvfenceError]) -> None:
+@pytest.mark.parametrize(
+    ("code", "error_type"),
+    [
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
+        (grpc.StatusCode.CANCELLED, Cancelled),
+    ],
+)
+def test_async_non_retryable_codes(
+    sleeps: list[float], code: grpc.StatusCode, error_type: type[KvfenceError]
+) -> None:
     fake = FakeInference(failures=[Fail(code, "no")] * 2)
     with serve(fake) as target, pytest.raises(error_type):
         _run_async(target, sleeps, [])

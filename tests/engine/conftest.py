@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcache import CacheConfig, KVCacheManager
+from kvcache import CacheConfig
 from service.engine.core import EngineCore
-from service.engine.factory import build_engine
+from service.engine.factory import build_core
 from service.engine.types import (
     Admitted,
     Delta,
     EngineConfig,
     EngineEvent,
+    EngineStats,
     Finished,
     Request,
     SamplingParams,
@@ -122,7 +123,7 @@ def make_core(
     ttl: float = 600.0,
     sampler_seed: int = 0,
 ) -> EngineCore:
-    engine = build_engine(
+    return build_core(
         loaded,
         config or EngineConfig(warmup=False),
         CacheConfig(page_size=page_size, default_ttl_s=ttl),
@@ -130,7 +131,6 @@ def make_core(
         clock=clock or FakeClock(),
         sampler_seed=sampler_seed,
     )
-    return engine.core
 
 
 def req(
@@ -158,7 +158,7 @@ def run_all(
     for r in requests:
         core.add(r, rec.sink(r.request_id))
     steps = 0
-    while core.num_requests() > 0:
+    while core.has_work():
         core.step()
         steps += 1
         assert steps < max_steps, "engine did not finish"
@@ -170,20 +170,19 @@ def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
 
-def kv(core: EngineCore) -> KVCacheManager:
-    assert isinstance(core.cache, KVCacheManager)
-    return core.cache
-
-
-def assert_at_baseline(core: EngineCore) -> None:
-    """No request state, no referenced page: every page is free or cached-unreferenced."""
-    assert core.num_requests() == 0
-    assert core.num_running() == 0 and core.num_waiting() == 0
-    stats = kv(core).stats()
+def assert_at_baseline(core: EngineCore | EngineStats) -> None:
+    """No request state, no referenced page: every page is free or in a tenant's prefix
+    index, and no page is owned without being indexed (an orphan would pass as "cached").
+    Takes a thread-free core, or ``await engine.stats()`` of a running engine."""
+    snapshot = core.stats() if isinstance(core, EngineCore) else core
+    counters, stats = snapshot.counters, snapshot.cache
+    assert counters.num_requests == 0
+    assert counters.num_running == 0 and counters.num_waiting == 0
     assert all(u.pages_in_use == 0 for u in stats.tenants.values()), stats
-    cached = sum(u.pages_cached for u in stats.tenants.values())
-    assert stats.free_pages + cached == stats.total_pages
-    assert not kv(core)._tables
+    owned_idle = sum(u.pages_cached for u in stats.tenants.values())
+    indexed = sum(u.cached_prefixes for u in stats.tenants.values())
+    assert (stats.free_pages + indexed, owned_idle) == (stats.total_pages, indexed), stats
+    assert stats.open_sequences == 0
 
 
 def with_logprobs(r: Request, n: int) -> Request:

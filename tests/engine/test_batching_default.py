@@ -101,7 +101,7 @@ def test_default_config_then_warm_prefix_cache(default_model: LoadedModel, refer
 def test_small_pool_preempts(default_model: LoadedModel, reference) -> None:  # type: ignore[no-untyped-def]
     core = make_core(default_model, pages=SMALL_POOL_PAGES, ttl=0.0)
     check("small pool", run_batched(core, reference[0]), reference)
-    assert core.scheduler.num_preemptions > 0
+    assert core.counters().num_preemptions > 0
     assert_at_baseline(core)
 
 

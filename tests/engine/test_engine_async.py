@@ -24,7 +24,6 @@ from service.model import LoadedModel
 from tests.engine.conftest import (
     Recorder,
     assert_at_baseline,
-    kv,
     make_core,
     prompt_ids,
     req,
@@ -53,12 +52,13 @@ def test_warmup_runs_before_start_returns_and_leaves_pool_at_baseline(tiny: Load
     engine = build_engine(tiny, EngineConfig(max_num_batched_tokens=64), CacheConfig(), kv_pages=64)
     engine.start()
     try:
-        core = engine.core
-        assert core.num_steps >= 1 + 5 * 3  # one prefill + 5 decode batch sizes x 3 tokens
-        assert engine.core.cache.num_free_pages() == 64
-        usage = kv(core).usage(WARMUP_TENANT)
+        stats = asyncio.run(engine.stats())
+        # one prefill + 5 decode batch sizes x 3 tokens
+        assert engine.counters().num_steps >= 1 + 5 * 3
+        assert stats.cache.free_pages == 64
+        usage = asyncio.run(engine.usage(WARMUP_TENANT))
         assert usage.pages_in_use == 0 and usage.pages_cached == 0 and usage.cached_prefixes == 0
-        assert_at_baseline(core)
+        assert_at_baseline(stats)
     finally:
         engine.shutdown()
 
@@ -71,7 +71,8 @@ def test_streams_match_the_core_and_events_are_ordered(tiny: LoadedModel) -> Non
     try:
 
         async def main() -> list[list[EngineEvent]]:
-            return await asyncio.gather(*(collect(engine.submit(r)) for r in requests))
+            streams = [await engine.submit(r) for r in requests]
+            return await asyncio.gather(*(collect(s) for s in streams))
 
         results = asyncio.run(main())
     finally:
@@ -82,7 +83,7 @@ def test_streams_match_the_core_and_events_are_ordered(tiny: LoadedModel) -> Non
         tokens = [t for e in events[1:-1] for t in e.token_ids]  # type: ignore[union-attr]
         assert tokens == reference.tokens(r.request_id)
         assert events[-1].completion_tokens == len(tokens)
-    assert_at_baseline(engine.core)
+    assert_at_baseline(asyncio.run(engine.stats()))
 
 
 def test_abort_and_closing_the_stream_free_the_request(tiny: LoadedModel) -> None:
@@ -93,8 +94,8 @@ def test_abort_and_closing_the_stream_free_the_request(tiny: LoadedModel) -> Non
             long = req("long", prompt_ids(1, 10, V), max_tokens=500, ignore_eos=True)
             gone = req("gone", prompt_ids(2, 10, V), max_tokens=500, ignore_eos=True)
             events: list[EngineEvent] = []
-            stream = engine.submit(long)
-            closed = engine.submit(gone)
+            stream = await engine.submit(long)
+            closed = await engine.submit(gone)
             async for event in stream:
                 events.append(event)
                 if len(events) == 3:
@@ -108,9 +109,9 @@ def test_abort_and_closing_the_stream_free_the_request(tiny: LoadedModel) -> Non
         assert isinstance(fin, Finished) and fin.reason == "abort"
         assert 2 <= fin.completion_tokens < 500
         deadline = time.monotonic() + 5
-        while engine.core.num_requests() and time.monotonic() < deadline:
+        while engine.counters().num_requests and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert_at_baseline(engine.core)
+        assert_at_baseline(asyncio.run(engine.stats()))
     finally:
         engine.shutdown()
 
@@ -120,18 +121,20 @@ def test_queue_full_raises_from_submit_and_shutdown_aborts(tiny: LoadedModel) ->
     engine.set_tenant_policy("t1", TenantSchedPolicy(max_waiting=1))
 
     async def main() -> list[EngineEvent]:
-        busy = engine.submit(req("busy", prompt_ids(1, 10, V), max_tokens=10_000, ignore_eos=True))
+        busy = await engine.submit(
+            req("busy", prompt_ids(1, 10, V), max_tokens=10_000, ignore_eos=True)
+        )
         await busy.__anext__()  # admitted: the queue is empty again
-        waiting = engine.submit(req("w", [5], max_tokens=1))
+        waiting = await engine.submit(req("w", [5], max_tokens=1))
         with pytest.raises(QueueFull):
-            engine.submit(req("x", [5], max_tokens=1))
+            await engine.submit(req("x", [5], max_tokens=1))
         engine.shutdown()
         rest = await collect(busy)
         assert (await collect(waiting))[-1].reason == "abort"  # type: ignore[union-attr]
         with pytest.raises(EngineStopped):
-            engine.submit(req("y", [5]))
+            await engine.submit(req("y", [5]))
         return rest
 
     rest = asyncio.run(main())
     assert isinstance(rest[-1], Finished) and rest[-1].reason == "abort"
-    assert_at_baseline(engine.core)
+    assert_at_baseline(asyncio.run(engine.stats()))

@@ -86,7 +86,7 @@ def test_per_tenant_running_cap(tiny: LoadedModel) -> None:
         log.add(f"a{i}", "A")
         log.add(f"b{i}", "B")
     peak: Counter[str] = Counter()
-    while core.num_requests():
+    while core.has_work():
         core.step()
         running = Counter(s.tenant for s in core.scheduler.running)
         for t in running:

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 
-from kvcache import FenceViolation, PageRef
 from service.engine.core import EngineCore
 from service.engine.types import (
     Delta,
@@ -22,7 +21,6 @@ from tests.engine.conftest import (
     FakeClock,
     Recorder,
     assert_at_baseline,
-    kv,
     make_core,
     prompt_ids,
     req,
@@ -33,7 +31,7 @@ V = 384
 
 
 def pages_in_use(core: EngineCore, tenant: str = "t1") -> int:
-    return kv(core).usage(tenant).pages_in_use
+    return core.usage(tenant).pages_in_use
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_pages_within_one_step(tiny: LoadedModel) -> None:
@@ -80,6 +78,27 @@ def test_deadline_running_and_waiting(tiny: LoadedModel) -> None:
     assert_at_baseline(core)
 
 
+def test_finished_requests_leave_the_deadline_heap(tiny: LoadedModel) -> None:
+    """1,500 requests with a long timeout that finish normally must not pile up in the
+    deadline heap until their (far) deadlines pass."""
+    clock = FakeClock()
+    core = make_core(tiny, clock=clock, config=EngineConfig(max_num_seqs=64, warmup=False))
+    rec = Recorder()
+    peak = 0
+    for i in range(1500):
+        r = req(f"d{i}", [3 + i % 300], max_tokens=1, ignore_eos=True)
+        core.add(dataclasses.replace(r, deadline=clock.now + 3600.0), rec.sink(r.request_id))
+        if i % 64 == 63:
+            while core.has_work():
+                core.step()
+        peak = max(peak, core.counters().num_deadlines)
+    while core.has_work():
+        core.step()
+    assert all(rec.finished(f"d{i}").reason == "length" for i in range(1500))  # type: ignore[union-attr]
+    assert peak <= 2 * 64 + 16  # bounded by the live requests, not by all ever added
+    assert core.counters().num_deadlines <= 16
+
+
 def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> None:
     requests = [req(f"f{i}", prompt_ids(i, 30, V), max_tokens=6, ignore_eos=True) for i in range(3)]
     reference = Recorder()
@@ -90,20 +109,23 @@ def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> N
         core.add(r, rec.sink(r.request_id))
     core.step()
     core.step()
-    table = kv(core)._tables["f1"]
-    stale = table.pages[0]
-    table.pages[0] = PageRef(stale.page_id, stale.generation + 1)  # a page that changed hands
+    core.inject_stale_page("t1", "f1")  # a page that changed hands under f1
     emitted = len(rec.tokens("f1"))
-    while core.num_requests():
+    while core.has_work():
         core.step()
     fin = rec.finished("f1")
-    assert fin is not None and fin.reason == "error" and isinstance(fin.error, FenceViolation)
+    assert (
+        fin is not None
+        and fin.reason == "error"
+        and fin.error is not None
+        and fin.error.kind == "kv_fence"
+    )
     assert len(rec.tokens("f1")) == emitted == 2
     for rid in ("f0", "f2"):
         assert rec.tokens(rid) == reference.tokens(rid)
-    assert kv(core).stats().fence_violations >= 1
+    assert core.stats().cache.fence_violations >= 1
     # The engine released everything but the page kvcache refuses to free through a stale ref.
-    assert pages_in_use(core) == 1 and core.num_requests() == 0
+    assert pages_in_use(core) == 1 and not core.has_work()
     again = Recorder()
     run_all(core, again, [req("after", prompt_ids(0, 30, V), max_tokens=6, ignore_eos=True)])
     assert again.tokens("after") == reference.tokens("f0")
@@ -241,7 +263,7 @@ def test_logprobs_in_deltas(tiny: LoadedModel) -> None:
     rec = Recorder()
     r = req("lp", prompt_ids(3, 9, V), max_tokens=4, ignore_eos=True)
     core.add(dataclasses.replace(r, logprobs=3), rec.sink("lp"))
-    while core.num_requests():
+    while core.has_work():
         core.step()
     deltas = [e for e in rec.events["lp"] if isinstance(e, Delta)]
     assert len(deltas) == 4

@@ -5,12 +5,11 @@ from __future__ import annotations
 from kvcache import TenantCachePolicy
 from service.engine.core import EngineCore
 from service.engine.scheduler import SchedulerOutput
-from service.engine.types import Admitted, Delta, EngineConfig, Finished, RequestTooLarge
+from service.engine.types import Admitted, Delta, EngineConfig, Finished
 from service.model import LoadedModel
 from tests.engine.conftest import (
     Recorder,
     assert_at_baseline,
-    kv,
     make_core,
     near_tie_divergences,
     prompt_ids,
@@ -89,7 +88,7 @@ def test_batched_equals_one_at_a_time_with_chunks_and_preemption(tiny: LoadedMod
         got = {r.request_id: rec.tokens(r.request_id) for r in requests}
         assert near_tie_divergences(got, alone, gaps) == []
         if pages == 24:
-            assert core.scheduler.num_preemptions > 0
+            assert core.counters().num_preemptions > 0
         assert_at_baseline(core)
 
 
@@ -101,7 +100,7 @@ def test_preempted_sequence_streams_each_token_once(tiny: LoadedModel) -> None:
     core = make_core(tiny, pages=12, ttl=0.0)  # 6 x 5 pages at the end: must preempt
     rec = Recorder()
     run_all(core, rec, requests)
-    assert core.scheduler.num_preemptions >= 3
+    assert core.counters().num_preemptions >= 3
     for r in requests:
         events = rec.events[r.request_id]
         assert isinstance(events[0], Admitted)
@@ -130,7 +129,7 @@ def test_prefix_cache_hit_skips_cached_pages_within_tenant_only(tiny: LoadedMode
 
 def test_request_that_can_never_fit_fails_with_request_too_large(tiny: LoadedModel) -> None:
     core = make_core(tiny, pages=8)
-    kv(core).set_tenant_policy("small", TenantCachePolicy(max_pages=2))
+    core.set_tenant_policy("small", cache=TenantCachePolicy(max_pages=2))
     rec = Recorder()
     run_all(
         core,
@@ -144,7 +143,11 @@ def test_request_that_can_never_fit_fails_with_request_too_large(tiny: LoadedMod
     for rid, what in [("huge", "pool"), ("quota", "tenant page quota")]:
         events = rec.events[rid]
         assert len(events) == 1 and isinstance(events[0], Finished)
-        assert events[0].reason == "error" and isinstance(events[0].error, RequestTooLarge)
+        assert (
+            events[0].reason == "error"
+            and events[0].error is not None
+            and events[0].error.kind == "too_large"
+        )
         assert events[0].error.what == what
     assert rec.finished("fits").reason == "length"  # type: ignore[union-attr]
     assert_at_baseline(core)
@@ -158,14 +161,18 @@ def test_quota_lowered_under_a_running_request_fails_it_instead_of_looping(
     core.add(req("q", prompt_ids(1, 14, V), max_tokens=20, ignore_eos=True), rec.sink("q"))
     core.add(req("other", prompt_ids(2, 14, V), max_tokens=20, ignore_eos=True), rec.sink("other"))
     core.step()  # both admitted with one page each
-    kv(core).set_tenant_policy("t1", TenantCachePolicy(max_pages=1))
-    while core.num_requests():
+    core.set_tenant_policy("t1", cache=TenantCachePolicy(max_pages=1))
+    while core.has_work():
         core.step()
     # Each needs a second page at token 17; the quota holds one page in all. The newer one is
     # preempted first; the older, then alone under the quota, can never grow: error.
     first = rec.finished("q")
     assert first is not None and first.reason == "error"
-    assert isinstance(first.error, RequestTooLarge) and first.error.what == "tenant page quota"
+    assert (
+        first.error is not None
+        and first.error.kind == "too_large"
+        and first.error.what == "tenant page quota"
+    )
     assert first.completion_tokens == 3
     second = rec.finished("other")
     assert second is not None and second.reason == "error"

@@ -23,11 +23,26 @@ PAGE = 16
 PROBE_KINDS = ("exact", "pages+1", "page0 last token", "page1 last token")
 
 _SUBJECTS = (
-    "the water cycle", "binary search", "the French revolution", "photosynthesis",
-    "a sourdough starter", "the Pythagorean theorem", "how vaccines work", "the Moon's phases",
-    "compound interest", "plate tectonics", "a bicycle gearbox", "the TCP handshake",
-    "honey bees", "the printing press", "black holes", "a haiku about rain",
-    "recycling paper", "the violin", "the Silk Road", "volcanoes",
+    "the water cycle",
+    "binary search",
+    "the French revolution",
+    "photosynthesis",
+    "a sourdough starter",
+    "the Pythagorean theorem",
+    "how vaccines work",
+    "the Moon's phases",
+    "compound interest",
+    "plate tectonics",
+    "a bicycle gearbox",
+    "the TCP handshake",
+    "honey bees",
+    "the printing press",
+    "black holes",
+    "a haiku about rain",
+    "recycling paper",
+    "the violin",
+    "the Silk Road",
+    "volcanoes",
 )
 _TEMPLATES = (
     "Explain {s} to a ten-year-old in two sentences.",
@@ -73,7 +88,9 @@ def probe(ids: Sequence[int], index: int, vocab: int) -> tuple[str, list[int]]:
 
 def near_limit(rng: random.Random, max_model_len: int, max_tokens: int, vocab: int) -> list[int]:
     """A novel prompt that, with ``max_tokens``, fills the context to within a few tokens."""
-    return [rng.randrange(3, vocab) for _ in range(max_model_len - max_tokens - rng.randrange(1, 4))]
+    return [
+        rng.randrange(3, vocab) for _ in range(max_model_len - max_tokens - rng.randrange(1, 4))
+    ]
 
 
 def mutated(ids: Sequence[int], vocab: int) -> list[int]:
@@ -89,7 +106,9 @@ class Cancelled:
     at: str
 
 
-async def cancel_storm_stream(stub: Any, meta: Metadata, ids: list[int], rng: random.Random) -> Cancelled:
+async def cancel_storm_stream(
+    stub: Any, meta: Metadata, ids: list[int], rng: random.Random
+) -> Cancelled:
     """One stream cancelled before Started, mid-prefill (on Started) or after 1-3 chunks."""
     call = stub.Generate(gen_request(ids, max_tokens=8), metadata=meta, timeout=120)
     point = rng.choice(("before", "prefill", "decode"))
@@ -110,8 +129,10 @@ async def cancel_storm_stream(stub: Any, meta: Metadata, ids: list[int], rng: ra
     return Cancelled(await call.code(), point)
 
 
-async def run_stream(stub: Any, meta: Metadata, ids: list[int], max_tokens: int,
-                     logprobs: int = 0) -> StreamResult:
-    call = stub.Generate(gen_request(ids, max_tokens=max_tokens, logprobs=logprobs),
-                         metadata=meta, timeout=300)
+async def run_stream(
+    stub: Any, meta: Metadata, ids: list[int], max_tokens: int, logprobs: int = 0
+) -> StreamResult:
+    call = stub.Generate(
+        gen_request(ids, max_tokens=max_tokens, logprobs=logprobs), metadata=meta, timeout=300
+    )
     return await collect_async(call)

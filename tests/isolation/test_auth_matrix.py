@@ -45,14 +45,18 @@ def _call(channel: grpc.Channel, method: str, metadata: Metadata) -> grpc.Status
     inference = inference_pb2_grpc.InferenceStub(channel)
     cache = cache_pb2_grpc.CacheStub(channel)
     calls: dict[str, Callable[[], Any]] = {
-        "Generate": lambda: list(inference.Generate(gen_request([5, 6], max_tokens=1),
-                                                    metadata=metadata, timeout=10)),
-        "Tokenize": lambda: inference.Tokenize(inference_pb2.TokenizeRequest(text="hi"),
-                                               metadata=metadata, timeout=10),
-        "ListModels": lambda: inference.ListModels(inference_pb2.ListModelsRequest(),
-                                                   metadata=metadata, timeout=10),
-        "GetUsage": lambda: cache.GetUsage(cache_pb2.GetUsageRequest(), metadata=metadata,
-                                           timeout=10),
+        "Generate": lambda: list(
+            inference.Generate(gen_request([5, 6], max_tokens=1), metadata=metadata, timeout=10)
+        ),
+        "Tokenize": lambda: inference.Tokenize(
+            inference_pb2.TokenizeRequest(text="hi"), metadata=metadata, timeout=10
+        ),
+        "ListModels": lambda: inference.ListModels(
+            inference_pb2.ListModelsRequest(), metadata=metadata, timeout=10
+        ),
+        "GetUsage": lambda: cache.GetUsage(
+            cache_pb2.GetUsageRequest(), metadata=metadata, timeout=10
+        ),
         "Purge": lambda: cache.Purge(cache_pb2.PurgeRequest(), metadata=metadata, timeout=10),
     }
     try:
@@ -71,7 +75,7 @@ class DenialLog:
 
     def new_denials(self) -> list[dict[str, Any]]:
         lines = self._stream.getvalue().splitlines()
-        fresh, self._seen = lines[self._seen:], len(lines)
+        fresh, self._seen = lines[self._seen :], len(lines)
         events = [json.loads(line) for line in fresh if line.startswith("{")]
         return [e for e in events if e.get("event") == "auth.denied"]
 
@@ -113,16 +117,36 @@ def test_api_key_matrix(srv: ServerHandle, record: Recorder) -> None:
         Case("wrong key", bearer(wrong_key), "Generate", U, "INVALID_KEY"),
         Case("key in upper case", bearer(key.upper()), "GetUsage", U, "INVALID_KEY"),
         Case("duplicate header, same key", bearer(key) * 2, "Generate", U, "DUPLICATE_CREDENTIALS"),
-        Case("duplicate header, two tenants", bearer(key) + bearer(srv.keys["globex"]), "GetUsage",
-             U, "DUPLICATE_CREDENTIALS"),
-        Case("duplicate header, good + wrong", bearer(key) + bearer(wrong_key), "GetUsage", U,
-             "DUPLICATE_CREDENTIALS"),
-        Case("scheme 'bearer' (RFC 7235: case-insensitive)", (("authorization", f"bearer {key}"),),
-             "GetUsage", OK, None),
+        Case(
+            "duplicate header, two tenants",
+            bearer(key) + bearer(srv.keys["globex"]),
+            "GetUsage",
+            U,
+            "DUPLICATE_CREDENTIALS",
+        ),
+        Case(
+            "duplicate header, good + wrong",
+            bearer(key) + bearer(wrong_key),
+            "GetUsage",
+            U,
+            "DUPLICATE_CREDENTIALS",
+        ),
+        Case(
+            "scheme 'bearer' (RFC 7235: case-insensitive)",
+            (("authorization", f"bearer {key}"),),
+            "GetUsage",
+            OK,
+            None,
+        ),
         Case("scheme 'BEARER'", (("authorization", f"BEARER {key}"),), "Generate", OK, None),
         # HTTP/2 forbids upper-case header names: gRPC refuses to send it at all.
-        Case("header name 'Authorization'", (("Authorization", f"Bearer {key}"),), "GetUsage",
-             grpc.StatusCode.INTERNAL, None),
+        Case(
+            "header name 'Authorization'",
+            (("Authorization", f"Bearer {key}"),),
+            "GetUsage",
+            grpc.StatusCode.INTERNAL,
+            None,
+        ),
         Case("valid key", bearer(key), "Generate", OK, None),
     ]
     channel = srv.channel()
@@ -131,26 +155,42 @@ def test_api_key_matrix(srv: ServerHandle, record: Recorder) -> None:
     # Revocation by reload: the tenants file loses "revokee"; its key is refused at once.
     revoked_key = srv.keys["revokee"]
     before = _call(channel, "GetUsage", bearer(revoked_key))
-    write_tenants_file(srv.tenants_path, {
-        "acme": TenantSpec(api_key=key), "globex": TenantSpec(api_key=srv.keys["globex"]),
-    })
+    write_tenants_file(
+        srv.tenants_path,
+        {
+            "acme": TenantSpec(api_key=key),
+            "globex": TenantSpec(api_key=srv.keys["globex"]),
+        },
+    )
     assert srv.server.reload_tenants()
     log.new_denials()
-    wrong += _run_cases(channel, log, [
-        Case("revoked key after reload", bearer(revoked_key), "Generate", U, "INVALID_KEY"),
-        Case("other keys survive the reload", bearer(key), "GetUsage", OK, None),
-    ])
+    wrong += _run_cases(
+        channel,
+        log,
+        [
+            Case("revoked key after reload", bearer(revoked_key), "Generate", U, "INVALID_KEY"),
+            Case("other keys survive the reload", bearer(key), "GetUsage", OK, None),
+        ],
+    )
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
 
     text = srv.log_stream.getvalue()
     leaked = [k for k in (*srv.keys.values(), wrong_key) if k in text]
     n = len(cases) + 3
     assert before == OK
-    assert record("credential cases with the expected status and log line", n - len(wrong),
-                  f"== {n}", not wrong), wrong
+    assert record(
+        "credential cases with the expected status and log line",
+        n - len(wrong),
+        f"== {n}",
+        not wrong,
+    ), wrong
     assert record("API keys appearing in the logs", len(leaked), "== 0", not leaked)
-    assert record("health without credentials", health.status == health.SERVING, "True",
-                  health.status == health.SERVING)
+    assert record(
+        "health without credentials",
+        health.status == health.SERVING,
+        "True",
+        health.status == health.SERVING,
+    )
 
 
 def test_cache_rpcs_touch_only_the_callers_tenant(srv: ServerHandle, record: Recorder) -> None:
@@ -159,8 +199,11 @@ def test_cache_rpcs_touch_only_the_callers_tenant(srv: ServerHandle, record: Rec
     prompts = {"acme": list(range(10, 50)), "globex": list(range(100, 180))}  # 2 and 5 pages
 
     def generate(tenant: str) -> int:
-        result = collect(inference.Generate(gen_request(prompts[tenant], max_tokens=2),
-                                            metadata=srv.auth(tenant), timeout=30))
+        result = collect(
+            inference.Generate(
+                gen_request(prompts[tenant], max_tokens=2), metadata=srv.auth(tenant), timeout=30
+            )
+        )
         assert result.ok and result.started is not None
         return int(result.started.cached_prompt_tokens)
 
@@ -172,21 +215,28 @@ def test_cache_rpcs_touch_only_the_callers_tenant(srv: ServerHandle, record: Rec
     acme, globex = usage("acme"), usage("globex")
     truth_acme, truth_globex = srv.usage("acme"), srv.usage("globex")
     views_own = (acme.pages_cached, acme.cached_prefixes) == (
-        truth_acme.pages_cached, truth_acme.cached_prefixes
+        truth_acme.pages_cached,
+        truth_acme.cached_prefixes,
     ) and (globex.pages_cached, globex.cached_prefixes) == (
-        truth_globex.pages_cached, truth_globex.cached_prefixes
+        truth_globex.pages_cached,
+        truth_globex.cached_prefixes,
     )
     purged = cache.Purge(cache_pb2.PurgeRequest(), metadata=srv.auth("acme"), timeout=10)
     globex_after = srv.usage("globex")
     untouched = (globex_after.pages_cached, globex_after.cached_prefixes) == (
-        truth_globex.pages_cached, truth_globex.cached_prefixes
+        truth_globex.pages_cached,
+        truth_globex.cached_prefixes,
     )
     globex_hit, acme_hit = generate("globex"), generate("acme")
 
     assert truth_acme.pages_cached != truth_globex.pages_cached  # the views are tellable apart
     assert record("GetUsage shows exactly the caller's own cache", views_own, "True", views_own)
-    assert record("pages purged by A == A's cached pages", purged.pages_purged,
-                  f"== {truth_acme.pages_cached}", purged.pages_purged == truth_acme.pages_cached)
+    assert record(
+        "pages purged by A == A's cached pages",
+        purged.pages_purged,
+        f"== {truth_acme.pages_cached}",
+        purged.pages_purged == truth_acme.pages_cached,
+    )
     assert record("B's cache untouched by A's Purge", untouched, "True", untouched)
     assert record("B's cached tokens after A's Purge", globex_hit, "> 0", globex_hit > 0)
     assert record("A's cached tokens after its own Purge", acme_hit, "== 0", acme_hit == 0)
@@ -203,8 +253,9 @@ def test_tls_and_mtls_matrix(tiny: Any, tmp_path: Path, record: Recorder) -> Non
     }
     options = ServerOptions(tls=TlsFiles(cert, key, tmp_path / "ca.pem"))
     stream = io.StringIO()
-    with running_server(tiny, tenants, options=options, log_stream=stream,
-                        tenants_dir=tmp_path) as srv:
+    with running_server(
+        tiny, tenants, options=options, log_stream=stream, tenants_dir=tmp_path
+    ) as srv:
         log = DenialLog(stream)
 
         def secure(client: Any | None) -> grpc.Channel:
@@ -213,29 +264,44 @@ def test_tls_and_mtls_matrix(tiny: Any, tmp_path: Path, record: Recorder) -> Non
                 private_key=None if client is None else client.key_pem,
                 certificate_chain=None if client is None else client.cert_pem,
             )
-            return grpc.secure_channel(srv.target, creds,
-                                       options=[("grpc.ssl_target_name_override", "localhost")])
+            return grpc.secure_channel(
+                srv.target, creds, options=[("grpc.ssl_target_name_override", "localhost")]
+            )
 
         good, stranger = ca.issue("worker", uri=mapped), ca.issue("stranger", uri=unmapped)
         forged = rogue.issue("worker", uri=mapped)  # same identity, untrusted issuer
         key_acme = bearer(srv.keys["acme"])
         unavailable = grpc.StatusCode.UNAVAILABLE
         matrix: list[tuple[grpc.Channel, Case]] = [
-            (grpc.insecure_channel(srv.target),
-             Case("plaintext to the TLS port", key_acme, "GetUsage", unavailable, None)),
-            (secure(None), Case("TLS without a client certificate", key_acme, "GetUsage",
-                                unavailable, None)),
-            (secure(forged), Case("client cert from an untrusted CA", (), "GetUsage",
-                                  unavailable, None)),
+            (
+                grpc.insecure_channel(srv.target),
+                Case("plaintext to the TLS port", key_acme, "GetUsage", unavailable, None),
+            ),
+            (
+                secure(None),
+                Case("TLS without a client certificate", key_acme, "GetUsage", unavailable, None),
+            ),
+            (
+                secure(forged),
+                Case("client cert from an untrusted CA", (), "GetUsage", unavailable, None),
+            ),
             (secure(good), Case("trusted, mapped client cert", (), "Generate", OK, None)),
-            (secure(stranger), Case("trusted cert, unmapped identity", (), "GetUsage", U,
-                                    "UNKNOWN_CERT")),
-            (secure(good), Case("mapped cert + another tenant's key", key_acme, "GetUsage", U,
-                                "MISMATCH")),
+            (
+                secure(stranger),
+                Case("trusted cert, unmapped identity", (), "GetUsage", U, "UNKNOWN_CERT"),
+            ),
+            (
+                secure(good),
+                Case("mapped cert + another tenant's key", key_acme, "GetUsage", U, "MISMATCH"),
+            ),
         ]
         wrong: list[str] = []
         for channel, case in matrix:
             wrong += _run_cases(channel, log, [case])
             channel.close()
-    assert record("TLS/mTLS cases with the expected status and log line",
-                  len(matrix) - len(wrong), f"== {len(matrix)}", not wrong), wrong
+    assert record(
+        "TLS/mTLS cases with the expected status and log line",
+        len(matrix) - len(wrong),
+        f"== {len(matrix)}",
+        not wrong,
+    ), wrong

@@ -58,10 +58,17 @@ def srv(default_model: Any) -> Iterator[ServerHandle]:
     cfg = default_model.model.config
     per_page = page_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, default_model.dtype)
     sizing = EngineSizing(
-        kv_memory=str(POOL_PAGES * per_page), max_model_len=MAX_LEN, max_num_batched_tokens=128,
-        max_num_seqs=16, warmup=False, dtype="float32",
+        kv_memory=str(POOL_PAGES * per_page),
+        max_model_len=MAX_LEN,
+        max_num_batched_tokens=128,
+        max_num_seqs=16,
+        warmup=False,
+        dtype="float32",
     )
-    tenants = {"alice": TenantSpec(max_concurrent_streams=64), "bob": TenantSpec(max_concurrent_streams=64)}
+    tenants = {
+        "alice": TenantSpec(max_concurrent_streams=64),
+        "bob": TenantSpec(max_concurrent_streams=64),
+    }
     with running_server(default_model, tenants, sizing=sizing) as handle:
         yield handle
 
@@ -69,7 +76,9 @@ def srv(default_model: Any) -> Iterator[ServerHandle]:
 @dataclass(slots=True)
 class Run2:
     a: dict[int, Any] = field(default_factory=dict)
-    probes: list[tuple[str, int, int]] = field(default_factory=list)  # kind, B cached, A cached after
+    probes: list[tuple[str, int, int]] = field(
+        default_factory=list
+    )  # kind, B cached, A cached after
     storm: list[Any] = field(default_factory=list)
     near_limit: list[Any] = field(default_factory=list)
     t_pressure: float = math.inf  # when B's pressure and storm began
@@ -77,17 +86,27 @@ class Run2:
 
 def _tokenize(srv: ServerHandle, texts: list[str]) -> list[list[int]]:
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
-    return [list(stub.Tokenize(inference_pb2.TokenizeRequest(text=t), metadata=srv.auth("alice"),
-                               timeout=30).token_ids) for t in texts]
+    return [
+        list(
+            stub.Tokenize(
+                inference_pb2.TokenizeRequest(text=t), metadata=srv.auth("alice"), timeout=30
+            ).token_ids
+        )
+        for t in texts
+    ]
 
 
-async def _run_a(stub: Any, srv: ServerHandle, prompts: list[list[int]], done: Any = None) -> dict[int, Any]:
+async def _run_a(
+    stub: Any, srv: ServerHandle, prompts: list[list[int]], done: Any = None
+) -> dict[int, Any]:
     gate = asyncio.Semaphore(A_CONCURRENCY)
     out: dict[int, Any] = {}
 
     async def one(i: int) -> None:
         async with gate:
-            out[i] = await run_stream(stub, bearer(srv.keys["alice"]), prompts[i], MAX_TOKENS, logprobs=2)
+            out[i] = await run_stream(
+                stub, bearer(srv.keys["alice"]), prompts[i], MAX_TOKENS, logprobs=2
+            )
         if done is not None:
             await done(i)
 
@@ -111,8 +130,13 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
             b = await run_stream(stub, b_meta, ids, 2)
             a_again = await run_stream(stub, a_meta, prompts[i], 1)
             assert b.ok and a_again.ok, (b.code, a_again.code)
-            run.probes.append((kind, b.started.cached_prompt_tokens if b.started else -1,
-                               a_again.started.cached_prompt_tokens if a_again.started else 0))
+            run.probes.append(
+                (
+                    kind,
+                    b.started.cached_prompt_tokens if b.started else -1,
+                    a_again.started.cached_prompt_tokens if a_again.started else 0,
+                )
+            )
             if len(run.probes) >= N // 2 and not half_done.is_set():
                 run.t_pressure = time.monotonic()
                 half_done.set()
@@ -154,7 +178,7 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
 
 @pytest.mark.timeout(size(420, 1800))
 def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recorder) -> None:
-    vocab = srv.engine.core.tokens.vocab_size
+    vocab = srv.engine.vocab_size
     prompts = _tokenize(srv, a_prompts(N))
     assert len({tuple(p[:16]) for p in prompts}) == N, "A's prompts must not share a first page"
     assert min(map(len, prompts)) > 32, "every probe kind needs a prompt over two pages"
@@ -164,13 +188,17 @@ def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recor
             return await _run_a(inference_pb2_grpc.InferenceStub(channel), srv, prompts)
 
     ref = asyncio.run(run1())
-    stats0, preempt0 = srv.stats(), srv.engine.core.scheduler.num_preemptions
+    stats0, preempt0 = srv.stats(), srv.engine.counters().num_preemptions
     run = asyncio.run(_run2(srv, prompts, vocab))
-    stats1, preempt1 = srv.stats(), srv.engine.core.scheduler.num_preemptions
+    stats1, preempt1 = srv.stats(), srv.engine.counters().num_preemptions
     state = wait_for_baseline(srv, timeout=30)
 
-    shape = [f"A#{i}" for i, p in enumerate(prompts)
-             for r in (ref[i], run.a[i]) if check_stream(r, prompt_tokens=len(p), max_tokens=MAX_TOKENS)]
+    shape = [
+        f"A#{i}"
+        for i, p in enumerate(prompts)
+        for r in (ref[i], run.a[i])
+        if check_stream(r, prompt_tokens=len(p), max_tokens=MAX_TOKENS)
+    ]
     mismatched = near_ties = 0
     for i in range(N):
         cmp = compare(ref[i].tokens, ref[i].gaps, run.a[i].tokens)
@@ -184,27 +212,43 @@ def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recor
     a_cached = a_run2 + sum(after for *_, after in run.probes)
     evicted = stats1.evictions["lru"] - stats0.evictions["lru"]
     preempted = preempt1 - preempt0
-    bad_storm = [c for c in run.storm if c.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK)]
+    bad_storm = [
+        c for c in run.storm if c.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK)
+    ]
     bad_pressure = [r.code.name for r in run.near_limit if not r.ok]
     overlapping = sum(1 for r in run.a.values() if r.t_end > run.t_pressure)
 
     record.info("A prompts x greedy tokens", f"{N} x {MAX_TOKENS}")
-    assert record("mismatched tokens in A's outputs, run 1 vs run 2", mismatched, "== 0",
-                  mismatched == 0 and not shape), shape
+    assert record(
+        "mismatched tokens in A's outputs, run 1 vs run 2",
+        mismatched,
+        "== 0",
+        mismatched == 0 and not shape,
+    ), shape
     record.info(f"near-tie divergences excused (top-2 gap < {NEAR_TIE_GAP:g})", near_ties)
-    assert record("cached prompt tokens reported to B on A's prefixes", b_cached, "== 0",
-                  b_cached == 0 and len(run.probes) == N)
+    assert record(
+        "cached prompt tokens reported to B on A's prefixes",
+        b_cached,
+        "== 0",
+        b_cached == 0 and len(run.probes) == N,
+    )
     assert record("B probes made while A held the prefix", held, f">= {N // 3}", held >= N // 3)
     assert record("A cached prompt tokens on its repeats (control)", a_cached, "> 0", a_cached > 0)
     record.info("... of which on A's run-2 requests", a_run2)
-    assert record("A requests still running when B's pressure began", overlapping, ">= 1",
-                  overlapping >= 1)
+    assert record(
+        "A requests still running when B's pressure began", overlapping, ">= 1", overlapping >= 1
+    )
     assert record("LRU evictions during run 2", evicted, "> 0", evicted > 0)
     assert record("preemptions during run 2", preempted, "> 0", preempted > 0)
     record.info("B cancellation-storm streams", len(run.storm))
     record.info("pages scrubbed (all runs)", stats1.scrubs)
-    assert record("B streams ending wrongly", len(bad_storm) + len(bad_pressure), "== 0",
-                  not bad_storm and not bad_pressure), (bad_storm, bad_pressure)
+    assert record(
+        "B streams ending wrongly",
+        len(bad_storm) + len(bad_pressure),
+        "== 0",
+        not bad_storm and not bad_pressure,
+    ), (bad_storm, bad_pressure)
     assert record("fence violations", stats1.fence_violations, "== 0", stats1.fence_violations == 0)
-    assert record("pool at baseline afterwards", state.at_baseline, "True", state.at_baseline), \
+    assert record("pool at baseline afterwards", state.at_baseline, "True", state.at_baseline), (
         state.describe()
+    )

@@ -50,8 +50,9 @@ def srv(medium: Any) -> Iterator[ServerHandle]:
 
 def _ttft(srv: ServerHandle, tenant: str, prompt: list[int]) -> StreamResult:
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
-    result = collect(stub.Generate(gen_request(prompt, max_tokens=1), metadata=srv.auth(tenant),
-                                   timeout=120))
+    result = collect(
+        stub.Generate(gen_request(prompt, max_tokens=1), metadata=srv.auth(tenant), timeout=120)
+    )
     assert result.ok and result.ttft is not None and result.started is not None, result.code
     return result
 

@@ -32,13 +32,16 @@ def srv(tiny: Any) -> Iterator[ServerHandle]:
 
 def _cached(srv: ServerHandle, tenant: str, prompt: list[int]) -> int:
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
-    result = collect(stub.Generate(gen_request(prompt, max_tokens=2), metadata=srv.auth(tenant),
-                                   timeout=30))
+    result = collect(
+        stub.Generate(gen_request(prompt, max_tokens=2), metadata=srv.auth(tenant), timeout=30)
+    )
     assert result.ok and result.started is not None, result.code
     return int(result.started.cached_prompt_tokens)
 
 
-def test_ttl_expires_a_prefix_and_purge_drops_it_at_once(srv: ServerHandle, record: Recorder) -> None:
+def test_ttl_expires_a_prefix_and_purge_drops_it_at_once(
+    srv: ServerHandle, record: Recorder
+) -> None:
     prompt = list(range(20, 68))  # 48 tokens: 2 full pages can be cached (one token is kept)
     assert _cached(srv, "brief", prompt) == 0
     time.sleep(TTL * 0.5)
@@ -57,11 +60,16 @@ def test_ttl_expires_a_prefix_and_purge_drops_it_at_once(srv: ServerHandle, reco
     _cached(srv, "nocache", other)
     no_cache = _cached(srv, "nocache", other)
 
-    assert record(f"cached tokens on a repeat within the TTL ({TTL:g} s)", within, "== 32",
-                  within == 32)
+    assert record(
+        f"cached tokens on a repeat within the TTL ({TTL:g} s)", within, "== 32", within == 32
+    )
     assert record("cached tokens on a repeat after the TTL", after, "== 0", after == 0)
     assert record("cached tokens before Purge (control)", before_purge, "== 32", before_purge == 32)
-    assert record("pages purged", purged.pages_purged, f"== {cached_pages}",
-                  purged.pages_purged == cached_pages and cached_pages >= 2)
+    assert record(
+        "pages purged",
+        purged.pages_purged,
+        f"== {cached_pages}",
+        purged.pages_purged == cached_pages and cached_pages >= 2,
+    )
     assert record("cached tokens right after Purge", after_purge, "== 0", after_purge == 0)
     assert record("cached tokens with TTL 0", no_cache, "== 0", no_cache == 0)

@@ -85,8 +85,8 @@ def test_begin_step_fences_every_page() -> None:
     prefill(mgr, "victim", "a", [1, 2, 3, 4, 5, 6])
     mgr.open("thief", "b", [9, 9, 9, 9, 9])
     mgr.allocate_slots("thief", 4)
-    table = mgr._tables["thief"]  # fault injection: splice a foreign page into the table
-    table.pages[0] = mgr.sequence_pages("victim")[0]
+    # fault injection: splice a foreign page into the table
+    mgr.inject_page_ref("thief", 0, mgr.sequence_pages("victim")[0])
     with pytest.raises(FenceViolation, match="another tenant"):
         mgr.begin_step([StepEntry("thief", 0, 4)])
     assert mgr.stats().fence_violations == 1
@@ -97,7 +97,7 @@ def test_begin_step_refuses_pages_of_a_same_tenant_sequence() -> None:
     prefill(mgr, "one", "a", [1, 2, 3, 4, 5, 6])
     mgr.open("two", "a", [7, 7, 7])
     mgr.allocate_slots("two", 3)
-    mgr._tables["two"].pages[0] = mgr.sequence_pages("one")[1]  # unshared page of "one"
+    mgr.inject_page_ref("two", 0, mgr.sequence_pages("one")[1])  # unshared page of "one"
     with pytest.raises(FenceViolation, match="not held"):
         mgr.begin_step([StepEntry("two", 0, 3)])
 
@@ -109,6 +109,6 @@ def test_begin_step_refuses_stale_refs() -> None:
     mgr.free("s")
     mgr.open("s2", "a", [1, 2, 3], use_prefix_cache=False)
     mgr.allocate_slots("s2", 3)
-    mgr._tables["s2"].pages[0] = stale  # fault injection: a ref from the page's last life
+    mgr.inject_page_ref("s2", 0, stale)  # fault injection: a ref from the page's last life
     with pytest.raises(FenceViolation, match="stale generation"):
         mgr.begin_step([StepEntry("s2", 0, 3)])

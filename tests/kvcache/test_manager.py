@@ -67,7 +67,7 @@ def test_decode_loop_appends_and_caches_generated_pages() -> None:
     prefill(mgr, "a", "t", [1, 2, 3])
     for tok in (4, 5, 6):
         mgr.append_token("a", tok)
-        n = len(mgr._tables["a"].token_ids) - 1
+        n = len(mgr.table("a").token_ids) - 1
         mgr.allocate_slots("a", 1)
         mgr.begin_step([StepEntry("a", n, 1)])
         mgr.commit("a", n + 1)

@@ -50,7 +50,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- helpers -------------------------------------------------------------------------
     def _run(self, seq_id: str, n: int) -> None:
-        table = self.mgr._tables[seq_id]
+        table = self.mgr.table(seq_id)
         start = table.num_computed
         pages_before, free_before = len(table.pages), self.mgr.num_free_pages()
         try:
@@ -86,7 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _work(self, seq_id: str, chunk: int, token: int) -> None:
         """Prefill the next chunk, or decode one token once the prompt is done."""
-        table = self.mgr._tables[seq_id]
+        table = self.mgr.table(seq_id)
         if table.num_computed == len(table.token_ids):
             self.mgr.append_token(seq_id, token)
         self._run(seq_id, min(chunk, len(table.token_ids) - table.num_computed))
@@ -144,7 +144,7 @@ class CacheMachine(RuleBasedStateMachine):
         live = [s for s, t in sorted(self.seqs.items()) if t == tenant]
         if not live:
             return
-        table = self.mgr._tables[data.draw(st.sampled_from(live))]
+        table = self.mgr.table(data.draw(st.sampled_from(live)))
         if ref in table.pages:
             return  # the same ref legitimately re-shared by this very sequence
         table.pages.append(ref)
@@ -163,7 +163,7 @@ class CacheMachine(RuleBasedStateMachine):
         thieves = [s for s, t in sorted(self.seqs.items()) if t != self.seqs[victim]]
         if not refs:
             return
-        thief = self.mgr._tables[data.draw(st.sampled_from(thieves))]
+        thief = self.mgr.table(data.draw(st.sampled_from(thieves)))
         thief.pages.insert(0, data.draw(st.sampled_from(refs)))
         try:
             with pytest.raises(FenceViolation):
@@ -182,7 +182,7 @@ class CacheMachine(RuleBasedStateMachine):
         alloc, prefix, evictable = self.mgr.allocator, self.mgr.prefix, self.mgr.evictable
         free = alloc.free_page_ids()
         assert len(free) == len(set(free))
-        tables = self.mgr._tables
+        tables = self.mgr.tables()
         holders: dict[int, set[str]] = {}
         tenants_of: dict[int, set[str]] = {}
         for seq_id, table in tables.items():
@@ -223,7 +223,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def pages_hold_only_their_tenants_data(self) -> None:
         kv = self.mgr.pool.kv[0]
-        for table in self.mgr._tables.values():
+        for table in self.mgr.tables().values():
             for ref in table.pages:
                 values = set(kv[ref.page_id].unique().tolist())
                 assert values <= {0.0, MARK[table.tenant]}

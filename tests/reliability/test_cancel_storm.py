@@ -33,8 +33,12 @@ from tests.verify.stats import percentile
 TENANTS = ("t0", "t1", "t2", "t3")
 STREAMS = size(60, 500)
 SIZING = EngineSizing(
-    kv_memory="8MiB", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=64,
-    warmup=False, dtype="float32",
+    kv_memory="8MiB",
+    max_model_len=512,
+    max_num_batched_tokens=64,
+    max_num_seqs=64,
+    warmup=False,
+    dtype="float32",
 )
 
 
@@ -77,8 +81,16 @@ def _plans(seed: int) -> list[Plan]:
         tenant = TENANTS[i % len(TENANTS)]
         if i % 2 == 0:
             fate = ("before_first_token", "mid_prefill", "mid_decode")[(i // 2) % 3]
-            plans.append(Plan(i, tenant, prompt, max_tokens, fate,
-                              cancel_after_chunks=rng.randrange(1, max_tokens)))
+            plans.append(
+                Plan(
+                    i,
+                    tenant,
+                    prompt,
+                    max_tokens,
+                    fate,
+                    cancel_after_chunks=rng.randrange(1, max_tokens),
+                )
+            )
         else:
             timeout = math.exp(rng.uniform(math.log(0.001), math.log(2.0)))
             plans.append(Plan(i, tenant, prompt, max_tokens, "deadline", timeout_s=timeout))
@@ -156,26 +168,39 @@ def test_cancellation_storm_leaves_no_state_and_frees_pages_fast(
         t_done = time.monotonic()
         state = wait_for_baseline(srv, timeout=30)
         to_baseline = time.monotonic() - t_done
-    wrong = [f"#{o.plan.index} {o.plan.fate}: {o.code.name} after {o.tokens} tokens"
-             for o in outcomes if not _fate_ok(o)]
+    wrong = [
+        f"#{o.plan.index} {o.plan.fate}: {o.code.name} after {o.tokens} tokens"
+        for o in outcomes
+        if not _fate_ok(o)
+    ]
     latencies = []
     for o in outcomes:
         if o.request_id and o.t_cancel is not None:
             freed = probe.free_after(o.request_id, o.t_cancel)
             if freed is not None:
                 latencies.append(freed - o.t_cancel)
-    by_fate = {f: sum(1 for o in outcomes if o.plan.fate == f and o.code == grpc.StatusCode.CANCELLED)
-               for f in ("before_first_token", "mid_prefill", "mid_decode")}
+    by_fate = {
+        f: sum(1 for o in outcomes if o.plan.fate == f and o.code == grpc.StatusCode.CANCELLED)
+        for f in ("before_first_token", "mid_prefill", "mid_decode")
+    }
     record.info("streams", len(outcomes))
     record.info("storm seconds", round(t_done - t0, 2))
     for fate, n in by_fate.items():
         record.info(f"cancelled {fate.replace('_', ' ')}", n)
-    record.info("cancels that lost the race to the stream's end",
-                sum(o.code == grpc.StatusCode.OK for o in outcomes if o.plan.fate != "deadline"))
-    record.info("deadline exceeded", sum(o.code == grpc.StatusCode.DEADLINE_EXCEEDED for o in outcomes))
+    record.info(
+        "cancels that lost the race to the stream's end",
+        sum(o.code == grpc.StatusCode.OK for o in outcomes if o.plan.fate != "deadline"),
+    )
+    record.info(
+        "deadline exceeded", sum(o.code == grpc.StatusCode.DEADLINE_EXCEEDED for o in outcomes)
+    )
     assert record("streams ending against their fate", len(wrong), "== 0", not wrong), wrong
-    assert record("at baseline after the storm (no requests, no leases, no pages in use)",
-                  state.at_baseline, "True", state.at_baseline), state.describe()
+    assert record(
+        "at baseline after the storm (no requests, no leases, no pages in use)",
+        state.at_baseline,
+        "True",
+        state.at_baseline,
+    ), state.describe()
     assert record("fence violations", state.fence_violations, "== 0", state.fence_violations == 0)
     record.info("seconds from last stream end to baseline", round(to_baseline, 3))
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)

@@ -31,8 +31,14 @@ GRACE = 3.0
 SHORT, LONG = 24, 8
 LONG_TOKENS = 1900
 SERVER_ARGS = [
-    "--grace-seconds", str(GRACE), "--kv-memory", "160MiB", "--max-model-len", "2048",
-    "--max-num-seqs", "64",
+    "--grace-seconds",
+    str(GRACE),
+    "--kv-memory",
+    "160MiB",
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "64",
 ]
 
 
@@ -50,8 +56,9 @@ def _events(lines: list[str]) -> list[dict[str, Any]]:
 def _revoke_with_sighup(proc: ServerProcess, tenants: Path, keys: dict[str, str]) -> bool:
     cache = cache_pb2_grpc.CacheStub(grpc.insecure_channel(proc.target))
     cache.GetUsage(cache_pb2.GetUsageRequest(), metadata=bearer(keys["globex"]), timeout=10)
-    write_tenants_file(tenants, {"acme": TenantSpec(max_concurrent_streams=64,
-                                                    api_key=keys["acme"])})
+    write_tenants_file(
+        tenants, {"acme": TenantSpec(max_concurrent_streams=64, api_key=keys["acme"])}
+    )
     proc.popen.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -66,8 +73,10 @@ def _revoke_with_sighup(proc: ServerProcess, tenants: Path, keys: dict[str, str]
 async def _drain(proc: ServerProcess, key: str, flights: list[Flight]) -> dict[str, Any]:
     async with grpc.aio.insecure_channel(proc.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        calls = [stub.Generate(gen_request(f.prompt, max_tokens=f.max_tokens), metadata=bearer(key))
-                 for f in flights]
+        calls = [
+            stub.Generate(gen_request(f.prompt, max_tokens=f.max_tokens), metadata=bearer(key))
+            for f in flights
+        ]
         firsts = await asyncio.gather(*(c.read() for c in calls))
         assert all(m.WhichOneof("event") == "started" for m in firsts), "not all streams started"
         t_sig = time.monotonic()
@@ -85,8 +94,9 @@ async def _drain(proc: ServerProcess, key: str, flights: list[Flight]) -> dict[s
         accepted_after_refusal = 0
         while time.monotonic() - t_sig < GRACE:
             try:
-                await stub.Generate(gen_request([5, 6], max_tokens=1), metadata=bearer(key),
-                                    timeout=5).read()
+                await stub.Generate(
+                    gen_request([5, 6], max_tokens=1), metadata=bearer(key), timeout=5
+                ).read()
                 if refused_at is not None:
                     accepted_after_refusal += 1
             except grpc.RpcError as err:
@@ -107,16 +117,20 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(
     medium_dir: Path, tmp_path: Path, record: Recorder
 ) -> None:
     tenants = tmp_path / "tenants.toml"
-    keys = write_tenants_file(tenants, {"acme": TenantSpec(max_concurrent_streams=64),
-                                        "globex": TenantSpec()})
+    keys = write_tenants_file(
+        tenants, {"acme": TenantSpec(max_concurrent_streams=64), "globex": TenantSpec()}
+    )
     proc = start_server_process(medium_dir, tenants, SERVER_ARGS)
     try:
         revoked = _revoke_with_sighup(proc, tenants, keys)
         rng = random.Random(3)
-        flights = [Flight(rng.randrange(8, 24), [rng.randrange(3, 384) for _ in range(20)])
-                   for _ in range(SHORT)]
-        flights += [Flight(LONG_TOKENS, [rng.randrange(3, 384) for _ in range(20)])
-                    for _ in range(LONG)]
+        flights = [
+            Flight(rng.randrange(8, 24), [rng.randrange(3, 384) for _ in range(20)])
+            for _ in range(SHORT)
+        ]
+        flights += [
+            Flight(LONG_TOKENS, [rng.randrange(3, 384) for _ in range(20)]) for _ in range(LONG)
+        ]
         timing = asyncio.run(_drain(proc, keys["acme"], flights))
         rc = proc.wait(GRACE + 30)
         t_exit = time.monotonic()
@@ -145,20 +159,37 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(
     exit_s = t_exit - t_sig
 
     assert record("SIGHUP reload revokes a key", revoked, "True", revoked)
-    assert record("in flight at SIGTERM (server log)", draining[0]["in_flight"] if draining else -1,
-                  f"== {SHORT + LONG}", bool(draining) and draining[0]["in_flight"] == SHORT + LONG)
-    assert record("short streams complete and untruncated", SHORT - len(short_bad), f"== {SHORT}",
-                  not short_bad), short_bad
-    assert record("long streams silently truncated or cut early", len(long_bad), "== 0",
-                  not long_bad), long_bad
+    assert record(
+        "in flight at SIGTERM (server log)",
+        draining[0]["in_flight"] if draining else -1,
+        f"== {SHORT + LONG}",
+        bool(draining) and draining[0]["in_flight"] == SHORT + LONG,
+    )
+    assert record(
+        "short streams complete and untruncated",
+        SHORT - len(short_bad),
+        f"== {SHORT}",
+        not short_bad,
+    ), short_bad
+    assert record(
+        "long streams silently truncated or cut early", len(long_bad), "== 0", not long_bad
+    ), long_bad
     record.info("long streams ended UNAVAILABLE after the grace", cut_long)
     refused = timing["refused_at"]
-    assert record("new RPCs refused UNAVAILABLE within (s)",
-                  -1.0 if refused is None else round(refused - t_sig, 3), "< 1",
-                  refused is not None and refused - t_sig < 1.0)
-    assert record("new RPCs accepted after the first refusal", timing["accepted_after"], "== 0",
-                  timing["accepted_after"] == 0)
+    assert record(
+        "new RPCs refused UNAVAILABLE within (s)",
+        -1.0 if refused is None else round(refused - t_sig, 3),
+        "< 1",
+        refused is not None and refused - t_sig < 1.0,
+    )
+    assert record(
+        "new RPCs accepted after the first refusal",
+        timing["accepted_after"],
+        "== 0",
+        timing["accepted_after"] == 0,
+    )
     assert record("exit status", rc, "== 0", rc == 0), "\n".join(proc.output[-20:])
-    assert record("seconds from SIGTERM to exit", round(exit_s, 2), f"<= {GRACE + 5:g}",
-                  exit_s <= GRACE + 5)
+    assert record(
+        "seconds from SIGTERM to exit", round(exit_s, 2), f"<= {GRACE + 5:g}", exit_s <= GRACE + 5
+    )
     assert not any("Traceback" in line for line in proc.output), "\n".join(proc.output[-40:])

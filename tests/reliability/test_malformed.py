@@ -55,8 +55,9 @@ class Case:
 def _generate(make: Callable[[int, int], inference_pb2.GenerateRequest]) -> Call:
     def call(srv: ServerHandle, limits: Limits) -> tuple[grpc.StatusCode, str]:
         req = make(limits.max_model_len, limits.vocab_size)
-        stub = inference_pb2_grpc.InferenceStub(srv.channel(**{
-            "grpc.max_send_message_length": 64 * 2**20}))
+        stub = inference_pb2_grpc.InferenceStub(
+            srv.channel(**{"grpc.max_send_message_length": 64 * 2**20})
+        )
         result = collect(stub.Generate(req, metadata=srv.auth("acme"), timeout=60))
         return result.code, result.details
 
@@ -68,10 +69,14 @@ def _raw(method: str, payload: bytes, stream: bool = True) -> Call:
         channel = srv.channel()
         try:
             if stream:
-                fn = channel.unary_stream(method, request_serializer=None, response_deserializer=None)
+                fn = channel.unary_stream(
+                    method, request_serializer=None, response_deserializer=None
+                )
                 list(fn(payload, metadata=srv.auth("acme"), timeout=30))
             else:
-                unary = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+                unary = channel.unary_unary(
+                    method, request_serializer=None, response_deserializer=None
+                )
                 unary(payload, metadata=srv.auth("acme"), timeout=30)
         except grpc.RpcError as err:
             return err.code(), err.details() or ""
@@ -144,10 +149,12 @@ def _cases() -> list[Case]:
         Case("681,280 ids", ia, g(lambda n, v: gen_request(_ids(681_280, v)))),
         Case("1,000,000 ids", ia, g(lambda n, v: gen_request(_ids(1_000_000, v)))),
         Case("681,280 tokens as text", ia, g(lambda n, v: _with_text(f" {SENTINEL}" * 681_280))),
-        Case("1,000,000 tokens as text", ia, g(lambda n, v: _with_text(" hi" * 1_000_000)),
-             "3 MB"),
-        Case("9 MiB text (over the receive limit)", frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED}),
-             g(lambda n, v: _with_text("x" * (9 * 2**20)))),
+        Case("1,000,000 tokens as text", ia, g(lambda n, v: _with_text(" hi" * 1_000_000)), "3 MB"),
+        Case(
+            "9 MiB text (over the receive limit)",
+            frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED}),
+            g(lambda n, v: _with_text("x" * (9 * 2**20))),
+        ),
         Case("token id -1", ia, g(lambda n, v: gen_request([5, -1, 7]))),
         Case("token id == vocab", ia, g(lambda n, v: gen_request([5, v, 7]))),
         Case("token id 2**31-1", ia, g(lambda n, v: gen_request([2**31 - 1]))),
@@ -171,13 +178,22 @@ def _cases() -> list[Case]:
         Case("unknown chat role", ia, g(_chat([("root", "hi")]))),
         Case("logprobs 21", ia, g(lambda n, v: gen_request([5, 6], logprobs=21))),
         Case("unknown model", ia, g(lambda n, v: _model("nope"))),
-        Case("random bytes as the message (5 seeds)",
-             frozenset({IA}), _random_bytes,
-             "service/wire.py refuses a message that does not parse"),
-        Case("unknown method", frozenset({grpc.StatusCode.UNIMPLEMENTED}),
-             _raw("/kvfence.v1.Inference/Explode", b"", stream=False)),
-        Case("unknown service", frozenset({grpc.StatusCode.UNIMPLEMENTED}),
-             _raw("/kvfence.v9.Nope/Nope", b"", stream=False)),
+        Case(
+            "random bytes as the message (5 seeds)",
+            frozenset({IA}),
+            _random_bytes,
+            "service/wire.py refuses a message that does not parse",
+        ),
+        Case(
+            "unknown method",
+            frozenset({grpc.StatusCode.UNIMPLEMENTED}),
+            _raw("/kvfence.v1.Inference/Explode", b"", stream=False),
+        ),
+        Case(
+            "unknown service",
+            frozenset({grpc.StatusCode.UNIMPLEMENTED}),
+            _raw("/kvfence.v9.Nope/Nope", b"", stream=False),
+        ),
     ]
 
 
@@ -202,8 +218,9 @@ def _random_bytes(srv: ServerHandle, limits: Limits) -> tuple[grpc.StatusCode, s
 
 def _serves_normally(srv: ServerHandle) -> bool:
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
-    result = collect(stub.Generate(gen_request([5, 6, 7], max_tokens=6), metadata=srv.auth("acme"),
-                                   timeout=30))
+    result = collect(
+        stub.Generate(gen_request([5, 6, 7], max_tokens=6), metadata=srv.auth("acme"), timeout=30)
+    )
     return not check_stream(result, prompt_tokens=3, max_tokens=6)
 
 
@@ -238,6 +255,10 @@ def test_extreme_and_malformed_inputs_get_their_status_and_leave_no_trace(
         failures.append(f"small nested chat content: got {ok_nested.name}, expected OK")
     handled = len(cases) - len({f.split(":")[0] for f in failures if not f.startswith("small")})
     record.info("cases", len(cases))
-    assert record("cases handled (status, baseline, still serving)", handled, f"== {len(cases)}",
-                  handled == len(cases) and not failures), failures
+    assert record(
+        "cases handled (status, baseline, still serving)",
+        handled,
+        f"== {len(cases)}",
+        handled == len(cases) and not failures,
+    ), failures
     assert record("slowest rejection (s)", slowest, "< 5", slowest < 5.0)

@@ -28,8 +28,12 @@ CHUNK = 48  # max_num_batched_tokens: a prefill longer than this is chunked
 PAGE = 16
 EXAMPLES = size(25, 200)
 SIZING = EngineSizing(
-    kv_memory="8MiB", max_model_len=MAX_LEN, max_num_batched_tokens=CHUNK, page_size=PAGE,
-    warmup=False, dtype="float32",
+    kv_memory="8MiB",
+    max_model_len=MAX_LEN,
+    max_num_batched_tokens=CHUNK,
+    page_size=PAGE,
+    warmup=False,
+    dtype="float32",
 )
 
 
@@ -76,15 +80,23 @@ def test_prompt_lengths_get_a_complete_stream_or_invalid_argument(
     seen: list[tuple[int, int, bool]] = []
     problems: list[str] = []
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(case=cases(), seed=st.integers(0, 2**16))
     def example(case: tuple[int, int], seed: int) -> None:
         n, max_tokens = case
         rng = random.Random(seed)
         ids = [rng.randrange(3, 384) for _ in range(n)]
-        result = collect(stub.Generate(gen_request(ids, max_tokens=max_tokens),
-                                       metadata=srv.auth("acme"), timeout=120))
+        result = collect(
+            stub.Generate(
+                gen_request(ids, max_tokens=max_tokens), metadata=srv.auth("acme"), timeout=120
+            )
+        )
         valid = _valid(n, max_tokens)
         seen.append((n, max_tokens, valid))
         if valid:
@@ -103,8 +115,12 @@ def test_prompt_lengths_get_a_complete_stream_or_invalid_argument(
     near = {a + d for a in _anchors() for d in range(-2, 3)}
     record.info("examples run", len(seen))
     record.info("examples served to the end", sum(v for _, _, v in seen))
-    assert record("examples answered as the rules predict", len(seen) - len(problems),
-                  f"== {len(seen)}", not problems), problems
+    assert record(
+        "examples answered as the rules predict",
+        len(seen) - len(problems),
+        f"== {len(seen)}",
+        not problems,
+    ), problems
     # The generator must really cover the interesting lengths, not just random ones.
     assert len(seen) >= EXAMPLES * 0.9
     assert len(lengths & near) >= EXAMPLES // 4

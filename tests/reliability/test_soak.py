@@ -42,8 +42,11 @@ PROMPTS_PER_TENANT = size(4, 8)
 MAX_TOKENS = 24
 RSS_LIMIT_MB = 100.0
 SIZING = EngineSizing(
-    kv_memory="16MiB", max_model_len=512, max_num_seqs=len(TENANTS) * STREAMS_PER_TENANT,
-    warmup=False, dtype="float32",
+    kv_memory="16MiB",
+    max_model_len=512,
+    max_num_seqs=len(TENANTS) * STREAMS_PER_TENANT,
+    warmup=False,
+    dtype="float32",
 )
 
 
@@ -83,15 +86,21 @@ def _references(srv: ServerHandle) -> dict[str, list[Reference]]:
         refs[tenant] = []
         for _ in range(PROMPTS_PER_TENANT):
             prompt = tuple(rng.randrange(3, 384) for _ in range(rng.randrange(10, 60)))
-            result = collect(stub.Generate(gen_request(prompt, max_tokens=MAX_TOKENS, logprobs=2),
-                                           metadata=srv.auth(tenant), timeout=60))
+            result = collect(
+                stub.Generate(
+                    gen_request(prompt, max_tokens=MAX_TOKENS, logprobs=2),
+                    metadata=srv.auth(tenant),
+                    timeout=60,
+                )
+            )
             assert not check_stream(result, prompt_tokens=len(prompt), max_tokens=MAX_TOKENS)
             refs[tenant].append(Reference(prompt, tuple(result.tokens), tuple(result.gaps)))
     return refs
 
 
-async def _worker(tenant: str, worker: int, stub: Any, key: str, refs: list[Reference],
-                  until: float, tally: Tally) -> None:
+async def _worker(
+    tenant: str, worker: int, stub: Any, key: str, refs: list[Reference], until: float, tally: Tally
+) -> None:
     rng = random.Random(f"{tenant}/{worker}")
     n = 0
     while time.monotonic() < until:
@@ -99,8 +108,11 @@ async def _worker(tenant: str, worker: int, stub: Any, key: str, refs: list[Refe
         max_tokens = rng.randrange(4, MAX_TOKENS + 1)
         crid = f"{tenant}/{worker}/{n}"
         n += 1
-        call = stub.Generate(gen_request(ref.prompt, max_tokens=max_tokens, client_request_id=crid),
-                             metadata=bearer(key), timeout=120)
+        call = stub.Generate(
+            gen_request(ref.prompt, max_tokens=max_tokens, client_request_id=crid),
+            metadata=bearer(key),
+            timeout=120,
+        )
         result = await collect_async(call)
         tally.requests += 1
         tally.tokens += len(result.tokens)
@@ -134,16 +146,20 @@ async def _worker(tenant: str, worker: int, stub: Any, key: str, refs: list[Refe
         tally.itl.extend(result.itls())
 
 
-async def _soak(srv: ServerHandle, refs: dict[str, list[Reference]], seconds: float,
-                streams: int) -> Tally:
+async def _soak(
+    srv: ServerHandle, refs: dict[str, list[Reference]], seconds: float, streams: int
+) -> Tally:
     tally = Tally()
     until = time.monotonic() + seconds
     async with grpc.aio.insecure_channel(srv.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        await asyncio.gather(*(
-            _worker(t, w, stub, srv.keys[t], refs[t], until, tally)
-            for t in TENANTS for w in range(streams)
-        ))
+        await asyncio.gather(
+            *(
+                _worker(t, w, stub, srv.keys[t], refs[t], until, tally)
+                for t in TENANTS
+                for w in range(streams)
+            )
+        )
     return tally
 
 
@@ -176,16 +192,24 @@ def test_soak_streams_stay_whole_and_the_pool_returns_to_baseline(
     record.info("requests completed", tally.requests)
     record.info("tokens per second", round(tally.tokens / elapsed, 1))
     assert record("lost chunks", tally.lost, "== 0", tally.lost == 0), tally.problems[:10]
-    assert record("duplicated chunks", tally.duplicated, "== 0", tally.duplicated == 0), tally.problems[:10]
-    assert record("misrouted chunks/streams", tally.misrouted, "== 0", tally.misrouted == 0), tally.problems[:10]
-    assert record("malformed streams", len(tally.problems), "== 0", not tally.problems), tally.problems[:10]
+    assert record("duplicated chunks", tally.duplicated, "== 0", tally.duplicated == 0), (
+        tally.problems[:10]
+    )
+    assert record("misrouted chunks/streams", tally.misrouted, "== 0", tally.misrouted == 0), (
+        tally.problems[:10]
+    )
+    assert record("malformed streams", len(tally.problems), "== 0", not tally.problems), (
+        tally.problems[:10]
+    )
     record.info("near-tie divergences (excused)", tally.near_ties)
     record.info("TTFT p50 (s)", percentile(tally.ttft, 50))
     record.info("TTFT p99 (s)", percentile(tally.ttft, 99))
     record.info("ITL p50 (s)", percentile(tally.itl, 50))
     record.info("ITL p99 (s)", percentile(tally.itl, 99))
-    assert record("pages at baseline at the end", state.at_baseline, "True", state.at_baseline), \
+    assert record("pages at baseline at the end", state.at_baseline, "True", state.at_baseline), (
         state.describe()
-    assert record("RSS growth (MB)", round(rss_growth, 1), f"< {RSS_LIMIT_MB:g}",
-                  rss_growth < RSS_LIMIT_MB)
+    )
+    assert record(
+        "RSS growth (MB)", round(rss_growth, 1), f"< {RSS_LIMIT_MB:g}", rss_growth < RSS_LIMIT_MB
+    )
     assert tally.requests >= len(TENANTS) * STREAMS_PER_TENANT

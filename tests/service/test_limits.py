@@ -5,8 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvcache.errors import FenceViolation, OutOfPages, QuotaExceeded
-from service.engine.types import Finished
+from service.engine.types import Finished, FinishError, RequestTooLarge
 from service.errors import ServiceError
 from service.finish import finish_error
 from service.limits import TenantLimiter
@@ -76,7 +75,7 @@ def test_reconfigure_keeps_active_streams() -> None:
     limiter.acquire("t", 1)
 
 
-def _finished(reason: str, error: Exception | None = None) -> Finished:
+def _finished(reason: str, error: FinishError | None = None) -> Finished:
     return Finished(reason, 3, 1, 0, 0.0, 0.1, 0.2, error)  # type: ignore[arg-type]
 
 
@@ -88,24 +87,27 @@ def _finished(reason: str, error: Exception | None = None) -> Finished:
         ("abort", None, True, grpc.StatusCode.UNAVAILABLE, "RetryInfo"),
         (
             "error",
-            FenceViolation(3, "stale generation"),
+            FinishError("kv_fence", "fence violation on page 3: stale generation"),
             False,
             grpc.StatusCode.INTERNAL,
             "KV_FENCE",
         ),
         (
             "error",
-            QuotaExceeded("t", 2, 5),
+            FinishError.too_large(RequestTooLarge(5, 2, "tenant page quota")),
             False,
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "QuotaFailure",
         ),
-        ("error", OutOfPages(5, 1), False, grpc.StatusCode.RESOURCE_EXHAUSTED, "QuotaFailure"),
-        ("error", RuntimeError("boom"), False, grpc.StatusCode.INTERNAL, "ENGINE"),
+        ("error", FinishError("internal", "boom"), False, grpc.StatusCode.INTERNAL, "ENGINE"),
     ],
 )
 def test_finish_mapping(
-    reason: str, error: Exception | None, draining: bool, code: grpc.StatusCode, detail: str | None
+    reason: str,
+    error: FinishError | None,
+    draining: bool,
+    code: grpc.StatusCode,
+    detail: str | None,
 ) -> None:
     err = finish_error(_finished(reason, error), draining)
     assert err.code == code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -165,14 +166,9 @@ def test_fence_violation_aborts_the_request_with_internal_kv_fence(srv: ServerHa
     stream = _open_stream(srv, "globex")
     first = next(stream)
     assert first.WhichOneof("event") == "chunk"
-    core = srv.engine.core
     before = srv.stats().fence_violations
-    with core._lock:
-        (request_id,) = [rid for rid in core._seqs if core._seqs[rid].request.tenant == "globex"]
-        page = srv.cache.sequence_pages(request_id)[0].page_id
-        # Simulate a recycled page: its generation moves on under the running sequence.
-        srv.cache.allocator._pages[page].generation += 1
-        generated_when_broken = core._seqs[request_id].num_output
+    # Simulate a recycled page: its generation moves on under the running sequence.
+    _, generated_when_broken = asyncio.run(srv.engine.inject_stale_page("globex"))
     received = 0
     with pytest.raises(grpc.RpcError) as info:
         for response in stream:

@@ -66,7 +66,9 @@ def write_pair(directory: Path, stem: str, pair: KeyPair) -> tuple[Path, Path]:
     return cert, key
 
 
-def _builder(cn: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name) -> x509.CertificateBuilder:
+def _builder(
+    cn: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name
+) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.UTC)
     return (
         x509.CertificateBuilder()
@@ -81,6 +83,7 @@ def _builder(cn: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name) -> x50
 
 def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )

@@ -72,11 +72,27 @@ class VerifyReport:
         failing = {f.test for f in self.figures if f.passed is False}
         for test, state in self.outcomes.items():
             if state.outcome == "failed" and test not in failing:
-                rows.append({"test": test, "name": f"{test.split('::')[-1]} outcome", "value": "failed",
-                             "expected": "passed", "passed": False, "note": state.message})
+                rows.append(
+                    {
+                        "test": test,
+                        "name": f"{test.split('::')[-1]} outcome",
+                        "value": "failed",
+                        "expected": "passed",
+                        "passed": False,
+                        "note": state.message,
+                    }
+                )
             elif state.outcome == "skipped":
-                rows.append({"test": test, "name": f"{test.split('::')[-1]} outcome", "value": "skipped",
-                             "expected": "run", "passed": False, "note": state.message})
+                rows.append(
+                    {
+                        "test": test,
+                        "name": f"{test.split('::')[-1]} outcome",
+                        "value": "skipped",
+                        "expected": "run",
+                        "passed": False,
+                        "note": state.message,
+                    }
+                )
         return rows
 
     def passed(self) -> bool:
@@ -90,8 +106,10 @@ class VerifyReport:
             "passed": self.passed(),
             "seconds": round(time.monotonic() - self.started, 1),
             "machine": {"python": platform.python_version(), "platform": platform.platform()},
-            "tests": {t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
-                      for t, o in self.outcomes.items()},
+            "tests": {
+                t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
+                for t, o in self.outcomes.items()
+            },
             "summary": summary(rows),
             "checks": split(rows)[0],
             "figures": split(rows)[1],
@@ -142,8 +160,9 @@ def render_table(rows: list[dict[str, Any]], *, with_result: bool) -> list[str]:
          *((r["expected"], "pass" if r["passed"] else "FAIL") if with_result else ()))
         for r in rows
     ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h)
-              for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)
+    ]
     widths = [min(w, 60) for w in widths]
 
     def fmt(cells: tuple[str, ...]) -> str:

@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from tests.serverutil import ServerHandle
 
 
 @dataclass(frozen=True, slots=True)
 class PoolState:
-    requests: int  # sequences the engine still knows
+    requests: int  # requests the engine still knows
+    sequences: int  # sequences the KV cache still has open
     waiting: int
     running: int
     leases: int  # Generate streams the limiter still counts
@@ -35,7 +35,11 @@ class PoolState:
     @property
     def at_baseline(self) -> bool:
         return (
-            self.requests == 0 and self.waiting == 0 and self.running == 0 and self.leases == 0
+            self.requests == 0
+            and self.sequences == 0
+            and self.waiting == 0
+            and self.running == 0
+            and self.leases == 0
             and self.pages_in_use == 0
             and self.pages_in_no_state == 0
             and self.pages_owned_idle == self.pages_indexed
@@ -49,7 +53,7 @@ class PoolState:
 
     def describe(self) -> str:
         return (
-            f"requests={self.requests} waiting={self.waiting} running={self.running} "
+            f"requests={self.requests} sequences={self.sequences} waiting={self.waiting} running={self.running} "
             f"leases={self.leases} in_use={self.pages_in_use} free={self.free_pages} "
             f"indexed={self.pages_indexed} owned_idle={self.pages_owned_idle} "
             f"in_no_state={self.pages_in_no_state} total={self.total_pages}"
@@ -60,7 +64,8 @@ def pool_state(srv: ServerHandle) -> PoolState:
     engine = srv.engine
     stats = srv.stats()
     return PoolState(
-        requests=engine.core.num_requests(),
+        requests=engine.counters().num_requests,
+        sequences=stats.open_sequences,
         waiting=engine.num_waiting(),
         running=engine.num_running(),
         leases=srv.server.limiter.total_active(),
@@ -100,20 +105,12 @@ class FreeProbe:
 
     @contextmanager
     def installed(self, srv: ServerHandle) -> Iterator[FreeProbe]:
-        cache: Any = srv.cache
-        original = cache.free
+        def freed(seq_id: str) -> None:
+            with self._lock:
+                self.freed.setdefault(seq_id, []).append(self._clock())
 
-        def free(seq_id: str) -> None:
-            try:
-                original(seq_id)
-            finally:
-                with self._lock:
-                    self.freed.setdefault(seq_id, []).append(self._clock())
-
-        with srv.paused_engine():
-            cache.free = free
+        srv.engine.observe_frees(freed)
         try:
             yield self
         finally:
-            with srv.paused_engine():
-                del cache.free
+            srv.engine.observe_frees(None)

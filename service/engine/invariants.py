@@ -1,4 +1,9 @@
-"""Request checks the engine makes before queueing (the service validates first too)."""
+"""The engine's request invariants, checked when a request is added.
+
+The service validates every request first (``service/validation.py``, which turns problems
+into BadRequest details); these checks guard the engine's own assumptions for every caller
+(tests, bench, warm-up) and share their limits with the service (``MAX_LOGPROBS``).
+"""
 
 from __future__ import annotations
 
