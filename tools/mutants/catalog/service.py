@@ -109,6 +109,13 @@ MUTANTS = (
         tests="tests/reliability/test_cancel_storm.py",
     ),
     mutant(
+        "pool-orphans-pages-engine",
+        "the same switch-off, seen by the engine tests' baseline check",
+        edit("kvcache/manager.py", "                to_zero.extend(self._reclaim(ref.page_id))\n",
+             "                pass\n"),
+        tests="tests/engine/test_scheduler.py",
+    ),
+    mutant(
         "purge-noop",
         "Cache.Purge drops the caller's cached prefixes at once",
         edit("kvcache/manager.py", "        pages = self.prefix.pages_of(tenant)\n",
