@@ -138,4 +138,24 @@ MUTANTS = (
              "if not key.strip():"),
         tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
     ),
+    mutant(
+        "auth-logs-key",
+        "an API key never reaches the log",
+        edit("service/auth.py", "                    reason=reason,\n",
+             "                    reason=reason,\n"
+             "                    metadata=str(context.invocation_metadata()),\n"),
+        tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
+    ),
+    mutant(
+        "drain-admits-new",
+        "a draining server refuses new RPCs with UNAVAILABLE",
+        edit("service/auth.py", "            if self._is_draining():\n", "            if False:\n"),
+        tests="tests/reliability/test_drain.py",
+    ),
+    mutant(
+        "validation-top-p",
+        "sampling.top_p outside (0, 1] is INVALID_ARGUMENT",
+        edit(VALIDATION, '"sampling.top_p", 0.0, 1.0,', '"sampling.top_p", 0.0, 10.0,'),
+        tests="tests/reliability/test_malformed.py",
+    ),
 )
