@@ -155,7 +155,10 @@ MUTANTS = (
     mutant(
         "validation-top-p",
         "sampling.top_p outside (0, 1] is INVALID_ARGUMENT",
+        # NOTE: both layers: the engine's own invariants refuse top_p > 1 as INVALID_ARGUMENT
+        # too, so switching off the servicer's check alone is an equivalent mutant.
         edit(VALIDATION, '"sampling.top_p", 0.0, 1.0,', '"sampling.top_p", 0.0, 10.0,'),
+        edit("service/engine/invariants.py", "if not 0 < s.top_p <= 1:", "if not 0 < s.top_p <= 10:"),
         tests="tests/reliability/test_malformed.py",
     ),
 )
