@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 DEV_TENANTS ?= dev/tenants.toml
 
-.PHONY: install protos lint typecheck test serve parity verify mutants bench model clean
+.PHONY: install protos lint typecheck test serve parity verify mutants bench model clean gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,27 @@ mutants: $(STAMP) model
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
+
+# The GPU check (bench/gpu_check.py). It runs where the GPU is, under that machine's own
+# python3 and torch (no venv, no network): packages missing there travel as wheels in .whl/
+# (git-ignored), fetched here by `make gpu-wheels` and installed there into GPU_SITE.
+# On a GPU dev box with the venv: make gpu-check GPU_PYTHON=.venv/bin/python
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/kvfence-gpu-site
+WHEEL_DIR ?= .whl
+WHEEL_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1,--platform $(n)_x86_64)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d $(WHEEL_DIR) -r bench/gpu/wheels.txt
+	@du -sh $(WHEEL_DIR)
+
+gpu-check:
+	@if ls $(WHEEL_DIR)/*.whl >/dev/null 2>&1; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+			--upgrade --target $(GPU_SITE) $(WHEEL_DIR)/*.whl; fi
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+		$(GPU_PYTHON) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

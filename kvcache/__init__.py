@@ -15,6 +15,7 @@ Modules (one noun each):
 - ``page_table``: one sequence's tokens and page refs.
 - ``metadata``: StepEntry, AttentionMetadata (FlashInfer CSR), write_kv.
 - ``step``: StepAttention, the per-step AttentionFn.
+- ``graph_step``: GraphDecodeAttention, the AttentionFn of a captured CUDA-graph decode step.
 - ``backends``: torch (default) and flashinfer paged attention.
 - ``stats``: TenantUsage, CacheStats.
 - ``manager``: KVCacheManager, the engine's only entry point.

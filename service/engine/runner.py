@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from kvcache.attention import AttentionFn
+from kvcache.step import StepAttention
 from service.engine.scheduler import ScheduledSeq
 
 
@@ -54,14 +55,31 @@ def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> Batch
     )
 
 
-class ModelRunner:
-    """Runs the model over a fenced batch and returns the sampling rows' logits."""
+class GraphReplay(Protocol):
+    """What the runner needs of ``service.engine.cuda_graphs.DecodeGraphs``."""
 
-    def __init__(self, model: ForwardModel, device: torch.device) -> None:
+    def run(self, inputs: BatchInputs, step: StepAttention) -> torch.Tensor | None: ...
+
+
+class ModelRunner:
+    """Runs the model over a fenced batch and returns the sampling rows' logits.
+
+    With ``graphs``, decode-only steps replay a captured CUDA graph (``DecodeGraphs.run``
+    refills its buffers from the already-fenced step first); other steps run eagerly.
+    """
+
+    def __init__(
+        self, model: ForwardModel, device: torch.device, graphs: GraphReplay | None = None
+    ) -> None:
         self._model = model
         self.device = device
+        self._graphs = graphs
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, attn: AttentionFn) -> torch.Tensor:
         """``[N, vocab]`` float32 logits, one row per sampling entry, in batch order."""
+        if self._graphs is not None and isinstance(attn, StepAttention):
+            logits = self._graphs.run(inputs, attn)
+            if logits is not None:
+                return logits
         return self._model(inputs.input_ids, inputs.positions, attn, inputs.logits_indices)
