@@ -10,13 +10,13 @@ warm-up and dtype included.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,10 +36,13 @@ B_PROMPT = list(range(300, 340))  # 40 tokens: B needs 3 pages, all written by A
 TENANTS = {"alice": TenantSpec(), "bob": TenantSpec()}
 
 
-def _pool_bytes() -> int:
-    cfg = {"layers": 2, "kv_heads": 2, "head_dim": 16}  # tests/fixtures/tiny_models.py
-    dtype = resolve_dtype("auto", "cpu")
-    return POOL_PAGES * page_bytes(cfg["layers"], PAGE, cfg["kv_heads"], cfg["head_dim"], dtype)
+def _pool_bytes(model_dir: Path) -> int:
+    """POOL_PAGES pages of the model in the dtype ``--dtype auto`` picks on this CPU."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_page = page_bytes(cfg["num_hidden_layers"], PAGE, cfg["num_key_value_heads"], head_dim,
+                          resolve_dtype("auto", "cpu"))
+    return POOL_PAGES * per_page
 
 
 def _scrape(metrics_port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -93,7 +96,7 @@ def test_kvfence_serve_with_no_isolation_flags_scrubs_between_tenants(
     keys = write_tenants_file(tmp_path / "tenants.toml", TENANTS)
     args = [sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_llama_dir),
             "--tenants", str(tmp_path / "tenants.toml"), "--port", "0", "--metrics-port", "0",
-            "--kv-memory", str(_pool_bytes())]
+            "--kv-memory", str(_pool_bytes(tiny_llama_dir))]
     log = tmp_path / "server.log"
     with log.open("w") as out:
         popen = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -111,7 +114,7 @@ def test_kvfence_serve_with_no_isolation_flags_scrubs_between_tenants(
 
 
 def test_engine_sizing_defaults_scrub_between_tenants(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    sizing: Any = EngineSizing(kv_memory=str(_pool_bytes()))
+    sizing = EngineSizing(kv_memory=str(_pool_bytes(tiny_llama_dir)))
     with running_server(tiny_llama_dir, TENANTS, sizing=sizing,
                         options=ServerOptions(metrics_port=0, stats_interval_s=0.1),
                         tenants_dir=tmp_path) as srv:
