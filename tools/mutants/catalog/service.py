@@ -12,8 +12,8 @@ MUTANTS = (
     mutant(
         "scrub-default-cli",
         "`kvfence serve` scrubs pages between tenants by default (--scrub-policy reassign)",
-        edit("service/cli.py", '"--scrub-policy",\n        "reassign",',
-             '"--scrub-policy",\n        "off",'),
+        edit("service/cli.py", '_add(p, "--scrub-policy", "reassign",',
+             '_add(p, "--scrub-policy", "off",'),
         tests=T_DEFAULTS,
     ),
     mutant(
@@ -126,9 +126,8 @@ MUTANTS = (
         "tenant-blind-cache",
         "a cached prefix is reused only by its own tenant (all in-cache checks pass: a real leak)",
         edit("kvcache/manager.py",
-             "table = PageTable(seq_id, tenant, list(token_ids), self.page_size, use_prefix_cache)",
-             'table = PageTable(seq_id, "shared", list(token_ids), self.page_size, '
-             "use_prefix_cache)"),
+             "table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)",
+             'table = PageTable(seq_id, "shared", self.page_size, use_prefix_cache)'),
         tests="tests/isolation/test_timing_channel.py",
     ),
     mutant(
