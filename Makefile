@@ -16,8 +16,8 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify bench model clean gpu-wheels gpu-check \
-	cluster cluster-down cluster-verify cluster-deps
+.PHONY: install protos lint typecheck test serve parity verify mutants bench model clean gpu-wheels \
+	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ parity: $(STAMP) model
 
 verify: $(STAMP) model
 	$(PY) -m tests.verify_report
+
+# Switch off each stated guarantee in a scratch copy and check that its tests fail.
+mutants: $(STAMP) model
+	$(PY) -m tools.mutants --markdown bench/results/mutants.md
 
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"

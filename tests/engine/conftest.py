@@ -171,15 +171,17 @@ def prompt_ids(seed: int, n: int, vocab: int) -> list[int]:
 
 
 def assert_at_baseline(core: EngineCore | EngineStats) -> None:
-    """No request state, no referenced page: every page is free or cached-unreferenced.
+    """No request state, no referenced page: every page is free or in a tenant's prefix
+    index, and no page is owned without being indexed (an orphan would pass as "cached").
     Takes a thread-free core, or ``await engine.stats()`` of a running engine."""
     snapshot = core.stats() if isinstance(core, EngineCore) else core
     counters, stats = snapshot.counters, snapshot.cache
     assert counters.num_requests == 0
     assert counters.num_running == 0 and counters.num_waiting == 0
     assert all(u.pages_in_use == 0 for u in stats.tenants.values()), stats
-    cached = sum(u.pages_cached for u in stats.tenants.values())
-    assert stats.free_pages + cached == stats.total_pages
+    owned_idle = sum(u.pages_cached for u in stats.tenants.values())
+    indexed = sum(u.cached_prefixes for u in stats.tenants.values())
+    assert (stats.free_pages + indexed, owned_idle) == (stats.total_pages, indexed), stats
     assert stats.open_sequences == 0
 
 

@@ -67,6 +67,8 @@ class Outcome:
     tokens: int
     request_id: str = ""
     t_cancel: float | None = None
+    finished: bool = False  # a Finished message was read
+    cancel_won: bool = False  # call.cancel() took effect (False: the RPC had already ended)
 
 
 def _plans(seed: int) -> list[Plan]:
@@ -99,11 +101,17 @@ async def _run(plan: Plan, stub: Any, srv: ServerHandle, rng: random.Random) -> 
     req = gen_request(plan.prompt, max_tokens=plan.max_tokens)
     call = stub.Generate(req, metadata=bearer(srv.keys[plan.tenant]), timeout=plan.timeout_s)
     out = Outcome(plan, grpc.StatusCode.OK, 0)
+
+    def cancel() -> None:
+        out.t_cancel = time.monotonic()
+        out.cancel_won = bool(call.cancel())
+
     if plan.fate == "before_first_token":
         await asyncio.sleep(rng.uniform(0, 0.003))
-        out.t_cancel = time.monotonic()
-        call.cancel()
-    else:
+        cancel()
+    # A cancel that lost the race to the stream's end leaves the whole stream readable:
+    # read it all, so its completeness is checked like any OK stream.
+    if not out.cancel_won:
         try:
             while True:
                 msg = await call.read()
@@ -112,16 +120,17 @@ async def _run(plan: Plan, stub: Any, srv: ServerHandle, rng: random.Random) -> 
                 kind = msg.WhichOneof("event")
                 if kind == "started":
                     out.request_id = msg.started.request_id
-                    if plan.fate == "mid_prefill":
-                        out.t_cancel = time.monotonic()
-                        call.cancel()
-                        break
+                    if plan.fate == "mid_prefill" and out.t_cancel is None:
+                        cancel()
                 elif kind == "chunk":
                     out.tokens += len(msg.chunk.token_ids)
-                    if plan.fate == "mid_decode" and out.tokens >= plan.cancel_after_chunks:
-                        out.t_cancel = time.monotonic()
-                        call.cancel()
-                        break
+                    if (plan.fate == "mid_decode" and out.t_cancel is None
+                            and out.tokens >= plan.cancel_after_chunks):
+                        cancel()
+                elif kind == "finished":
+                    out.finished = True
+                if out.cancel_won:
+                    break
         except grpc.RpcError:
             pass
         except asyncio.CancelledError:
@@ -131,12 +140,13 @@ async def _run(plan: Plan, stub: Any, srv: ServerHandle, rng: random.Random) -> 
 
 
 def _fate_ok(o: Outcome) -> bool:
+    complete = (o.code == grpc.StatusCode.OK and o.finished and o.tokens == o.plan.max_tokens)
     if o.plan.fate == "deadline":
-        complete = o.code == grpc.StatusCode.OK and o.tokens == o.plan.max_tokens
         return complete or o.code == grpc.StatusCode.DEADLINE_EXCEEDED
     # A cancel can lose the race against the stream's natural end (the server had sent
-    # Finished before the cancel arrived); the RPC then ends OK.
-    return o.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK)
+    # Finished before the cancel arrived); the RPC then ends OK, and must be complete.
+    return (o.code == grpc.StatusCode.CANCELLED and o.cancel_won) or (
+        complete and not o.cancel_won)
 
 
 async def _storm(srv: ServerHandle, plans: list[Plan]) -> list[Outcome]:
@@ -200,3 +210,13 @@ def test_cancellation_storm_leaves_no_state_and_frees_pages_fast(
     # The storm must have exercised every cancel point, or the test guards less than it says.
     assert all(n > 0 for n in by_fate.values()), by_fate
     assert len(latencies) >= STREAMS // 6
+
+
+def test_a_cancel_that_lost_the_race_must_have_a_complete_stream() -> None:
+    plan = Plan(0, "t0", (5, 6), 8, "mid_decode", cancel_after_chunks=3)
+    ok, cancelled = grpc.StatusCode.OK, grpc.StatusCode.CANCELLED
+    assert _fate_ok(Outcome(plan, cancelled, 3, cancel_won=True))
+    assert _fate_ok(Outcome(plan, ok, 8, finished=True, cancel_won=False))
+    assert not _fate_ok(Outcome(plan, ok, 5, finished=True, cancel_won=False))  # cut short
+    assert not _fate_ok(Outcome(plan, ok, 8, finished=False, cancel_won=False))  # no Finished
+    assert not _fate_ok(Outcome(plan, cancelled, 3, cancel_won=False))

@@ -12,6 +12,7 @@ import pytest
 
 from protos.kvfence.v1 import inference_pb2
 from tests.serverutil import ServerHandle
+from tests.service.leaks import SECRET, SECRET_FRAGMENTS, leaked, log_strings
 from tests.service.rpc import details, generate, request, usage, violations
 
 Case = Callable[[], inference_pb2.GenerateRequest]
@@ -141,3 +142,43 @@ def test_smallest_accepted_sampling_values_give_finite_logprobs(srv: ServerHandl
         assert sum(len(c.token_ids) for c in chunks) == 4
         logprobs = [lp.logprob for c in chunks for lp in c.logprobs]
         assert logprobs and all(math.isfinite(x) and x <= 0 for x in logprobs), fields
+
+
+# Each request carries SECRET in (or next to) the field it gets wrong.
+CONTENT_CASES: list[tuple[str, str, Case, str]] = [
+    ("bad chat role, secret content", "globex", _chat([("wizard", SECRET)]),
+     "chat.messages[0].role"),
+    ("secret as the chat role", "globex", _chat([(SECRET, "hi")]), "chat.messages[0].role"),
+    ("huge chat message", "globex", _chat([("user", SECRET * 600)]), "chat.messages[0].content"),
+    ("long stop string", "globex", _with(stopping__stop=[SECRET * 10]), "stopping.stop[0]"),
+    ("text over bytes", "globex", lambda: request(SECRET * 400), "text"),
+    ("over context", "globex", lambda: request(SECRET, max_tokens=510), "stopping.max_tokens"),
+    ("over the tenant's prompt limit", "short", lambda: request(SECRET), "text"),
+]
+
+
+def _error_strings(err: grpc.RpcError) -> list[str]:
+    out = [err.details() or ""]
+    for name, detail in details(err).items():
+        out.append(str(detail))  # protobuf text format escapes non-ASCII: also search decoded
+        if name == "BadRequest":
+            out.extend(f"{v.field} {v.description}" for v in detail.field_violations)
+        elif name == "ErrorInfo":
+            out.extend([detail.reason, detail.domain, *detail.metadata.values()])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tenant", "make", "field"), [c[1:] for c in CONTENT_CASES], ids=[c[0] for c in CONTENT_CASES]
+)
+def test_invalid_argument_never_echoes_request_content(
+    srv: ServerHandle, tenant: str, make: Case, field: str
+) -> None:
+    before = len(srv.log_lines())
+    with pytest.raises(grpc.RpcError) as info:
+        generate(srv, tenant, make())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in violations(info.value)
+    new_lines = srv.log_lines()[before:]
+    assert any('"generate.error"' in line for line in new_lines)  # the text reaches the log
+    assert not leaked([*_error_strings(info.value), *log_strings(new_lines)], SECRET_FRAGMENTS)

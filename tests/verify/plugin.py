@@ -1,8 +1,10 @@
-"""The ``make verify`` report: collects every recorded figure and every test outcome, prints
-one table, and writes ``bench/results/verify.json`` and ``bench/results/verify.md``.
+"""The ``make verify`` report: collects every recorded check and figure and every test outcome,
+prints the checks and the figures as two tables, and writes ``bench/results/verify.json`` and
+``bench/results/verify.md``.
 
-A test that failed or errored without a failing figure of its own still gets a row, so the
-table can never show all-pass for a run that failed.
+Only checks (a value held to a bound) count: figures are measurements shown for context and
+never counted as passes. A test that failed or errored without a failing check of its own
+still gets a failing check row, so the report can never show all-pass for a run that failed.
 """
 
 from __future__ import annotations
@@ -51,20 +53,23 @@ class VerifyReport:
         self.figures = list(session_figures(config))
         rows = self.rows()
         write = terminalreporter.write_line
+        checks, figures = split(rows)
         write("")
-        for line in render_table(rows):
+        write("Checks")
+        for line in render_table(checks, with_result=True):
             write(line)
         write("")
-        write(
-            f"kvfence verify ({mode()}): {'PASS' if self.passed() else 'FAIL'}; "
-            f"{sum(1 for r in rows if r['passed'])}/{len(rows)} rows pass; "
-            f"wrote {self.results_dir / 'verify.json'} and verify.md"
-        )
+        write("Figures (measured, no bound; not counted as checks)")
+        for line in render_table(figures, with_result=False):
+            write(line)
+        write("")
+        write(f"kvfence verify ({mode()}): {'PASS' if self.passed() else 'FAIL'}; "
+              f"{summary(rows)}; wrote {self.results_dir / 'verify.json'} and verify.md")
         self.write(rows)
 
     def rows(self) -> list[dict[str, Any]]:
         rows = [f.as_dict() for f in self.figures]
-        failing = {f.test for f in self.figures if not f.passed}
+        failing = {f.test for f in self.figures if f.passed is False}
         for test, state in self.outcomes.items():
             if state.outcome == "failed" and test not in failing:
                 rows.append(
@@ -91,8 +96,8 @@ class VerifyReport:
         return rows
 
     def passed(self) -> bool:
-        rows = self.rows()
-        return bool(rows) and all(r["passed"] for r in rows)
+        checks, _ = split(self.rows())
+        return bool(checks) and all(r["passed"] for r in checks)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         self.results_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +110,9 @@ class VerifyReport:
                 t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
                 for t, o in self.outcomes.items()
             },
-            "figures": rows,
+            "summary": summary(rows),
+            "checks": split(rows)[0],
+            "figures": split(rows)[1],
         }
         (self.results_dir / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
         (self.results_dir / "verify.md").write_text(render_markdown(rows, doc) + "\n")
@@ -132,16 +139,25 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def render_table(rows: list[dict[str, Any]]) -> list[str]:
-    header = ("area", "figure", "value", "expected", "result")
+def split(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(checks, figures)."""
+    return ([r for r in rows if r["passed"] is not None], [r for r in rows if r["passed"] is None])
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    checks, figures = split(rows)
+    good = sum(1 for r in checks if r["passed"])
+    failed = f" ({len(checks) - good} FAILED of {len(checks)})" if good < len(checks) else ""
+    return f"{good} checks passed{failed}, {len(figures)} figures recorded"
+
+
+def render_table(rows: list[dict[str, Any]], *, with_result: bool) -> list[str]:
+    header: tuple[str, ...] = ("area", "check" if with_result else "figure", "value")
+    if with_result:
+        header += ("expected", "result")
     body = [
-        (
-            _area(r["test"]),
-            r["name"],
-            _value(r["value"]),
-            r["expected"],
-            "pass" if r["passed"] else "FAIL",
-        )
+        (_area(r["test"]), r["name"], _value(r["value"]),
+         *((r["expected"], "pass" if r["passed"] else "FAIL") if with_result else ()))
         for r in rows
     ]
     widths = [
@@ -156,21 +172,24 @@ def render_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render_markdown(rows: list[dict[str, Any]], doc: dict[str, Any]) -> str:
+    checks, figures = split(rows)
     lines = [
         f"Isolation and reliability report (`make verify`, {doc['mode']} sizes, "
         f"{doc['seconds']:.0f} s on {doc['machine']['platform']}): "
-        f"**{'all pass' if doc['passed'] else 'FAILURES'}**.",
+        f"**{'all checks pass' if doc['passed'] else 'FAILURES'}**; {summary(rows)}.",
         "",
-        "| area | figure | value | expected | result |",
+        "Checks (each value held to a bound):",
+        "",
+        "| area | check | value | expected | result |",
         "|---|---|---|---|---|",
     ]
-    for r in rows:
-        cells = (
-            _area(r["test"]),
-            r["name"],
-            _value(r["value"]),
-            r["expected"],
-            "pass" if r["passed"] else "**FAIL**",
-        )
+    for r in checks:
+        cells = (_area(r["test"]), r["name"], _value(r["value"]), r["expected"],
+                 "pass" if r["passed"] else "**FAIL**")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", "Figures (measured for context, no bound, not counted):", "",
+              "| area | figure | value |", "|---|---|---|"]
+    for r in figures:
+        cells = (_area(r["test"]), r["name"], _value(r["value"]))
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)

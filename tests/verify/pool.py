@@ -1,8 +1,10 @@
 """Is the server back at baseline? And when did the engine free each request's pages?
 
 Baseline means: no request state anywhere (engine sequences, waiting and running queues,
-tenant stream leases) and every KV page either free or held by a tenant's prefix cache
-(no page referenced by a sequence). Cached prefix pages are allowed: they are the cache.
+tenant stream leases) and every KV page in exactly one state: free, or cached (an entry of a
+tenant's prefix index). No page is referenced by a sequence, and no page is owned by a tenant
+without being in its prefix index: such a page is in no state (an orphan; it would never be
+reused). Cached prefix pages are allowed: they are the cache.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from tests.serverutil import ServerHandle
 
 @dataclass(frozen=True, slots=True)
 class PoolState:
-    requests: int  # sequences the engine still knows
+    requests: int  # requests the engine still knows
+    sequences: int  # sequences the KV cache still has open
     waiting: int
     running: int
     leases: int  # Generate streams the limiter still counts
     pages_in_use: int  # pages referenced by sequences, all tenants
-    pages_cached: int
+    pages_owned_idle: int  # pages owned by a tenant and referenced by no sequence
+    pages_indexed: int  # entries of the tenants' prefix indexes (one page each)
     free_pages: int
     total_pages: int
     fence_violations: int
@@ -32,18 +36,27 @@ class PoolState:
     def at_baseline(self) -> bool:
         return (
             self.requests == 0
+            and self.sequences == 0
             and self.waiting == 0
             and self.running == 0
             and self.leases == 0
             and self.pages_in_use == 0
-            and self.free_pages + self.pages_cached == self.total_pages
+            and self.pages_in_no_state == 0
+            and self.pages_owned_idle == self.pages_indexed
         )
+
+    @property
+    def pages_in_no_state(self) -> int:
+        """Pages neither free, nor referenced, nor in a prefix index (exact when no page is
+        in use; negative if a page is counted in two states)."""
+        return self.total_pages - self.free_pages - self.pages_in_use - self.pages_indexed
 
     def describe(self) -> str:
         return (
-            f"requests={self.requests} waiting={self.waiting} running={self.running} "
-            f"leases={self.leases} in_use={self.pages_in_use} cached={self.pages_cached} "
-            f"free={self.free_pages}/{self.total_pages}"
+            f"requests={self.requests} sequences={self.sequences} waiting={self.waiting} running={self.running} "
+            f"leases={self.leases} in_use={self.pages_in_use} free={self.free_pages} "
+            f"indexed={self.pages_indexed} owned_idle={self.pages_owned_idle} "
+            f"in_no_state={self.pages_in_no_state} total={self.total_pages}"
         )
 
 
@@ -52,11 +65,13 @@ def pool_state(srv: ServerHandle) -> PoolState:
     stats = srv.stats()
     return PoolState(
         requests=engine.counters().num_requests,
+        sequences=stats.open_sequences,
         waiting=engine.num_waiting(),
         running=engine.num_running(),
         leases=srv.server.limiter.total_active(),
         pages_in_use=sum(u.pages_in_use for u in stats.tenants.values()),
-        pages_cached=sum(u.pages_cached for u in stats.tenants.values()),
+        pages_owned_idle=sum(u.pages_cached for u in stats.tenants.values()),
+        pages_indexed=sum(u.cached_prefixes for u in stats.tenants.values()),
         free_pages=stats.free_pages,
         total_pages=stats.total_pages,
         fence_violations=stats.fence_violations,

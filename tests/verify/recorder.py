@@ -1,8 +1,9 @@
 """Figures a test measured, each with the value it was held to.
 
-A test calls ``assert record(name, value, expected, passed)``: the figure goes to the report
-whether or not it passes, and the test still fails on it. ``expected`` is a short human
-rule (``"== 0"``, ``"< 0.5 s"``); ``"info"`` marks a figure reported without a bound.
+A test calls ``assert record(name, value, expected, passed)``: a *check*. It goes to the report
+whether or not it passes, and the test still fails on it. ``expected`` is a short human rule
+(``"== 0"``, ``"< 0.5 s"``). ``record.info(name, value)`` records a *figure*: a measurement
+with no bound, shown apart from the checks and never counted as a pass (``passed`` is None).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ class Figure:
     name: str
     value: Any
     expected: str
-    passed: bool
+    passed: bool | None  # None: a figure (no bound), not a check
+
+    @property
+    def is_check(self) -> bool:
+        return self.passed is not None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,7 +44,7 @@ class Recorder:
         return bool(passed)
 
     def info(self, name: str, value: Any) -> None:
-        self(name, value, "info", True)
+        self._sink.append(Figure(self._test, name, _plain(value), "", None))
 
 
 def _plain(value: Any) -> Any:

@@ -75,3 +75,91 @@ def _u_distribution(n: int, m: int) -> list[int]:
             row.append(cur)
         prev.append(row)
     return prev[n][m]
+
+
+def student_t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2.0, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def student_t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t (bisection on the CDF; p in (0, 1))."""
+    if not 0.0 < p < 1.0:
+        raise ValueError("p must be in (0, 1)")
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if student_t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2.0
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) by its continued fraction (Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log(1.0 - x))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-14:
+            break
+    return math.exp(log_front) * f / a
+
+
+def paired_log_ratio_ci(
+    x: Sequence[float], y: Sequence[float], alpha: float
+) -> tuple[float, float, float]:
+    """(ratio x/y, lower, upper) from the paired log differences ``log x_i - log y_i``: the
+    Hodges-Lehmann estimate and its distribution-free two-sided ``1 - 2*alpha`` confidence
+    interval (Wilcoxon signed rank: order statistics of the Walsh averages), so one
+    scheduling outlier cannot sink or rescue it. TOST at level ``alpha`` declares x and y
+    equivalent within a factor ``m`` iff [lower, upper] lies inside [1/m, m]."""
+    if len(x) != len(y):
+        raise ValueError("x and y must pair up")
+    d = [math.log(a) - math.log(b) for a, b in zip(x, y, strict=True)]
+    n = len(d)
+    walsh = sorted((d[i] + d[j]) / 2.0 for i in range(n) for j in range(i, n))
+    k = signed_rank_critical(n, alpha)  # P(T <= k - 1) <= alpha
+    if k < 1:
+        raise ValueError(f"{n} pairs are too few for a {1 - 2 * alpha:.0%} interval")
+    mid = len(walsh) // 2
+    estimate = walsh[mid] if len(walsh) % 2 else (walsh[mid - 1] + walsh[mid]) / 2.0
+    return math.exp(estimate), math.exp(walsh[k - 1]), math.exp(walsh[-k])
+
+
+def signed_rank_critical(n: int, alpha: float) -> int:
+    """The largest k with P(T < k) <= alpha for the signed-rank statistic T of n pairs
+    (exact null distribution, counted by dynamic programming over rank subsets)."""
+    top = n * (n + 1) // 2
+    counts = [1] + [0] * top
+    for rank in range(1, n + 1):
+        for total in range(top, rank - 1, -1):
+            counts[total] += counts[total - rank]
+    k, cumulative = 0, 0
+    while cumulative + counts[k] <= alpha * 2**n:
+        cumulative += counts[k]
+        k += 1
+    return k

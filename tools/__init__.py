@@ -1,0 +1,1 @@
+"""Developer tools that are not shipped: ``python -m tools.mutants`` (``make mutants``)."""

@@ -1,0 +1,163 @@
+"""Switch-offs of the guarantees the server states outside ``kvcache/``."""
+
+from tools.mutants.mutant import edit, mutant
+
+SERVICER = "service/inference_servicer.py"
+VALIDATION = "service/validation.py"
+T_LOGGING = "tests/service/test_logging.py"
+T_INVALID = "tests/service/test_invalid_argument.py"
+T_DEFAULTS = "tests/service/test_default_config.py"
+
+MUTANTS = (
+    mutant(
+        "scrub-default-cli",
+        "`kvfence serve` scrubs pages between tenants by default (--scrub-policy reassign)",
+        edit("service/cli.py", '_add(p, "--scrub-policy", "reassign",',
+             '_add(p, "--scrub-policy", "off",'),
+        tests=T_DEFAULTS,
+    ),
+    mutant(
+        "scrub-default-sizing",
+        "an engine built with EngineSizing defaults scrubs pages between tenants",
+        edit("service/serve.py", 'scrub_policy: Literal["reassign", "always", "off"] = "reassign"',
+             'scrub_policy: Literal["reassign", "always", "off"] = "off"'),
+        tests=T_DEFAULTS,
+    ),
+    mutant(
+        "log-output-text",
+        "generated text is never logged without --log-content",
+        edit(SERVICER, "if self._opts.log_content:\n                        output.append(event.text)",
+             "if True:\n                        output.append(event.text)"),
+        edit(SERVICER, "error=type(event.error).__name__ if event.error else None,\n        )",
+             "error=type(event.error).__name__ if event.error else None,\n"
+             "            output=output,\n        )"),
+        tests=T_LOGGING,
+    ),
+    mutant(
+        "log-prompt-text",
+        "prompt text is never logged without --log-content",
+        edit(SERVICER, "                input=which,\n",
+             "                input=which,\n"
+             "                prompt=self._prompt_text(request, which),\n"),
+        tests=T_LOGGING,
+    ),
+    mutant(
+        "error-echoes-chat",
+        "INVALID_ARGUMENT text never carries prompt content (chat message)",
+        edit(VALIDATION, 'f"must be one of {sorted(CHAT_ROLES)}"',
+             'f"must be one of {sorted(CHAT_ROLES)} (message: {msg.content!r})"'),
+        tests=T_INVALID,
+    ),
+    mutant(
+        "error-echoes-stop",
+        "INVALID_ARGUMENT text never carries request content (stop string)",
+        edit(VALIDATION, 'f"must be 1 to {MAX_STOP_BYTES} bytes"',
+             'f"{stop[:40]!r} must be 1 to {MAX_STOP_BYTES} bytes"'),
+        tests=T_INVALID,
+    ),
+    mutant(
+        "tenant-from-header",
+        "the tenant comes from the credential only, never from a request header",
+        edit("service/auth.py",
+             "        registry = self._registry  # one snapshot for the whole decision\n",
+             "        registry = self._registry  # one snapshot for the whole decision\n"
+             "        for k, v in metadata or ():\n"
+             '            if k.lower() == "x-tenant" and str(v) in registry.tenants:\n'
+             "                return registry.tenants[str(v)]\n"),
+        tests="tests/isolation/test_tenant_source.py",
+    ),
+    mutant(
+        "kv-quota",
+        "a tenant never holds more KV pages than its max_kv_pages",
+        edit("kvcache/manager.py",
+             "if policy is not None and policy.max_pages is not None:\n            owned",
+             "if False:\n            owned"),
+        tests="tests/kvcache/test_quota.py",
+    ),
+    mutant(
+        "stream-quota",
+        "a tenant never holds more Generate streams than max_concurrent_streams",
+        edit("service/limits.py", "if state.active >= limit:", "if False:"),
+        tests="tests/service/test_limits.py",
+    ),
+    mutant(
+        "rate-quota",
+        "a tenant never spends more than tokens_per_minute",
+        edit("service/limits.py", "if wait > 0:", "if False:"),
+        tests="tests/service/test_limits.py",
+    ),
+    mutant(
+        "ttl-expiry",
+        "a cached prefix expires after its TTL",
+        edit("kvcache/manager.py", "expired = self.evictable.pop_expired(self._clock())",
+             "expired = self.evictable.pop_expired(float('-inf'))"),
+        tests="tests/isolation/test_ttl.py",
+    ),
+    mutant(
+        "tenant-ttl",
+        "a tenant's own prefix_cache_ttl_seconds overrides the server default",
+        edit("kvcache/manager.py",
+             "return self.config.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s",
+             "return self.config.default_ttl_s"),
+        tests="tests/isolation/test_ttl.py",
+    ),
+    mutant(
+        "pool-orphans-pages",
+        "a freed page that is not cached returns to the free list",
+        edit("kvcache/manager.py", "                to_zero.extend(self._reclaim(ref.page_id))\n",
+             "                pass\n"),
+        tests="tests/reliability/test_cancel_storm.py",
+    ),
+    mutant(
+        "pool-orphans-pages-engine",
+        "the same switch-off, seen by the engine tests' baseline check",
+        edit("kvcache/manager.py", "                to_zero.extend(self._reclaim(ref.page_id))\n",
+             "                pass\n"),
+        tests="tests/engine/test_scheduler.py",
+    ),
+    mutant(
+        "purge-noop",
+        "Cache.Purge drops the caller's cached prefixes at once",
+        edit("kvcache/manager.py", "        pages = self.prefix.pages_of(tenant)\n",
+             "        pages: list[int] = []\n"),
+        tests="tests/isolation/test_ttl.py",
+    ),
+    mutant(
+        "tenant-blind-cache",
+        "a cached prefix is reused only by its own tenant (all in-cache checks pass: a real leak)",
+        edit("kvcache/manager.py",
+             "table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)",
+             'table = PageTable(seq_id, "shared", self.page_size, use_prefix_cache)'),
+        tests="tests/isolation/test_timing_channel.py",
+    ),
+    mutant(
+        "auth-any-scheme",
+        "only 'Bearer <key>' authenticates",
+        edit("service/auth.py", 'if scheme.lower() != "bearer" or not key.strip():',
+             "if not key.strip():"),
+        tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
+    ),
+    mutant(
+        "auth-logs-key",
+        "an API key never reaches the log",
+        edit("service/auth.py", "                    reason=reason,\n",
+             "                    reason=reason,\n"
+             "                    metadata=str(context.invocation_metadata()),\n"),
+        tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
+    ),
+    mutant(
+        "drain-admits-new",
+        "a draining server refuses new RPCs with UNAVAILABLE",
+        edit("service/auth.py", "            if self._is_draining():\n", "            if False:\n"),
+        tests="tests/reliability/test_drain.py",
+    ),
+    mutant(
+        "validation-top-p",
+        "sampling.top_p outside (0, 1] is INVALID_ARGUMENT",
+        # NOTE: both layers: the engine's own invariants refuse top_p > 1 as INVALID_ARGUMENT
+        # too, so switching off the servicer's check alone is an equivalent mutant.
+        edit(VALIDATION, '"sampling.top_p", 0.0, 1.0,', '"sampling.top_p", 0.0, 10.0,'),
+        edit("service/engine/invariants.py", "if not 0 < s.top_p <= 1:", "if not 0 < s.top_p <= 10:"),
+        tests="tests/reliability/test_malformed.py",
+    ),
+)
