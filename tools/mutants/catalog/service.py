@@ -140,15 +140,25 @@ MUTANTS = (
     mutant(
         "auth-logs-key",
         "an API key never reaches the log",
-        edit("service/auth.py", "                    reason=reason,\n",
-             "                    reason=reason,\n"
-             "                    metadata=str(context.invocation_metadata()),\n"),
+        edit("service/interceptor.py", "code=err.code.name, reason=reason\n",
+             "code=err.code.name, reason=reason,\n"
+             "                metadata=str(context.invocation_metadata()),\n"),
         tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
     ),
     mutant(
         "drain-admits-new",
         "a draining server refuses new RPCs with UNAVAILABLE",
-        edit("service/auth.py", "            if self._is_draining():\n", "            if False:\n"),
+        # Both checks: the header-only one before the body is parsed, and the handler's.
+        edit("service/interceptor.py",
+             "            if self._is_draining():\n                raise unavailable(\"server is shutting down\")\n"
+             "            self._auth.precheck(",
+             "            if False:\n                raise unavailable(\"server is shutting down\")\n"
+             "            self._auth.precheck("),
+        edit("service/interceptor.py",
+             "            if self._is_draining():\n                raise unavailable(\"server is shutting down\")\n"
+             "            tenant = ",
+             "            if False:\n                raise unavailable(\"server is shutting down\")\n"
+             "            tenant = "),
         tests="tests/reliability/test_drain.py",
     ),
     mutant(
