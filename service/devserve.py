@@ -19,7 +19,7 @@ DEV_TENANT = "dev"
 KEY_FILE = "dev-key.txt"
 # A chat-templated, greedy request with room for a whole sentence: the instruct model answers
 # the same sensible line every time, where a raw 16-token sample stops mid-word.
-TRY_PROMPT = "Write one sentence about fences."
+TRY_PROMPT = "Describe a garden fence in one short sentence."
 TRY_FLAGS = ("--temperature", "0", "--max-tokens", "64")
 
 
