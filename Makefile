@@ -45,7 +45,7 @@ test: $(STAMP) model lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 serve: $(STAMP) model
-	$(PY) -m service.devserve --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
+	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
 
 parity: $(STAMP) model
 	$(PY) bench/parity.py

@@ -19,6 +19,7 @@ from bench.common import Work
 from bench.traces import RequestTrace
 from kvcache import CacheConfig
 from kvcache.config import ScrubPolicy
+from service.app import EngineSizing, build_server
 from service.engine.engine import Engine
 from service.engine.factory import build_engine
 from service.engine.types import (
@@ -30,10 +31,9 @@ from service.engine.types import (
     SamplingParams,
     StoppingParams,
 )
+from service.grpc_server import ServerOptions
 from service.logging import make_logger
 from service.model.loader import LoadedModel, load_model
-from service.serve import EngineSizing, build_server
-from service.server import ServerOptions
 from service.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
 
 GREEDY = SamplingParams(temperature=0.0)

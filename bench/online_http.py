@@ -58,9 +58,9 @@ async def both_fronts(
     loaded: Any, tenants: Sequence[str], sizing: Sizing | None = None
 ) -> AsyncIterator[tuple[str, str, dict[str, str]]]:
     """One in-process server with gRPC and HTTP on; yields (gRPC target, HTTP base URL, keys)."""
+    from service.app import build_server
+    from service.grpc_server import ServerOptions
     from service.logging import make_logger
-    from service.serve import build_server
-    from service.server import ServerOptions
     from service.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
 
     keys = {t: new_api_key() for t in tenants}

@@ -4,12 +4,13 @@ Top-level modules (one noun each; ``model/`` and ``engine/`` are their own packa
 
 - ``cli``: the ``kvfence`` command (serve, tenants add, models pull, certs dev, client verbs);
   ``env_flags``: ``KVFENCE_<FLAG>`` variables as flag defaults, checked only when used.
-- ``devserve``: ``make serve``: a dev tenant, a paste-ready command, then ``serve``.
+- ``dev``: ``make serve``: a dev tenant, a paste-ready command, then ``kvfence serve``.
 - ``devcerts``: ``kvfence certs dev``: a development CA, server and tenant client certificates.
 - ``preflight``: every ``serve`` flag, the tenants file and the port, checked before loading.
-- ``serve``: builds model -> KV pool -> engine -> server; the ``serve`` process lifecycle;
+- ``app``: the composition root: builds model -> KV pool -> engine -> servers; the ``serve``
+  process lifecycle;
   ``startup``: the slow start on a thread that Ctrl-C / SIGTERM can leave.
-- ``server``: ``KVFenceServer``: gRPC server, health, reflection, metrics, reload, drain.
+- ``grpc_server``: ``KVFenceServer``: gRPC server, health, reflection, metrics, reload, drain.
 - ``inference_servicer`` / ``cache_servicer``: the ``Inference`` and ``Cache`` services.
 - ``responses``: engine events -> ``GenerateResponse`` messages.
 - ``prompt``: text / token ids / chat -> prompt token ids, with bounded work.

@@ -134,9 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device, http_port=args.http_port))
     cluster_limits = _cluster_limits(args)  # --redis-url, also before anything loads
 
+    from service.app import EngineSizing, ServeConfig, serve
+    from service.grpc_server import ServerOptions, TlsFiles
     from service.logging import make_logger
-    from service.serve import EngineSizing, ServeConfig, serve
-    from service.server import ServerOptions, TlsFiles
 
     tls = None
     if args.tls_cert is not None:
@@ -316,7 +316,7 @@ def _is_user_error(err: Exception) -> bool:
     if isinstance(err, UsageError | TenantsFileError | FileNotFoundError):
         return True
     names = {cls.__name__ for cls in type(err).__mro__}
-    # ConfigError (service.serve) and ModelLoadError (service.model) without importing torch.
+    # ConfigError (service.app) and ModelLoadError (service.model) without importing torch.
     return bool(names & {"ConfigError", "ModelLoadError"})
 
 

@@ -49,10 +49,10 @@ from typing import Any
 import grpc
 
 from kvcache.stats import CacheStats, TenantUsage
+from service.app import EngineSizing, Stack, build_server
 from service.engine import Engine
+from service.grpc_server import KVFenceServer, ServerOptions
 from service.logging import make_logger
-from service.serve import EngineSizing, Stack, build_server
-from service.server import KVFenceServer, ServerOptions
 from service.tenants import hash_key, load_tenants, new_api_key
 
 ROOT = Path(__file__).resolve().parents[1]

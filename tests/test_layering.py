@@ -140,10 +140,10 @@ def test_reach_in_check_catches_each_form() -> None:
 
 def test_service_top_level_reaches_kvcache_only_at_the_composition_root() -> None:
     """The servicers see the engine's API (which re-exports the few cache value types);
-    only ``serve.py``, which builds the stack, names kvcache."""
+    only ``app.py``, which builds the stack, names kvcache."""
     bad = []
     for path in sorted((ROOT / "service").glob("*.py")):
         mods = {m for m in _imports(path) if m == "kvcache" or m.startswith("kvcache.")}
-        if mods and path.name != "serve.py":
+        if mods and path.name != "app.py":
             bad.append(f"{path.name} imports {sorted(mods)}")
     assert bad == []

@@ -40,6 +40,6 @@ def test_examples_show_kvfence_keys() -> None:
 def test_make_serve_passes_args_to_serve() -> None:
     run = subprocess.run(["make", "-n", "serve", 'ARGS=--metrics-port 9464'], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
-    [line] = [line for line in run.stdout.splitlines() if "service.devserve" in line]
+    [line] = [line for line in run.stdout.splitlines() if "service.dev" in line]
     assert line.endswith("--metrics-port 9464")
     assert 'make serve ARGS="--metrics-port 9464' in README

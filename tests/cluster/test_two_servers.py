@@ -16,7 +16,7 @@ import redis
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
 from service.cluster_limits import ClusterLimitsConfig
-from service.server import ServerOptions
+from service.grpc_server import ServerOptions
 from service.tenants import new_api_key
 from tests.cluster.conftest import RedisProcess
 from tests.serverutil import ServerHandle, TenantSpec, running_server

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
-from service.serve import EngineSizing
+from service.app import EngineSizing
 from service.validation import TEXT_BYTES_PER_TOKEN
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import gen_request

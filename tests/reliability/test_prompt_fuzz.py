@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.serve import EngineSizing
+from service.app import EngineSizing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import check_stream, collect, gen_request
 from tests.verify.pool import wait_for_baseline

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service import cli, devserve
-from service.serve import ConfigError, parse_kv_memory
+from service import cli, dev
+from service.app import ConfigError, parse_kv_memory
 from service.tenants import load_tenants
 from tests.serverutil import ROOT
 
@@ -98,8 +98,8 @@ def test_kv_memory_sizes() -> None:
 
 def test_devserve_creates_a_dev_tenant_once(tmp_path: Path) -> None:
     tenants = tmp_path / "dev" / "tenants.toml"
-    key = devserve.ensure_dev_tenant(tenants)
+    key = dev.ensure_dev_tenant(tenants)
     assert (tmp_path / "dev" / "dev-key.txt").read_text().strip() == key
     assert load_tenants(tenants).by_key(key).name == "dev"  # type: ignore[union-attr]
-    assert devserve.ensure_dev_tenant(tenants) == key  # reused, not rotated
+    assert dev.ensure_dev_tenant(tenants) == key  # reused, not rotated
     assert oct((tmp_path / "dev" / "dev-key.txt").stat().st_mode & 0o777) == "0o600"

@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2_grpc
+from service.app import EngineSizing
+from service.grpc_server import ServerOptions
 from service.model.loader import resolve_dtype
-from service.serve import EngineSizing
-from service.server import ServerOptions
 from tests.serverutil import ROOT, SERVING_RE, TenantSpec, running_server, write_tenants_file
 from tests.service.rpc import request
 

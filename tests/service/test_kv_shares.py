@@ -52,8 +52,8 @@ def test_overcommit_accepts_and_derived_tenants_split_the_whole_pool() -> None:
 def test_server_refuses_to_start_with_shares_over_the_pool(
     tiny_model: object, tmp_path: Path
 ) -> None:
-    from service.serve import ConfigError
-    from service.server import ServerOptions
+    from service.app import ConfigError
+    from service.grpc_server import ServerOptions
     from tests.serverutil import TenantSpec, running_server
     from tests.service.rpc import usage
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.serve import EngineSizing, cache_config, engine_config
+from service.app import EngineSizing, cache_config, engine_config
 
 
 def test_engine_config_takes_the_models_length_unless_capped() -> None:

@@ -18,8 +18,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.auth import Authenticator
+from service.grpc_server import ServerOptions
 from service.interceptor import AuthInterceptor
-from service.server import ServerOptions
 from service.tenants import hash_key, parse_tenants
 from tests.serverutil import TenantSpec, running_server
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Literal
 
 from structlog.typing import FilteringBoundLogger
 
+from service.grpc_server import KVFenceServer, ServedModel, ServerOptions
 from service.kv_shares import KVShareError
 from service.preflight import ConfigError, parse_kv_memory
-from service.server import KVFenceServer, ServedModel, ServerOptions
 from service.startup import StartupInterrupted, until_stopped
 from service.tenants import TenantRegistry, load_tenants
 

@@ -39,7 +39,7 @@ def ensure_dev_tenant(tenants: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="devserve", add_help=False)
+    parser = argparse.ArgumentParser(prog="kvfence-dev", add_help=False)
     parser.add_argument("--tenants", default="dev/tenants.toml")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", default="50051")
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         key = ensure_dev_tenant(tenants)
     except (OSError, TenantsFileError) as err:
-        print(f"devserve: error: {err}", file=sys.stderr)
+        print(f"make serve: error: {err}", file=sys.stderr)
         return 2
     kvfence = Path(sys.executable).with_name("kvfence")
     target = f"{known.host}:{known.port}"
