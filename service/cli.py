@@ -239,11 +239,11 @@ def _certs_dev(args: argparse.Namespace) -> int:
     print(f"wrote {out.ca} (CA), {out.server_cert} + {out.server_key} (server), "
           f"{out.client_cert} + {out.client_key} (client of tenant {args.tenant!r})")
     if args.tenants is not None:
-        add_identity(Path(args.tenants), args.tenant, out.identity)
-        print(f"mapped {out.identity} to tenant {args.tenant!r} in {args.tenants}")
+        add_identity(Path(args.tenants), args.tenant, f"uri:{out.identity}")
+        print(f"mapped uri:{out.identity} to tenant {args.tenant!r} in {args.tenants}")
     else:
         print(f'add to [tenants.{args.tenant}] in your tenants file: '
-              f'mtls_identities = ["{out.identity}"]')
+              f'mtls_identities = ["uri:{out.identity}"]')
     print(f"serve:  kvfence serve --tls-cert {out.server_cert} --tls-key {out.server_key} "
           f"--tls-client-ca {out.ca} ...")
     print(f"call:   kvfence usage --tls-ca {out.ca} --tls-cert {out.client_cert} "

@@ -3,7 +3,8 @@
 For trying TLS and mTLS on one machine, not for production. Keys are ECDSA P-256, written
 0600. The server certificate names ``localhost``, ``127.0.0.1`` and ``::1`` (plus ``--host``);
 the client certificate carries the URI SAN ``spiffe://kvfence/tenant/<tenant>``, which the
-server maps to a tenant through ``mtls_identities`` (``--tenants`` adds it there).
+server maps to a tenant through ``mtls_identities`` as ``uri:spiffe://kvfence/tenant/<tenant>``
+(``--tenants`` adds it there).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def test_certs_dev_files_and_tenant_mapping(mtls_server: tuple[RealServer, Path]
     assert sorted(p.name for p in certs.iterdir()) == [
         "ca.key", "ca.pem", "dev.key", "dev.pem", "server.key", "server.pem"]
     assert {oct(p.stat().st_mode & 0o777) for p in certs.glob("*.key")} == {"0o600"}
-    assert 'mtls_identities = ["spiffe://kvfence/tenant/dev"]' in server.tenants.read_text()
+    assert 'mtls_identities = ["uri:spiffe://kvfence/tenant/dev"]' in server.tenants.read_text()
 
 
 def test_client_certificate_alone_authenticates_as_the_tenant(
