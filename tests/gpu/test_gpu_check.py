@@ -101,10 +101,12 @@ def test_targets_fail_when_a_property_is_off(dry_run: tuple[dict[str, Any], Path
     ]
     assert missed(lambda r: r["pytest"].update(failures=1)) == ["pytest -m cuda failures+errors"]
 
-    # On a device, the throughput targets count: tiny CPU shapes miss both.
+    # On a device, the throughput targets count. The rows are pinned below both targets (the
+    # dry run's own tiny-shape figures vary with the CPU and may pass either one by chance).
     def on_device(r: dict[str, Any]) -> None:
         r["throughput"]["rows"] = [
-            dict(row, batch=b) for row, b in zip(r["throughput"]["rows"], (1, 64), strict=True)
+            dict(row, batch=b, kvfence_roofline_fraction=0.1, speedup=1.0)
+            for row, b in zip(r["throughput"]["rows"], (1, 64), strict=True)
         ]
         r["pytest"]["skipped"] = 0
 
@@ -112,3 +114,12 @@ def test_targets_fail_when_a_property_is_off(dry_run: tuple[dict[str, Any], Path
         "batch-1 graphed decode, fraction of HBM roofline",
         "batch-64 throughput / transformers",
     }
+    # ... and the same rows at the targets pass them.
+    def at_targets(r: dict[str, Any]) -> None:
+        on_device(r)
+        r["throughput"]["rows"] = [
+            dict(row, kvfence_roofline_fraction=0.5, speedup=2.0) for row in r["throughput"]["rows"]
+        ]
+
+    assert not {"batch-1 graphed decode, fraction of HBM roofline",
+                "batch-64 throughput / transformers"} & set(missed(at_targets, dry=False))

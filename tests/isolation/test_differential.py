@@ -102,12 +102,20 @@ def _tokenize(srv: ServerHandle, texts: list[str]) -> list[list[int]]:
 
 
 async def _run_a(
-    stub: Any, srv: ServerHandle, prompts: list[list[int]], done: Any = None
+    stub: Any,
+    srv: ServerHandle,
+    prompts: list[list[int]],
+    done: Any = None,
+    second_half_after: asyncio.Event | None = None,
 ) -> dict[int, Any]:
     gate = asyncio.Semaphore(A_CONCURRENCY)
     out: dict[int, Any] = {}
 
     async def one(i: int) -> None:
+        if second_half_after is not None and i >= len(prompts) // 2:
+            # NOTE: held back until B's pressure has begun, so A's second half runs through it
+            # however fast the first half finished (a faster decode once ended A before it).
+            await second_half_after.wait()
         async with gate:
             out[i] = await run_stream(
                 stub, bearer(srv.keys["alice"]), prompts[i], MAX_TOKENS, logprobs=2
@@ -174,7 +182,7 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
             probes.append(asyncio.create_task(probe_after_a(i)))
 
         adversary = asyncio.gather(pressure(), storm())
-        run.a = await _run_a(stub, srv, prompts, done)
+        run.a = await _run_a(stub, srv, prompts, done, second_half_after=half_done)
         await asyncio.gather(*probes)
         half_done.set()  # already set, unless there were fewer probes than expected
         await adversary
