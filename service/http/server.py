@@ -15,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class _InLoopServer(uvicorn.Server):
@@ -22,6 +23,22 @@ class _InLoopServer(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         # The kvfence process owns SIGTERM/SIGINT (drain); uvicorn must not take them.
         yield
+
+
+class _NoDelayH11(H11Protocol):
+    """h11 with TCP_NODELAY on each accepted connection.
+
+    The listening socket is ours (see ``start``), and its accepted sockets come without
+    TCP_NODELAY. uvicorn writes a response's head and body in separate sends, so Nagle held
+    the body for the client's delayed ACK: every request after the first on a keep-alive
+    connection took 40 ms longer (measured: 80 ms back-to-back vs 40 ms over gRPC)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().connection_made(transport)
 
 
 class HttpServer:
@@ -44,6 +61,7 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
+            http=_NoDelayH11,
             ssl_certfile=str(tls_cert) if tls_cert else None,
             ssl_keyfile=str(tls_key) if tls_key else None,
             ssl_ca_certs=str(client_ca) if client_ca else None,
