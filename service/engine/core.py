@@ -222,10 +222,11 @@ class EngineCore:
         plan = self._schedule()
         if plan.attn is None:
             return StepStats(0, 0, 0, len(plan.preempted))
+        shape = plan.shape()  # before update advances the sequences
         start = time.perf_counter()
         result, forward_s = self._execute(plan)
         sampled = self._update(plan, result)
-        self._scheduler.observe_step(plan.num_tokens, time.perf_counter() - start)
+        self._scheduler.observe_step(shape, time.perf_counter() - start)
         return StepStats(
             plan.num_tokens, len(plan.entries), sampled, len(plan.preempted), forward_s
         )

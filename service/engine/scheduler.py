@@ -21,6 +21,7 @@ the cache.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from kvcache.metadata import StepEntry
 from kvcache.stats import CacheStats, TenantUsage
 from service.engine.fairness import FairQueue, TokenCounter
 from service.engine.request import SeqState, SeqStatus
-from service.engine.step_budget import StepCostModel
+from service.engine.step_budget import StepCostModel, StepRoom, StepShape
 from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolicy
 
 log = structlog.get_logger(__name__)
@@ -69,6 +70,18 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(e.num_new for e in self.entries)
+
+    def shape(self) -> StepShape:
+        """What the step's cost depends on; read it before ``update`` advances the entries."""
+        rows = keys = 0
+        chunks: list[tuple[int, int]] = []
+        for e in self.entries:
+            if e.num_new == 1 and e.samples:  # a decode row (or a prompt's last token)
+                rows += 1
+                keys += e.seq.num_computed + 1
+            else:
+                chunks.append((e.seq.num_computed, e.num_new))
+        return StepShape(rows, keys, tuple(chunks))
 
 
 class Scheduler:
@@ -106,10 +119,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decodes first, one token each, so no prefill stalls a running stream. Then prefill
-        chunks under the step's token budget, the tenant with the fewest weighted processed
-        tokens first (``TokenCounter``): its running prefill, or its next request admitted
-        by DRR. While others have work, one request's chunk is capped (``prefill_cap``)."""
-        budget = self._step_budget()
+        chunks in what is left of the step (``_room``), the tenant with the fewest weighted
+        processed tokens first (``TokenCounter``): its running prefill, or its next request
+        admitted by DRR. While others have work, one request's chunk is capped."""
         entries: list[ScheduledSeq] = []
         preempted: list[SeqState] = []
         rejected: list[tuple[SeqState, RequestTooLarge]] = []
@@ -122,14 +134,12 @@ class Scheduler:
                 seq, 1, entries, preempted, rejected
             ):
                 entries.append(ScheduledSeq(seq, 1))
-        cap = self._prefill_cap(budget)
-        budget = max(budget - len(entries), min(budget, _MIN_PREFILL_TOKENS))
-        budget = min(budget, hard - len(entries))
+        room = self._room(entries)
         self._spent = {}
         admitted: list[SeqState] = []
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         blocked: set[str] = set()  # tenants whose next request does not fit this step
-        while budget > 0:
+        while room.is_open():
             prefilling = [s for s in prefilling if s.status is SeqStatus.RUNNING]
             ahead = min(prefilling, key=self._fair_order, default=None)
             waiting = None if preempted else self._next_waiting(blocked)
@@ -137,23 +147,25 @@ class Scheduler:
                 waiting is None or self._fair_order(ahead) <= self._fair_order(waiting)
             ):
                 prefilling.remove(ahead)
-                num_new = min(ahead.num_tokens - ahead.num_computed, budget, cap)
-                if self._allocate_running(ahead, num_new, entries, preempted, rejected):
+                num_new = room.chunk(ahead.num_computed, ahead.num_tokens - ahead.num_computed)
+                if num_new > 0 and self._allocate_running(
+                    ahead, num_new, entries, preempted, rejected
+                ):
                     entries.append(ScheduledSeq(ahead, num_new))
-                    budget -= num_new
+                    room.take(ahead.num_computed, num_new)
                     self._spend(ahead.tenant, num_new)
                 continue
             if waiting is None:
                 break
-            used = self._admit(waiting, min(budget, cap), blocked, rejected)
+            used = self._admit(waiting, room, blocked, rejected)
             if used is None:
                 continue
             entries.append(ScheduledSeq(waiting, used))
             admitted.append(waiting)
-            budget -= used
+            room.take(waiting.num_computed, used)
             self._spend(waiting.tenant, used)
-        if budget > 0 and self._config.long_prefill_threshold <= 0:
-            self._extend(entries, budget)
+        if self._config.long_prefill_threshold <= 0:
+            self._extend(entries, room)
         good, attn, refused = self._fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
@@ -167,46 +179,58 @@ class Scheduler:
     def _spend(self, tenant: str, tokens: int) -> None:
         self._spent[tenant] = self._spent.get(tenant, 0) + tokens
 
-    def _extend(self, entries: list[ScheduledSeq], budget: int) -> None:
-        """Budget nobody else could use goes to the step's prefill chunks, fairest first, so
+    def _extend(self, entries: list[ScheduledSeq], room: StepRoom) -> None:
+        """Room nobody else could use goes to the step's prefill chunks, fairest first, so
         the automatic chunk cap never leaves a step short (no preemption for it)."""
         order = sorted(range(len(entries)), key=lambda i: self._fair_order(entries[i].seq))
         for i in order:
+            if not room.is_open():
+                return
             e = entries[i]
-            extra = min(e.seq.num_tokens - e.seq.num_computed - e.num_new, budget)
+            context = e.seq.num_computed + e.num_new
+            extra = room.chunk(context, e.seq.num_tokens - context, capped=False)
             if extra <= 0:
                 continue
-            total = e.seq.num_computed + e.num_new + extra
-            if self._cache.can_allocate(e.seq.seq_id, total):
-                self._cache.allocate_slots(e.seq.seq_id, total)
+            if self._cache.can_allocate(e.seq.seq_id, context + extra):
+                self._cache.allocate_slots(e.seq.seq_id, context + extra)
                 entries[i] = ScheduledSeq(e.seq, e.num_new + extra)
-                budget -= extra
+                room.take(context, extra)
                 self._spend(e.seq.tenant, extra)
-            if budget <= 0:
-                return
 
-    def _step_budget(self) -> int:
-        """Tokens this step may take: all of ``max_num_batched_tokens``, or what the cost
-        model says fits ``max_step_ms``."""
-        hard = self._config.max_num_batched_tokens
-        if self._config.max_step_ms <= 0:
-            return hard
-        floor = min(hard, _MIN_PREFILL_TOKENS)
-        return self.cost.budget(self._config.max_step_ms / 1000.0, floor, hard)
+    def _room(self, decodes: list[ScheduledSeq]) -> StepRoom:
+        """What the step's prefill chunks may take once ``decodes`` are in.
 
-    def _prefill_cap(self, budget: int) -> int:
-        """One request's prefill chunk: ``prefill_chunk`` tokens when set; else half the
-        step's budget while someone else has work (alone, it takes the budget)."""
-        chunk = self._config.long_prefill_threshold
-        if chunk > 0:
-            return chunk
-        if len(self.running) + len(self.waiting) <= 1:
-            return budget
-        return max(1, budget // 2)
+        Within ``max_num_batched_tokens``; with ``max_step_ms`` set, also within the time
+        the cost model says is left of the step's target. While decodes run the target is at
+        most ``decode_stretch`` times the decode-only step, so a prefill chunk never makes a
+        stream's inter-token gap more than that many times what it would be without it."""
+        config = self._config
+        hard = config.max_num_batched_tokens
+        floor = 1 if decodes else _MIN_PREFILL_TOKENS
+        alone = len(self.running) + len(self.waiting) <= 1
+        cap_tokens = config.long_prefill_threshold or (1 << 30)
+        cost = self.cost.fit() if config.max_step_ms > 0 else None
+        if cost is None:
+            # Untimed: the whole token budget. Unmeasured: start small; the first steps teach
+            # the model. Either way one request's chunk is half of it while others have work.
+            budget = hard if config.max_step_ms <= 0 else min(hard, _MIN_PREFILL_TOKENS)
+            if not config.long_prefill_threshold and not alone:
+                cap_tokens = max(1, budget // 2)
+            least = min(budget, _MIN_PREFILL_TOKENS)
+            tokens = min(hard - len(decodes), max(budget - len(decodes), least))
+            return StepRoom(max(tokens, 0), cap_tokens=cap_tokens)
+        keys = sum(e.seq.num_computed + 1 for e in decodes)
+        decode_s = cost.decode_seconds(len(decodes), keys)
+        target = config.max_step_ms / 1000.0
+        if decodes and config.decode_stretch > 0:
+            target = min(target, config.decode_stretch * decode_s)
+        seconds = target - decode_s
+        cap_s = seconds / 2 if not alone and not config.long_prefill_threshold else math.inf
+        return StepRoom(max(hard - len(decodes), 0), cost, seconds, cap_tokens, cap_s, floor)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """The wall time of a step that ran ``tokens`` tokens (feeds the cost model)."""
-        self.cost.observe(tokens, seconds)
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """The wall time of a step of that ``shape`` (feeds the cost model)."""
+        self.cost.observe(shape.rows, shape.row_keys, shape.chunks, seconds)
 
     def _fence(
         self, entries: list[ScheduledSeq]
@@ -345,13 +369,13 @@ class Scheduler:
     def _admit(
         self,
         seq: SeqState,
-        budget: int,
+        room: StepRoom,
         blocked: set[str],
         rejected: list[tuple[SeqState, RequestTooLarge]],
     ) -> int | None:
-        """Admit the waiting ``seq`` with a first chunk of at most ``budget`` tokens; return
-        the chunk, or None when it could not be admitted (rejected, or its tenant is blocked
-        for this step: a tenant whose request does not fit never holds up the others)."""
+        """Admit the waiting ``seq`` with a first chunk that fits ``room``; return the chunk,
+        or None when it could not be admitted (rejected, or its tenant is blocked for this
+        step: a tenant whose request does not fit never holds up the others)."""
         too_large = self._check_fits(seq)
         if too_large is not None:
             self.waiting.pop(seq, charge=False)
@@ -366,7 +390,9 @@ class Scheduler:
         )
         seq.in_cache = True
         seq.num_computed = cached
-        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        # A prefix hit moves the chunk later in the sequence, where tokens cost more; the
+        # room was open for one token at position 0, so the chunk gets at least that.
+        num_new = max(1, room.chunk(cached, seq.num_tokens - cached))
         if not self._cache.allocate_slots(seq.seq_id, seq.num_computed + num_new).ok:
             self._close(seq)
             blocked.add(seq.tenant)

@@ -111,7 +111,9 @@ class EngineConfig:
     chunks. ``long_prefill_threshold`` (``--prefill-chunk``) caps one request's prefill chunk
     per step while others have work (0 = half the step's budget), so one long prompt cannot
     take a whole step from the others. ``max_step_ms`` > 0 sizes each step's budget from a
-    measured cost model so a step lasts about that long (decodes keep a bounded gap).
+    measured cost model so a step lasts about that long; while decodes run, a step with a
+    prefill chunk lasts at most ``decode_stretch`` times the decode-only step (0 = no such
+    bound), so a stream's inter-token gap stays within that multiple of what it is alone.
     ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
     interleaves tenants more finely; costs are prompt + max_tokens).
     """
@@ -121,6 +123,7 @@ class EngineConfig:
     max_model_len: int = 2048
     long_prefill_threshold: int = 0
     max_step_ms: float = 0.0
+    decode_stretch: float = 2.0
     drr_quantum: int = 128
     warmup: bool = True
     warmup_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)

@@ -92,3 +92,39 @@ def test_out_of_pages_preempts_the_tenant_most_over_its_share(tiny: LoadedModel)
     running = {s.seq_id for s in core.scheduler.running}
     assert "b0" in running  # b, the newest, holds the fewest pages over its share
     assert len(running & {"a0", "a1", "a2"}) == 2
+
+
+def _teach_cost(core: object, decode_s: float, per_token_s: float) -> None:
+    """Replace what the scheduler's cost model learned with a machine whose decode-only
+    step takes ``decode_s`` and whose prefill chunk tokens cost ``per_token_s`` each."""
+    model = core.scheduler.cost  # type: ignore[attr-defined]
+    for _ in range(200):  # the real steps' weight decays to nothing
+        for rows in (1, 2, 3):
+            model.observe(rows, 10 * rows, [], decode_s)
+        for tokens in (8, 32, 100):
+            model.observe(0, 0, [(0, tokens)], decode_s + per_token_s * tokens)
+
+
+def _chunk_beside_a_decode(tiny: LoadedModel, stretch: float) -> int:
+    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=stretch)
+    core = make_core(tiny, config=config)
+    rec = Recorder()
+    b = req("b", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True)
+    core.add(b, rec.sink("b"))
+    core.step()  # b is prefilled; it decodes from now on
+    a = req("a", prompt_ids(1, 400, V), tenant="a", max_tokens=2)
+    core.add(a, rec.sink("a"))
+    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
+    core.step()
+    assert len(rec.tokens("b")) == 2  # the decode ran in the same step as a's chunk
+    return _computed(core, "a")
+
+
+def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step(
+    tiny: LoadedModel,
+) -> None:
+    # The step target is 1 s, but b is decoding: a's chunk may add only one more decode
+    # step's time (20 ms at 1 ms a token), so b's inter-token gap at most doubles.
+    assert _chunk_beside_a_decode(tiny, stretch=2.0) == 20
+    # Without the stretch the chunk takes what the 1 s target and the token budget allow.
+    assert _chunk_beside_a_decode(tiny, stretch=0.0) > 200

@@ -1,38 +1,85 @@
-"""The step cost model behind ``--max-step-ms``."""
+"""The step cost model behind ``--max-step-ms`` and the decode stretch (issue 12)."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.engine.step_budget import StepCostModel
+from service.engine.step_budget import StepCost, StepCostModel, chunk_keys
+
+# A decode-only step: 20 ms + 1 ms per row + 1 us per key read.
+DECODE = (0.020, 0.001, 1e-6)
+# Each prefill chunk adds 2 ms + 0.5 ms per token + 2 us per key read.
+CHUNK = (0.002, 0.0005, 2e-6)
 
 
-def test_fits_base_and_per_token_cost_and_sizes_the_budget() -> None:
+def _step_s(rows: int, row_keys: int, chunks: list[tuple[int, int]]) -> float:
+    seconds = DECODE[0] + DECODE[1] * rows + DECODE[2] * row_keys
+    for context, tokens in chunks:
+        seconds += CHUNK[0] + CHUNK[1] * tokens + CHUNK[2] * chunk_keys(context, tokens)
+    return seconds
+
+
+def _teach(model: StepCostModel, rounds: int = 4) -> None:
+    for _ in range(rounds):
+        for rows, keys in ((1, 30), (4, 900), (16, 1000), (8, 4000)):
+            model.observe(rows, keys, [], _step_s(rows, keys, []))
+        for rows, keys, chunks in (
+            (1, 30, [(0, 64)]),
+            (0, 0, [(500, 16)]),
+            (2, 60, [(0, 8), (1200, 32)]),
+            (0, 0, [(2000, 128), (10, 4), (300, 40)]),
+        ):
+            model.observe(rows, keys, chunks, _step_s(rows, keys, chunks))
+
+
+def test_fits_the_decode_part_and_what_each_chunk_adds() -> None:
     model = StepCostModel()
-    for tokens in (1, 8, 64, 256, 16, 128) * 3:
-        model.observe(tokens, 0.020 + 0.0005 * tokens)  # 20 ms + 0.5 ms per token
-    base, per_token = model.fit() or (0.0, 0.0)
-    assert base == pytest.approx(0.020, rel=1e-6)
-    assert per_token == pytest.approx(0.0005, rel=1e-6)
-    assert model.budget(0.100, floor=16, ceiling=512) == 160  # (100 - 20) / 0.5
-    assert model.budget(0.010, floor=16, ceiling=512) == 16  # below the floor
-    assert model.budget(1.000, floor=16, ceiling=512) == 512  # above the ceiling
+    assert model.fit() is None  # nothing measured yet
+    _teach(model)
+    cost = model.fit()
+    assert cost is not None
+    fitted = (cost.base_s, cost.per_row_s, cost.per_row_key_s)
+    assert fitted == pytest.approx(DECODE, rel=1e-6)
+    fitted = (cost.per_chunk_s, cost.per_token_s, cost.per_key_s)
+    assert fitted == pytest.approx(CHUNK, rel=1e-6)
 
 
-def test_unmeasured_model_starts_at_the_floor_and_follows_a_slower_machine() -> None:
+def test_chunk_tokens_is_the_largest_chunk_within_the_time() -> None:
+    cost = StepCost(0.020, 0.001, 1e-6, *CHUNK)
+    for context in (0, 100, 1500, 3000):
+        for seconds in (0.003, 0.010, 0.050):
+            n = cost.chunk_tokens(seconds, context)
+            assert cost.chunk_seconds(context, n) <= seconds + 1e-12
+            assert cost.chunk_seconds(context, n + 1) > seconds
+    # Later in a long prompt the same time buys fewer tokens (attention reads more keys).
+    assert cost.chunk_tokens(0.020, 3000) < cost.chunk_tokens(0.020, 0) // 2
+    assert cost.chunk_tokens(0.001, 0) == 0  # not even the chunk's own overhead fits
+
+
+def test_follows_a_machine_that_got_slower() -> None:
     model = StepCostModel()
-    assert model.fit() is None and model.budget(0.1, 16, 512) == 16
-    for tokens in (4, 64, 128) * 5:
-        model.observe(tokens, 0.001 * tokens)
-    fast = model.budget(0.1, 16, 512)
-    for tokens in (4, 64, 128) * 20:  # the machine got 4x slower
-        model.observe(tokens, 0.004 * tokens)
-    slow = model.budget(0.1, 16, 512)
-    assert fast == 100 and slow == pytest.approx(25, abs=1)
+    _teach(model)
+    fast = model.fit()
+    for _ in range(40):  # every step now takes 3x as long
+        for rows, keys in ((1, 30), (6, 500), (12, 3000)):
+            model.observe(rows, keys, [], 3 * _step_s(rows, keys, []))
+        for rows, keys, chunks in (
+            (1, 30, [(0, 64)]),
+            (0, 0, [(500, 16), (0, 200)]),
+            (2, 60, [(1000, 24)]),
+        ):
+            model.observe(rows, keys, chunks, 3 * _step_s(rows, keys, chunks))
+    slow = model.fit()
+    assert fast is not None and slow is not None
+    assert slow.decode_seconds(1, 30) == pytest.approx(3 * fast.decode_seconds(1, 30), rel=0.02)
+    assert slow.chunk_seconds(100, 32) == pytest.approx(3 * fast.chunk_seconds(100, 32), rel=0.02)
 
 
 def test_identical_steps_charge_their_time_per_token() -> None:
     model = StepCostModel()
     for _ in range(5):
-        model.observe(50, 0.05)
-    assert model.fit() == (0.0, pytest.approx(0.001))
+        model.observe(0, 0, [(0, 50)], 0.05)
+    cost = model.fit()
+    assert cost is not None
+    assert cost.chunk_seconds(0, 50) == pytest.approx(0.05)
+    assert cost.per_token_s == pytest.approx(0.001)
