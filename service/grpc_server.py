@@ -37,6 +37,7 @@ from service.limits import Limiter, TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import EngineLike
+from service.refusal_pace import RefusalPace
 from service.tenants import TenantRegistry, TenantsFileError, load_tenants
 from service.tokenizer_pool import TokenizerPool
 from service.validation import ModelLimits
@@ -189,6 +190,7 @@ class KVFenceServer:
             self._log,
             on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
             client_certs=opts.tls is not None and opts.tls.client_ca is not None,
+            pace=RefusalPace(),
         )
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)

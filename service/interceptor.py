@@ -11,12 +11,14 @@ Two steps, because gRPC hands the two halves of a credential to different places
    third argument, ``handler(request, context, tenant)`` (see ``service/wire.py``); other
    services' handlers (reflection) are called as usual once the tenant passes.
 
-gRPC still reads the refused message off the wire (up to the receive limit); only parsing is
-skipped.
+gRPC still reads the refused message off the wire (up to the receive limit), but never hands
+it to Python; refusals are paced per peer host (``service/refusal_pace.py``), so a client that
+retries at once on every refusal cannot keep the server busy reading bodies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
@@ -26,6 +28,7 @@ import structlog
 
 from service.auth import Authenticator
 from service.errors import ServiceError, abort, permission_denied, unavailable
+from service.refusal_pace import RefusalPace
 from service.tenants import Tenant
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -51,12 +54,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         log: structlog.typing.FilteringBoundLogger,
         on_denied: Callable[[str], None] = lambda _code: None,
         client_certs: bool = False,
+        pace: RefusalPace | None = None,
     ) -> None:
         self._auth = authenticator
         self._is_draining = is_draining
         self._log = log
         self._on_denied = on_denied
         self._client_certs = client_certs
+        self._pace = pace
 
     async def intercept_service(
         self,
@@ -90,12 +95,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self, context: grpc.aio.ServicerContext, method: str, err: ServiceError
     ) -> NoReturn:
         if err.code != grpc.StatusCode.UNAVAILABLE:
+            peer = context.peer()
             # One event per denial; the reason is in ErrorInfo, never the key itself.
             reason = err.details[0].reason if err.details else ""  # type: ignore[attr-defined]
             self._log.warning(
-                "auth.denied", method=method, peer=context.peer(), code=err.code.name, reason=reason
+                "auth.denied", method=method, peer=peer, code=err.code.name, reason=reason
             )
             self._on_denied(err.code.name)
+            wait = self._pace.reserve(peer) if self._pace is not None else 0.0
+            if wait > 0:
+                try:
+                    await asyncio.sleep(wait)  # paced (service/refusal_pace.py)
+                finally:
+                    self._pace.release(peer)  # type: ignore[union-attr]
         await abort(context, err)
 
 
@@ -107,21 +119,22 @@ def _skip_body(_raw: bytes) -> None:
 def _refuse(
     handler: grpc.RpcMethodHandler, method: str, err: ServiceError, deny: Deny
 ) -> grpc.RpcMethodHandler:
-    kwargs: dict[str, Any] = {
-        "request_deserializer": _skip_body,
-        "response_serializer": handler.response_serializer,
-    }
+    """A handler that answers ``err`` without reading the request.
 
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+    NOTE: it is registered as a client-streaming handler whatever the method's kind: gRPC
+    reads a unary request's whole message into a Python bytes object before it calls the
+    handler, but starts a streaming handler at once and reads only what it asks for. The
+    wire is the same for every kind, so the caller sees its status either way; the body it
+    sent is dropped when the stream closes, never copied out of the transport."""
+
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> Any:
         await deny(context, method, err)
 
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
-    if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
-    return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(
+        refuse,
+        request_deserializer=_skip_body,
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.RpcMethodHandler:
