@@ -1,8 +1,8 @@
 """One ``GenerateRequest`` -> one validated engine ``Request``: the single validator both
 fronts use (gRPC directly; HTTP after translating the OpenAI body into a ``GenerateRequest``).
 
-``check_request`` needs no tokenizer, so the gRPC front charges the input by its size
-between it and ``finish_request``. Everything is checked before any KV page is allocated: model permission, field ranges
+``check_request`` needs no tokenizer, so both fronts charge the input by its size between it
+and ``finish_request``. Everything is checked before any KV page is allocated: model permission, field ranges
 (``service.validation``), input sizes before tokenizing, the tokenized length and context,
 and last the response format (compiled with the tenant's own grammar cache).
 """
@@ -84,19 +84,4 @@ async def finish_request(
         deadline=deadline,
         bypass_prefix_cache=request.bypass_prefix_cache,
         grammar=grammar,
-    )
-
-
-async def prepare_request(
-    prompts: PromptBuilder,
-    grammars: GrammarCompiler | None,
-    tenant: Tenant,
-    request: inference_pb2.GenerateRequest,
-    request_id: str,
-    deadline: float | None,
-) -> Request:
-    """Validate, tokenize and compile the response format. Raises ServiceError."""
-    checked = check_request(prompts, tenant, request)
-    return await finish_request(
-        prompts, grammars, tenant, request, checked, request_id, deadline
     )

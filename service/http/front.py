@@ -35,11 +35,11 @@ from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.finish import finish_error
 from service.http import render
 from service.http.errors import error_body, error_response
-from service.http.generation import Generation
+from service.http.generation import Generation, admit_all
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
 from service.limits import Limiter
 from service.metrics import Metrics
-from service.prepare import prepare_request
+from service.prepare import check_request, finish_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
 from service.tenants import Tenant
@@ -124,11 +124,21 @@ class OpenAIFront:
             log = self._d.log.bind(tenant=tenant.name, request_id=request_id, front="http")
             raw = await _read_body(request)
             message, opts = parse(load_body(raw))
-            base = await prepare_request(
-                self._d.prompts, self._d.grammars, tenant, message, request_id,
-                self._deadline(request),
-            )
-            gen = Generation(self._d.engine, self._d.limiter, base, opts.n)
+            checked = check_request(self._d.prompts, tenant, message)
+            # Charged before any work (tokenizing included), as the gRPC front does: the
+            # input by its size, for each of the n sequences.
+            cost = checked.input_cost + checked.stopping.max_tokens
+            leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
+            try:
+                base = await finish_request(
+                    self._d.prompts, self._d.grammars, tenant, message, checked, request_id,
+                    self._deadline(request),
+                )
+            except BaseException:
+                for lease in leases:
+                    lease.release()
+                raise
+            gen = Generation(self._d.engine, base, leases)
             await gen.start()
         except ServiceError as err:
             self._count(tenant_name, method, err.code.name)

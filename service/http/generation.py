@@ -3,9 +3,10 @@
 Sequence 0 is submitted first; the others are submitted once it has produced its first
 token, when its full prompt pages are in the tenant's prefix cache, so sequences 1..n-1 map
 those same pages instead of computing and storing the prompt again. Each sequence takes
-its own concurrency slot and token budget from the tenant's limiter, as a gRPC stream does.
-``close`` (always called) aborts whatever has not finished, which frees its pages in the
-engine's next step, and releases the slots.
+its own concurrency slot and token budget from the tenant's limiter, as a gRPC stream does;
+the front takes them with ``admit_all`` before it tokenizes (the input charged by its size),
+and the ``Generation`` holds them. ``close`` (always called) aborts whatever has not
+finished, which frees its pages in the engine's next step, and releases the slots.
 """
 
 from __future__ import annotations
@@ -21,18 +22,28 @@ from service.limits import LeaseLike, Limiter
 from service.protocols import EngineLike
 
 
+async def admit_all(limiter: Limiter, tenant: str, cost: int, n: int) -> list[LeaseLike]:
+    """``n`` slots of ``cost`` tokens each from the tenant's limiter, all or none. Raises
+    ServiceError (nothing held)."""
+    leases: list[LeaseLike] = []
+    try:
+        for _ in range(n):
+            leases.append(await limiter.admit(tenant, cost))
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    return leases
+
+
 class Generation:
-    def __init__(
-        self,
-        engine: EngineLike,
-        limiter: Limiter,
-        base: Request,
-        n: int,
-    ) -> None:
+    """The sequences of ``base``, one per lease in ``leases`` (taken by ``admit_all``)."""
+
+    def __init__(self, engine: EngineLike, base: Request, leases: list[LeaseLike]) -> None:
+        n = len(leases)
         self._engine = engine
         self._requests = [_nth(base, i, n) for i in range(n)]
-        self._limiter = limiter
-        self._leases: list[LeaseLike] = []
+        self._leases = leases
         self._queue: asyncio.Queue[tuple[int, EngineEvent | ServiceError]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._finished: set[int] = set()
@@ -43,12 +54,8 @@ class Generation:
         return self._requests
 
     async def start(self) -> None:
-        """Take the limiter slots and submit sequence 0. Raises ServiceError (nothing held)."""
-        base = self._requests[0]
-        cost = len(base.prompt_ids) + base.stopping.max_tokens
+        """Submit sequence 0. Raises ServiceError (then nothing is held any more)."""
         try:
-            for _ in self._requests:
-                self._leases.append(await self._limiter.admit(base.tenant, cost))
             await self._submit(0)
         except BaseException:
             self.close()

@@ -102,6 +102,44 @@ def test_rate_limit_is_429_with_retry_after(srv: ServerHandle) -> None:
     assert _error(err.value)["code"] == "tokens_per_minute"
 
 
+class _CountingTokenizer:
+    """Wraps the server's tokenizer and counts encode calls."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls += 1
+        return list(self._inner.encode(text, add_special_tokens))
+
+
+def test_input_is_charged_before_the_tokenizer_runs(
+    srv: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on gRPC: slow_rate has 60 tokens per minute, and 400 bytes of input are charged
+    100 tokens by their size, so the request is refused before any tokenizer work."""
+    prompts = srv.server.inference._prompts  # the PromptBuilder both fronts share
+    spy = _CountingTokenizer(prompts._tok)
+    monkeypatch.setattr(prompts, "_tok", spy)
+    c = client(srv, "slow_rate")
+    text = "word " * 80
+    with pytest.raises(openai.RateLimitError) as completion:
+        c.completions.create(model=_model(srv), prompt=text, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as chat:
+        c.chat.completions.create(
+            model=_model(srv), messages=[{"role": "user", "content": text}], max_tokens=1
+        )
+    for err in (completion, chat):
+        assert _error(err.value)["code"] == "tokens_per_minute"
+    assert spy.calls == 0
+    client(srv).completions.create(model=_model(srv), prompt="Hello", max_tokens=1)
+    assert spy.calls == 1  # the spy sees the tokenizer when it does run
+
+
 def test_deadline_is_504(srv: ServerHandle) -> None:
     with pytest.raises(openai.APIStatusError) as err:
         client(srv).completions.create(

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from service.engine.types import Delta, EngineEvent, Finished, FinishReason, Request
-from service.http.generation import Generation
+from service.http.generation import Generation, admit_all
 from service.limits import TenantLimiter
 from service.tenants import Quotas
 
@@ -43,7 +43,8 @@ async def _run(first: EngineEvent) -> tuple[ScriptedEngine, list[tuple[int, Engi
     engine = ScriptedEngine(first)
     limiter = TenantLimiter(lambda: 0.0)
     limiter.configure("t", Quotas())
-    gen = Generation(engine, limiter, Request("r", "t", (1, 2, 3)), 3)  # type: ignore[arg-type]
+    leases = await admit_all(limiter, "t", 3, 3)
+    gen = Generation(engine, Request("r", "t", (1, 2, 3)), leases)  # type: ignore[arg-type]
     await gen.start()
     seen: list[tuple[int, EngineEvent]] = []
     async for i, event in gen.events():

@@ -148,14 +148,15 @@ def test_n_sequences_map_the_first_ones_prompt_pages(srv: ServerHandle) -> None:
     """Sequences 1..n-1 are submitted after sequence 0 filled the prompt pages, and get
     them from the tenant's prefix cache instead of computing them again."""
     from service.engine.types import Admitted, Request, SamplingParams, StoppingParams
-    from service.http.generation import Generation
+    from service.http.generation import Generation, admit_all
 
     page = srv.engine.page_size
     prompt = tuple(range(10, 10 + 3 * page + 5))  # 3 full pages and a partial one
     base = Request("share-n", "acme", prompt, SamplingParams(seed=1), StoppingParams(max_tokens=4))
 
     async def run() -> dict[int, int]:
-        gen = Generation(srv.engine, srv.server.limiter, base, 4)
+        leases = await admit_all(srv.server.limiter, "acme", len(prompt) + 4, 4)
+        gen = Generation(srv.engine, base, leases)
         await gen.start()
         cached: dict[int, int] = {}
         try:
