@@ -21,6 +21,18 @@ def test_over_quota_evicts_own_cached_pages_first() -> None:
     assert (u.pages_in_use, u.pages_cached, u.max_pages) == (3, 1, 4)
 
 
+def test_a_tenant_at_its_share_evicts_its_own_pages_not_older_ones_of_others() -> None:
+    mgr, _ = make_manager(num_pages=16)
+    mgr.set_tenant_policy("t", TenantCachePolicy(max_pages=4))
+    prefill(mgr, "older", "u", PROMPT)
+    mgr.free("older")  # u's 2 cached pages are the least recently used in the pool
+    prefill(mgr, "a", "t", PROMPT)
+    mgr.free("a")
+    prefill(mgr, "b", "t", [1] * 9)  # t at its share: one of its own pages goes
+    assert mgr.stats().evictions["quota"] == 1
+    assert (mgr.usage("t").pages_cached, mgr.usage("u").pages_cached) == (1, 2)
+
+
 def test_quota_exceeded_when_own_cache_is_not_enough() -> None:
     mgr, _ = make_manager(num_pages=16)
     mgr.set_tenant_policy("t", TenantCachePolicy(max_pages=4))

@@ -1,0 +1,78 @@
+"""Switch-offs of the fair-share rules (issue 12): compute, memory and the eviction channel."""
+
+from tools.mutants.mutant import edit, mutant
+
+SCHEDULER = "service/engine/scheduler.py"
+STEP_BUDGET = "service/engine/step_budget.py"
+T_FAIR = "tests/engine/test_fair_compute.py"
+
+MUTANTS = (
+    mutant(
+        "preempt-most-over-share",
+        "when an overcommitted pool runs out, a sequence of the tenant most over its share is preempted",
+        edit(SCHEDULER, "rivals = self._running_of(self._most_over_share())",
+             "rivals = list(self.running)"),
+        tests=f"{T_FAIR}::test_out_of_pages_preempts_the_tenant_most_over_its_share",
+    ),
+    mutant(
+        "admission-stops-at-blocked",
+        "admission skips a tenant whose next request does not fit instead of stopping for all",
+        edit(SCHEDULER, "            blocked.add(seq.tenant)\n            return None",
+             "            blocked.update(self.waiting.tenants())\n            return None"),
+        tests=f"{T_FAIR}::test_a_tenant_whose_request_does_not_fit_does_not_block_others",
+    ),
+    mutant(
+        "kv-share-not-derived",
+        "a tenant with no max_kv_pages gets a share of the pool derived from the tenants' weights",
+        edit("service/kv_shares.py", "shares[name] = math.floor(left * weight / total_weight)",
+             "shares[name] = left"),
+        tests="tests/service/test_kv_shares.py",
+    ),
+    mutant(
+        "share-evicts-others",
+        "a tenant at its share evicts its own cached pages, never another tenant's",
+        edit("kvcache/manager.py",
+             "        for _ in range(quota_evictions):\n            page_id = self.evictable.oldest(tenant)",
+             "        for _ in range(quota_evictions):\n            page_id = self.evictable.oldest()"),
+        tests="tests/kvcache/test_quota.py",
+    ),
+    mutant(
+        "decode-stretch-off",
+        "while decodes run, a prefill chunk keeps the step within decode_stretch decode-only steps",
+        edit(SCHEDULER, "target = min(target, config.decode_stretch * decode_s)", "target = target"),
+        tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+    ),
+    mutant(
+        "chunk-cost-ignores-context",
+        "a prefill chunk is sized by the keys it reads, so late chunks of a long prompt stay in time",
+        edit(STEP_BUDGET, "b = self.per_token_s + self.per_key_s * (context + 0.5)",
+             "b = self.per_token_s + self.per_key_s * 0.5"),
+        tests="tests/engine/test_step_budget.py",
+    ),
+    mutant(
+        "token-counter-unweighted",
+        "prefill and decode tokens are shared by weight (virtual token counter)",
+        edit("service/engine/fairness.py",
+             "self._count[tenant] = self[tenant] + tokens / self._weight(tenant)",
+             "self._count[tenant] = self[tenant] + tokens"),
+        edit(SCHEDULER, "spent = self._spent.get(seq.tenant, 0) / self._policy(seq.tenant).weight",
+             "spent = self._spent.get(seq.tenant, 0)"),
+        tests=f"{T_FAIR}::test_prefill_tokens_are_shared_by_weight",
+    ),
+    mutant(
+        "refusals-unpaced",
+        "refused calls from one peer host are paced past a burst",
+        edit("service/interceptor.py",
+             "wait = self._pace.reserve(peer) if self._pace is not None else 0.0",
+             "wait = 0.0"),
+        tests="tests/service/test_refusal_pace.py",
+    ),
+    mutant(
+        "http-input-uncharged",
+        "the HTTP front charges the input by its size before tokenizing",
+        edit("service/http/front.py",
+             "cost = checked.input_cost + checked.stopping.max_tokens",
+             "cost = 0"),
+        tests="tests/http/test_errors.py::test_input_is_charged_before_the_tokenizer_runs",
+    ),
+)
