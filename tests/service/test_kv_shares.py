@@ -96,6 +96,7 @@ def _serve_config(model: Path, tenants: Path, *flags: str) -> ServeConfig:
     return serve_config(cli.parse_args(argv))
 
 
+@pytest.mark.parametrize("model_format", ["hf", "gguf"])
 @pytest.mark.parametrize(
     ("kv_memory", "quota", "bound"),
     [("1MiB", 1_000_000, False), ("0.001", 4_000_000_000, True)],
@@ -104,13 +105,19 @@ def test_quotas_over_the_pool_are_refused_before_the_weights_load(
     tiny_llama_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    model_format: str,
     kv_memory: str,
     quota: int,
     bound: bool,
 ) -> None:
     from service.app import serve
     from service.logging import make_logger
+    from tests.fixtures.tiny_gguf import write_gguf_from_hf
     from tests.serverutil import TenantSpec, write_tenants_file
+
+    model = tiny_llama_dir
+    if model_format == "gguf":
+        model = write_gguf_from_hf(tiny_llama_dir, tmp_path / "tiny.gguf")
 
     tenants = tmp_path / "tenants.toml"
     write_tenants_file(tenants, {"a": TenantSpec(max_kv_pages=quota), "b": TenantSpec()})
@@ -121,7 +128,7 @@ def test_quotas_over_the_pool_are_refused_before_the_weights_load(
         raise AssertionError("the weights were read before the quotas were checked")
 
     monkeypatch.setattr("service.model.loader.build_weights", no_weights)
-    config = _serve_config(tiny_llama_dir, tenants, "--kv-memory", kv_memory)
+    config = _serve_config(model, tenants, "--kv-memory", kv_memory)
     with pytest.raises(ConfigError) as info:
         asyncio.run(serve(config, make_logger("json", io.StringIO())))
     message = str(info.value)
