@@ -138,6 +138,10 @@ def build_server(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     pages = pool_pages(sizing, cfg, loaded.model.dtype, loaded.model.device)
+    try:  # before the warm-up; KVFenceServer applies the shares (and again on each reload)
+        kv_shares(registry.tenants, pages, options.kv_overcommit)
+    except KVShareError as err:
+        raise ConfigError(str(err)) from None
     try:
         engine = build_engine(
             loaded,
