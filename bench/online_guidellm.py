@@ -1,0 +1,229 @@
+"""Suite: GuideLLM (a peer's benchmark tool) drives kvfence's OpenAI HTTP front, and the gRPC
+client drives the same load on the same server, so the two fronts are compared side by side.
+
+One in-process server with both fronts on. The load is the gRPC online suite's shape (random
+prompts of 128 tokens and outputs of 64, range ratio 0.5, greedy, ignore_eos), written as text:
+GuideLLM reads the prompts and output lengths from a JSON-lines file (``prompt``,
+``output_tokens_count``) and sends streaming ``/v1/completions`` with ``max_tokens``,
+``ignore_eos`` and ``stream_options.continuous_usage_stats``, exactly as it does against vLLM;
+the gRPC run (``bench.grpc_load``) sends the same texts and output lengths. Both load
+generators run as their own processes: a client inside the server's process would take its
+interpreter time from the server, and only the gRPC one would. First at most 32 in flight (GuideLLM's
+``concurrent`` profile), then Poisson arrivals at 0.7x the gRPC capacity (GuideLLM's
+``poisson`` profile; its own arrival draws, the same rate). Each run has its own tenant, so no
+run hits another's prefix cache.
+
+GuideLLM needs a Hugging Face tokenizer directory: the suite writes one from the GGUF's own
+tokenizer (``tokenizers`` -> ``PreTrainedTokenizerFast.save_pretrained``), and runs GuideLLM
+with the Hugging Face hub and datasets offline, so nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    Target,
+    Work,
+    bench_threads,
+    default_model_file,
+    machine_info,
+    md_table,
+    random_work,
+    results_dir,
+    set_torch_threads,
+    targets_table,
+    write_suite,
+)
+from bench.kvfence_runner import run_grpc
+from bench.online import MAX_CONCURRENCY
+from bench.online_http import both_fronts, run_http
+
+SUITE = "online_guidellm"
+POISSON_FRACTION = 0.7
+FULL = (100, 128, 64)  # requests, mean prompt tokens, mean output tokens
+QUICK = (12, 32, 8)
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def export_tokenizer(tokenizer: Any, directory: Path) -> Path:
+    """The served model's tokenizer as a Hugging Face directory (what GuideLLM loads)."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)  # type: ignore[no-untyped-call]
+    fast.save_pretrained(directory)
+    return directory
+
+
+def write_dataset(path: Path, texts: Sequence[str], work: Sequence[Work]) -> Path:
+    with path.open("w", encoding="utf-8") as f:
+        for text, w in zip(texts, work, strict=True):
+            f.write(json.dumps({"prompt": text, "output_tokens_count": w.max_tokens}) + "\n")
+    return path
+
+
+async def _subprocess(argv: Sequence[str], out_json: Path, env: dict[str, str]) -> Any:
+    """Run a load generator as its own process (this loop keeps serving); its JSON output."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await proc.communicate()
+    if proc.returncode != 0 or not out_json.exists():
+        tail = output.decode("utf-8", "replace").strip().splitlines()[-15:]
+        raise RuntimeError(f"{argv[2]} exited {proc.returncode}:\n" + "\n".join(tail))
+    return json.loads(out_json.read_text())
+
+
+async def run_guidellm(
+    base_url: str, api_key: str, model: str, tokenizer_dir: Path, data: Path, profile: str,
+    count: int, out_json: Path,
+) -> dict[str, Any]:
+    """One ``guidellm run``; its JSON report."""
+    backend = (f"kind=openai_http,target={base_url.removesuffix('/v1')},api_key={api_key},"
+               f"model={model},request_format=/v1/completions")
+    argv = [
+        sys.executable, "-m", "guidellm", "run",
+        "--backend", backend,
+        "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+        "--data", f"kind=json_file,path={data}",
+        "--profile", profile,
+        "--constraint", f"kind=max_requests,count={count}",
+        "--output", f"kind=json,path={out_json}",
+        "--disable-console",
+    ]
+    report: dict[str, Any] = await _subprocess(argv, out_json, OFFLINE)
+    return report
+
+
+async def run_grpc_load(
+    target: str, api_key: str, data: Path, out_json: Path, *, concurrency: int | None = None,
+    rate: float | None = None,
+) -> dict[str, Any]:
+    """``bench.grpc_load`` over the same prompts file; ``summarize``'s dict."""
+    argv = [sys.executable, "-m", "bench.grpc_load", target, api_key, str(data), str(out_json)]
+    if concurrency is not None:
+        argv += ["--concurrency", str(concurrency)]
+    if rate is not None:
+        argv += ["--rate", f"{rate:.4f}"]
+    summary: dict[str, Any] = await _subprocess(argv, out_json, {})
+    return summary
+
+
+def guidellm_summary(report: dict[str, Any], work: Sequence[Work]) -> dict[str, Any]:
+    """GuideLLM's own figures in ``bench.traces.summarize``'s keys. Raises unless every
+    request completed with exactly its output length (as ``check_complete`` does for gRPC)."""
+    (bench,) = report["benchmarks"]
+    m = bench["metrics"]
+    totals = m["request_totals"]
+    out_tokens = round(m["output_token_count"]["successful"]["total_sum"])
+    expected = sum(w.max_tokens for w in work)
+    if totals["successful"] != len(work) or out_tokens != expected:
+        raise RuntimeError(f"guidellm: {totals} requests, {out_tokens}/{expected} output tokens")
+    # First request sent to last one finished, as the gRPC side's wall time is measured.
+    timings = [r["info"]["timings"] for r in bench["requests"]["successful"]]
+    wall = max(t["request_end"] for t in timings) - min(t["request_start"] for t in timings)
+
+    def pct(name: str, q: str) -> float:
+        return float(m[name]["successful"]["percentiles"][q])
+
+    return {
+        "requests": totals["total"],
+        "completed": totals["successful"],
+        "wall_s": wall,
+        "req_s": totals["successful"] / wall,
+        "output_tok_s": out_tokens / wall,
+        "output_tokens": out_tokens,
+        "ttft_p50_ms": pct("time_to_first_token_ms", "p50"),
+        "ttft_p99_ms": pct("time_to_first_token_ms", "p99"),
+        "tpot_p50_ms": pct("time_per_output_token_ms", "p50"),
+        "itl_p50_ms": pct("inter_token_latency_ms", "p50"),
+        "itl_p99_ms": pct("inter_token_latency_ms", "p99"),
+    }
+
+
+def _entry(front: str, label: str, rate: float | None, overall: dict[str, Any]) -> dict[str, Any]:
+    print(f"[{SUITE}] {front} rate={label}: {overall['req_s']:.2f} req/s, "
+          f"{overall['output_tok_s']:.1f} out tok/s, TTFT p50 {overall['ttft_p50_ms']:.0f} ms",
+          flush=True)
+    return {"front": front, "rate": label, "request_rate": rate, "overall": overall}
+
+
+async def _runs(loaded: Any, quick: bool, scratch: Path) -> list[dict[str, Any]]:
+    n, inp, out = QUICK if quick else FULL
+    vocab = loaded.model.config.vocab_size
+    work = random_work(0, n, (inp // 2, inp * 3 // 2), (out // 2, out * 3 // 2), vocab)
+    texts = [loaded.tokenizer.decode(w.prompt_ids) for w in work]
+    warm = random_work(1, 6, (inp // 2, inp), (2, 4), vocab)
+    data = write_dataset(scratch / "prompts.jsonl", texts, work)
+    tokenizer_dir = export_tokenizer(loaded.tokenizer, scratch / "tokenizer")
+    tenants = ("grpc-cap", "http-cap", "grpc-poisson", "http-poisson", "warm")
+    model = loaded.name
+    runs: list[dict[str, Any]] = []
+
+    async def guidellm(tenant: str, profile: str) -> dict[str, Any]:
+        report = await run_guidellm(base_url, keys[tenant], model, tokenizer_dir, data, profile,
+                                    n, scratch / f"{tenant}.json")
+        return guidellm_summary(report, work)
+
+    async with both_fronts(loaded, tenants) as (target, base_url, keys):
+        await run_grpc(target, keys, warm, ("warm",))
+        await run_http(base_url, keys, warm, ("warm",), model=model)
+        overall = await run_grpc_load(target, keys["grpc-cap"], data, scratch / "grpc-cap.json",
+                                      concurrency=MAX_CONCURRENCY)
+        runs.append(_entry("gRPC (kvfence client)", "inf", None, overall))
+        overall = await guidellm("http-cap", f"kind=concurrent,streams={MAX_CONCURRENCY}")
+        runs.append(_entry("HTTP (GuideLLM)", "inf", None, overall))
+        rate = POISSON_FRACTION * runs[0]["overall"]["req_s"]
+        overall = await run_grpc_load(target, keys["grpc-poisson"], data,
+                                      scratch / "grpc-poisson.json", rate=rate)
+        runs.append(_entry("gRPC (kvfence client)", f"{rate:.2f}", rate, overall))
+        overall = await guidellm("http-poisson", f"kind=poisson,rate={rate:.4f}")
+        runs.append(_entry("HTTP (GuideLLM)", f"{rate:.2f}", rate, overall))
+    for r in runs:
+        if r["overall"]["output_tokens"] != sum(w.max_tokens for w in work):
+            raise RuntimeError(f"{r['front']} rate={r['rate']}: incomplete run")
+    return runs
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from bench.kvfence_runner import load_kvfence
+
+    threads = bench_threads()
+    out = results_dir(quick)
+    set_torch_threads(threads)
+    loaded = load_kvfence(default_model_file())
+    with tempfile.TemporaryDirectory(prefix="kvfence-guidellm-") as scratch:
+        runs = asyncio.run(_runs(loaded, quick, Path(scratch)))
+    grpc_inf, http_inf = runs[0], runs[1]
+    targets = [
+        Target("HTTP (GuideLLM) / gRPC output tok/s (same load, capacity)",
+               http_inf["overall"]["output_tok_s"] / grpc_inf["overall"]["output_tok_s"], 0.95),
+    ]
+    cols = ("front", "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+            "ITL p50", "ITL p99")
+    rows = [(r["front"], r["rate"], r["overall"]["req_s"], r["overall"]["output_tok_s"],
+             r["overall"]["ttft_p50_ms"], r["overall"]["ttft_p99_ms"], r["overall"]["tpot_p50_ms"],
+             r["overall"]["itl_p50_ms"], r["overall"]["itl_p99_ms"]) for r in runs]
+    import guidellm.version
+
+    md = "\n\n".join([
+        f"# Online serving: GuideLLM on the HTTP front vs gRPC{' (quick)' if quick else ''}",
+        f"{grpc_inf['overall']['requests']} requests per run, the same prompt texts and output "
+        f"lengths on both fronts; rate `inf` = at most {MAX_CONCURRENCY} in flight (GuideLLM "
+        f"`concurrent`); the other rate is Poisson at {POISSON_FRACTION} x the gRPC capacity. "
+        f"HTTP figures are GuideLLM {guidellm.version.version}'s own (its JSON report); gRPC "
+        f"figures are the kvfence client's. Times in ms; {threads} threads.",
+        targets_table(targets), md_table(cols, rows),
+    ])
+    data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "runs": runs,
+            "targets": [t.as_dict() for t in targets]}
+    write_suite(out, SUITE, data, md)
+    return data
