@@ -21,6 +21,7 @@ with the Hugging Face hub and datasets offline, so nothing is fetched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -55,6 +56,24 @@ QUICK = (12, 32, 8)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def split_cores() -> tuple[set[int], set[int]]:
+    """(server cores, load-generator cores): the first half of this process's cores and the
+    rest, so no load generator takes CPU from the server it measures (GuideLLM spends several
+    times the gRPC client's CPU on the same load)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return set(cores), set(cores)
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
 def export_tokenizer(tokenizer: Any, directory: Path) -> Path:
     """The served model's tokenizer as a Hugging Face directory (what GuideLLM loads)."""
     from transformers import PreTrainedTokenizerFast
@@ -71,7 +90,9 @@ def write_dataset(path: Path, texts: Sequence[str], work: Sequence[Work]) -> Pat
     return path
 
 
-async def _subprocess(argv: Sequence[str], out_json: Path, env: dict[str, str]) -> Any:
+async def _subprocess(
+    argv: Sequence[str], out_json: Path, env: dict[str, str], cpus: set[int]
+) -> Any:
     """Run a load generator as its own process (this loop keeps serving); its JSON output,
     with ``client_cpu_s`` (the generator's CPU time, its worker processes included) and
     ``server_cpu_s`` (this process's, which then only serves) added."""
@@ -81,6 +102,8 @@ async def _subprocess(argv: Sequence[str], out_json: Path, env: dict[str, str]) 
         *argv, env={**os.environ, **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
+    # Set at once, before it imports anything: its threads and worker processes inherit it.
+    os.sched_setaffinity(proc.pid, cpus)
     output, _ = await proc.communicate()
     server_cpu = time.process_time() - server0
     client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -96,7 +119,7 @@ async def _subprocess(argv: Sequence[str], out_json: Path, env: dict[str, str]) 
 
 async def run_guidellm(
     base_url: str, api_key: str, model: str, tokenizer_dir: Path, data: Path, profile: str,
-    count: int, out_json: Path,
+    count: int, out_json: Path, cpus: set[int],
 ) -> dict[str, Any]:
     """One ``guidellm run``; its JSON report."""
     backend = (f"kind=openai_http,target={base_url.removesuffix('/v1')},api_key={api_key},"
@@ -111,13 +134,13 @@ async def run_guidellm(
         "--output", f"kind=json,path={out_json}",
         "--disable-console",
     ]
-    report: dict[str, Any] = await _subprocess(argv, out_json, OFFLINE)
+    report: dict[str, Any] = await _subprocess(argv, out_json, OFFLINE, cpus)
     return report
 
 
 async def run_grpc_load(
-    target: str, api_key: str, data: Path, out_json: Path, *, concurrency: int | None = None,
-    rate: float | None = None,
+    target: str, api_key: str, data: Path, out_json: Path, cpus: set[int], *,
+    concurrency: int | None = None, rate: float | None = None,
 ) -> dict[str, Any]:
     """``bench.grpc_load`` over the same prompts file; ``summarize``'s dict."""
     argv = [sys.executable, "-m", "bench.grpc_load", target, api_key, str(data), str(out_json)]
@@ -125,7 +148,7 @@ async def run_grpc_load(
         argv += ["--concurrency", str(concurrency)]
     if rate is not None:
         argv += ["--rate", f"{rate:.4f}"]
-    summary: dict[str, Any] = await _subprocess(argv, out_json, {})
+    summary: dict[str, Any] = await _subprocess(argv, out_json, {}, cpus)
     return summary
 
 
@@ -173,7 +196,10 @@ def _entry(front: str, label: str, rate: float | None, overall: dict[str, Any]) 
     return {"front": front, "rate": label, "request_rate": rate, "overall": overall}
 
 
-async def _runs(loaded: Any, quick: bool, scratch: Path) -> list[dict[str, Any]]:
+async def _runs(
+    loaded: Any, quick: bool, scratch: Path, cores: tuple[set[int], set[int]]
+) -> list[dict[str, Any]]:
+    server_cpus, client_cpus = cores
     n, inp, out = QUICK if quick else FULL
     vocab = loaded.model.config.vocab_size
     work = random_work(0, n, (inp // 2, inp * 3 // 2), (out // 2, out * 3 // 2), vocab)
@@ -187,21 +213,22 @@ async def _runs(loaded: Any, quick: bool, scratch: Path) -> list[dict[str, Any]]
 
     async def guidellm(tenant: str, profile: str) -> dict[str, Any]:
         report = await run_guidellm(base_url, keys[tenant], model, tokenizer_dir, data, profile,
-                                    n, scratch / f"{tenant}.json")
+                                    n, scratch / f"{tenant}.json", client_cpus)
         cpu = {k: report[k] for k in ("client_cpu_s", "server_cpu_s")}
         return {**guidellm_summary(report, work), **cpu}
 
     async with both_fronts(loaded, tenants) as (target, base_url, keys):
+        pin_process(server_cpus)  # again: the server's threads have started since
         await run_grpc(target, keys, warm, ("warm",))
         await run_http(base_url, keys, warm, ("warm",), model=model)
         overall = await run_grpc_load(target, keys["grpc-cap"], data, scratch / "grpc-cap.json",
-                                      concurrency=MAX_CONCURRENCY)
+                                      client_cpus, concurrency=MAX_CONCURRENCY)
         runs.append(_entry("gRPC (kvfence client)", "inf", None, overall))
         overall = await guidellm("http-cap", f"kind=concurrent,streams={MAX_CONCURRENCY}")
         runs.append(_entry("HTTP (GuideLLM)", "inf", None, overall))
         rate = POISSON_FRACTION * runs[0]["overall"]["req_s"]
         overall = await run_grpc_load(target, keys["grpc-poisson"], data,
-                                      scratch / "grpc-poisson.json", rate=rate)
+                                      scratch / "grpc-poisson.json", client_cpus, rate=rate)
         runs.append(_entry("gRPC (kvfence client)", f"{rate:.2f}", rate, overall))
         overall = await guidellm("http-poisson", f"kind=poisson,rate={rate:.4f}")
         runs.append(_entry("HTTP (GuideLLM)", f"{rate:.2f}", rate, overall))
@@ -214,12 +241,17 @@ async def _runs(loaded: Any, quick: bool, scratch: Path) -> list[dict[str, Any]]
 def run(quick: bool = False) -> dict[str, Any]:
     from bench.kvfence_runner import load_kvfence
 
-    threads = bench_threads()
+    server_cpus, client_cpus = split_cores()
+    pin_process(server_cpus)
+    threads = min(bench_threads(), len(server_cpus))
     out = results_dir(quick)
     set_torch_threads(threads)
     loaded = load_kvfence(default_model_file())
-    with tempfile.TemporaryDirectory(prefix="kvfence-guidellm-") as scratch:
-        runs = asyncio.run(_runs(loaded, quick, Path(scratch)))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvfence-guidellm-") as scratch:
+            runs = asyncio.run(_runs(loaded, quick, Path(scratch), (server_cpus, client_cpus)))
+    finally:
+        pin_process(server_cpus | client_cpus)  # the suites after this one get every core
     grpc_inf, http_inf = runs[0], runs[1]
     targets = [
         Target("HTTP (GuideLLM) / gRPC output tok/s (same load, capacity)",
@@ -244,7 +276,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"lengths on both fronts; rate `inf` = at most {MAX_CONCURRENCY} in flight (GuideLLM "
         f"`concurrent`); the other rate is Poisson at {POISSON_FRACTION} x the gRPC capacity. "
         f"HTTP figures are GuideLLM {guidellm.version.version}'s own (its JSON report); gRPC "
-        f"figures are the kvfence client's. Times in ms; {threads} threads.",
+        f"figures are the kvfence client's. The server runs on cores {sorted(server_cpus)} "
+        f"({threads} threads), the load generators on {sorted(client_cpus)}. Times in ms.",
         targets_table(targets), md_table(cols, rows),
     ])
     data = {"suite": SUITE, "quick": quick, "machine": machine_info(threads), "runs": runs,
