@@ -17,6 +17,7 @@ from pathlib import Path
 from bench.common import Work
 from bench.kvfence_runner import check_complete, run_grpc
 from bench.online import poisson_arrivals
+from bench.online_guidellm import sent_rate
 from bench.traces import RequestTrace, summarize
 
 TENANT = "load"
@@ -50,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_complete(work, traces)
     summary = summarize(traces, wall)
     del summary["total_tok_s"]  # the traces hold no prompt token counts
+    summary["sent_req_s"] = sent_rate([t.start for t in traces])
     args.out.write_text(json.dumps(summary) + "\n")
     return 0
 

@@ -40,6 +40,7 @@ def _report(outputs: list[int], errored: int = 0) -> dict[str, Any]:
 def test_figures_come_from_the_requests_own_timings() -> None:
     s = guidellm_summary(_report([4, 6]), WORK)
     assert s["wall_s"] == 2.0  # first request sent -> last finished, not GuideLLM's duration
+    assert s["sent_req_s"] == 2.0  # 2 requests, sent 0.5 s apart
     assert (s["req_s"], s["output_tok_s"], s["output_tokens"]) == (1.0, 5.0, 10)
     assert (s["ttft_p50_ms"], s["ttft_p99_ms"], s["tpot_p50_ms"]) == (50.0, 90.0, 20.0)
     assert (s["itl_p50_ms"], s["itl_p99_ms"]) == (10.0, 40.0)
