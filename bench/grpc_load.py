@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(traces, wall)
     del summary["total_tok_s"]  # the traces hold no prompt token counts
     summary["sent_req_s"] = sent_rate([t.start for t in traces])
+    to_unix = time.time() - time.perf_counter()
+    summary["window_unix"] = [min(t.start for t in traces) + to_unix,
+                              max(t.end for t in traces) + to_unix]
     args.out.write_text(json.dumps(summary) + "\n")
     return 0
 

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.common import (
     Target,
     Work,
@@ -94,10 +96,8 @@ async def _subprocess(
     argv: Sequence[str], out_json: Path, env: dict[str, str], cpus: set[int]
 ) -> Any:
     """Run a load generator as its own process (this loop keeps serving); its JSON output,
-    with ``client_cpu_s`` (the generator's CPU time, its worker processes included) and
-    ``server_cpu_s`` (this process's, which then only serves) added."""
+    with ``client_cpu_s`` (the generator's CPU time, its worker processes included) added."""
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    server0 = time.process_time()
     proc = await asyncio.create_subprocess_exec(
         *argv, env={**os.environ, **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -105,7 +105,6 @@ async def _subprocess(
     # Set at once, before it imports anything: its threads and worker processes inherit it.
     os.sched_setaffinity(proc.pid, cpus)
     output, _ = await proc.communicate()
-    server_cpu = time.process_time() - server0
     client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0 or not out_json.exists():
         tail = output.decode("utf-8", "replace").strip().splitlines()[-15:]
@@ -113,8 +112,42 @@ async def _subprocess(
     result = json.loads(out_json.read_text())
     result["client_cpu_s"] = (client1.ru_utime + client1.ru_stime
                               - client0.ru_utime - client0.ru_stime)
-    result["server_cpu_s"] = server_cpu
     return result
+
+
+class CpuClock:
+    """Samples this process's CPU time against the wall clock, so the server's CPU can be
+    read for exactly the window its requests were in flight: a load generator's start-up
+    (GuideLLM's takes seconds) is not charged to the front it drives."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._period = period_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> CpuClock:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), time.process_time()))
+            await asyncio.sleep(self._period)
+
+    def cpu_between(self, start: float, end: float) -> float:
+        """CPU seconds used between two ``time.time()`` instants (linear between samples)."""
+        return float(self._at(end) - self._at(start))
+
+    def _at(self, when: float) -> float:
+        walls = [w for w, _ in self.samples]
+        cpus = [c for _, c in self.samples]
+        return float(np.interp(when, walls, cpus))
 
 
 async def run_guidellm(
@@ -187,6 +220,7 @@ def guidellm_summary(report: dict[str, Any], work: Sequence[Work]) -> dict[str, 
         "wall_s": wall,
         "req_s": len(done) / wall,
         "sent_req_s": sent_rate(starts),
+        "window_unix": [min(starts), max(t["request_end"] for t in timings)],
         "output_tok_s": out_tokens / wall,
         "output_tokens": out_tokens,
         "ttft_p50_ms": pct("time_to_first_token_ms", "p50"),
@@ -222,10 +256,9 @@ async def _runs(
     async def guidellm(tenant: str, profile: str) -> dict[str, Any]:
         report = await run_guidellm(base_url, keys[tenant], model, tokenizer_dir, data, profile,
                                     n, scratch / f"{tenant}.json", client_cpus)
-        cpu = {k: report[k] for k in ("client_cpu_s", "server_cpu_s")}
-        return {**guidellm_summary(report, work), **cpu}
+        return {**guidellm_summary(report, work), "client_cpu_s": report["client_cpu_s"]}
 
-    async with both_fronts(loaded, tenants) as (target, base_url, keys):
+    async with both_fronts(loaded, tenants) as (target, base_url, keys), CpuClock() as clock:
         pin_process(server_cpus)  # again: the server's threads have started since
         await run_grpc(target, keys, warm, ("warm",))
         await run_http(base_url, keys, warm, ("warm",), model=model)
@@ -242,6 +275,7 @@ async def _runs(
         runs.append(_entry("HTTP (GuideLLM)", f"{rate:.2f}", rate, overall))
     for r in runs:
         o = r["overall"]
+        o["server_cpu_s"] = clock.cpu_between(*o["window_unix"])
         o["server_cpu_ms_per_token"] = 1000 * o["server_cpu_s"] / o["output_tokens"]
     return runs
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench.common import Work
-from bench.online_guidellm import guidellm_summary
+from bench.online_guidellm import CpuClock, guidellm_summary
 
 WORK = [Work((1, 2, 3), 4), Work((4, 5), 6)]
 
@@ -41,6 +41,7 @@ def test_figures_come_from_the_requests_own_timings() -> None:
     s = guidellm_summary(_report([4, 6]), WORK)
     assert s["wall_s"] == 2.0  # first request sent -> last finished, not GuideLLM's duration
     assert s["sent_req_s"] == 2.0  # 2 requests, sent 0.5 s apart
+    assert s["window_unix"] == [100.0, 102.0]  # where the server's CPU is read
     assert (s["req_s"], s["output_tok_s"], s["output_tokens"]) == (1.0, 5.0, 10)
     assert (s["ttft_p50_ms"], s["ttft_p99_ms"], s["tpot_p50_ms"]) == (50.0, 90.0, 20.0)
     assert (s["itl_p50_ms"], s["itl_p99_ms"]) == (10.0, 40.0)
@@ -56,3 +57,10 @@ def test_one_request_short_of_the_count_is_allowed() -> None:
 def test_a_run_with_errors_or_short_outputs_is_refused(outputs: list[int], errored: int) -> None:
     with pytest.raises(RuntimeError, match="guidellm"):
         guidellm_summary(_report(outputs, errored), WORK)
+
+
+def test_server_cpu_is_read_for_the_window_only() -> None:
+    clock = CpuClock()
+    clock.samples = [(10.0, 1.0), (11.0, 1.5), (12.0, 3.5), (13.0, 3.6)]
+    assert clock.cpu_between(11.0, 12.0) == 2.0
+    assert clock.cpu_between(10.5, 12.5) == pytest.approx(2.3)  # 1.25 -> 3.55, linear between samples
