@@ -3,7 +3,9 @@ client shares the server's interpreter (and GIL) in a front-to-front comparison.
 
 ``python -m bench.grpc_load TARGET API_KEY PROMPTS.jsonl OUT.json [--concurrency N]
 [--rate R --seed S]`` sends each line's ``prompt`` with ``max_tokens`` =
-``output_tokens_count`` (greedy, ignore_eos) and writes ``bench.traces.summarize``'s dict.
+``output_tokens_count`` (ignore_eos) and writes ``bench.traces.summarize``'s dict. Sampling is
+at temperature 1 unless ``--temperature`` says otherwise: GuideLLM sends no temperature, so the
+OpenAI default (1) applies to its requests, and sampling costs the engine more than greedy.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals (req/s)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args(argv)
     rows = [json.loads(line) for line in args.prompts.read_text(encoding="utf-8").splitlines()]
     texts = [r["prompt"] for r in rows]
@@ -46,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # connection) is not the front's cost; GuideLLM's clock starts after its connect too.
         await run_grpc(args.target, keys, [Work((), 1)], (TENANT,), texts=["warm-up"])
         return await run_grpc(args.target, keys, work, (TENANT,), arrivals=arrivals,
-                              max_concurrency=args.concurrency, texts=texts)
+                              max_concurrency=args.concurrency, texts=texts,
+                              temperature=args.temperature)
 
     wall, traces = asyncio.run(timed())
     check_complete(work, traces)

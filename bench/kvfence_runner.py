@@ -193,6 +193,7 @@ async def run_grpc(
     arrivals: Sequence[float] | None = None,
     max_concurrency: int | None = None,
     texts: Sequence[str] | None = None,
+    temperature: float = 0.0,
 ) -> tuple[float, list[RequestTrace]]:
     """The same as run_engine, through clients.AsyncClient (one channel per tenant). With
     ``texts``, request i sends texts[i] (the server tokenizes it) instead of its token ids."""
@@ -209,7 +210,7 @@ async def run_grpc(
             texts[i] if texts is not None else None,
             token_ids=None if texts is not None else w.prompt_ids,
             max_tokens=w.max_tokens,
-            temperature=0.0,
+            temperature=temperature,
             ignore_eos=True,
             bypass_prefix_cache=bypass_prefix_cache,
         )

@@ -2,7 +2,8 @@
 client drives the same load on the same server, so the two fronts are compared side by side.
 
 One in-process server with both fronts on. The load is the gRPC online suite's shape (random
-prompts of 128 tokens and outputs of 64, range ratio 0.5, greedy, ignore_eos), written as text:
+prompts of 128 tokens and outputs of 64, range ratio 0.5, ignore_eos), written as text, and
+sampled at temperature 1 on both fronts (GuideLLM sends no temperature; OpenAI's default is 1):
 GuideLLM reads the prompts and output lengths from a JSON-lines file (``prompt``,
 ``output_tokens_count``) and sends streaming ``/v1/completions`` with ``max_tokens``,
 ``ignore_eos`` and ``stream_options.continuous_usage_stats``, exactly as it does against vLLM;
