@@ -192,8 +192,11 @@ async def run_grpc(
     bypass_prefix_cache: bool = False,
     arrivals: Sequence[float] | None = None,
     max_concurrency: int | None = None,
+    texts: Sequence[str] | None = None,
+    temperature: float = 0.0,
 ) -> tuple[float, list[RequestTrace]]:
-    """The same as run_engine, through clients.AsyncClient (one channel per tenant)."""
+    """The same as run_engine, through clients.AsyncClient (one channel per tenant). With
+    ``texts``, request i sends texts[i] (the server tokenizes it) instead of its token ids."""
     from clients.aio import AsyncClient
     from clients.types import Chunk, Started
     from clients.types import Finished as WireFinished
@@ -204,9 +207,10 @@ async def run_grpc(
         w = work[i]
         trace = RequestTrace(tenants[i % len(tenants)], len(w.prompt_ids), time.perf_counter())
         stream = clients[trace.tenant].generate(
-            token_ids=w.prompt_ids,
+            texts[i] if texts is not None else None,
+            token_ids=None if texts is not None else w.prompt_ids,
             max_tokens=w.max_tokens,
-            temperature=0.0,
+            temperature=temperature,
             ignore_eos=True,
             bypass_prefix_cache=bypass_prefix_cache,
         )

@@ -17,6 +17,7 @@ from bench import (
     isolation_cost,
     offline,
     online,
+    online_guidellm,
     online_http,
     overhead,
     prefix,
@@ -32,6 +33,7 @@ SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
     "continuous": continuous.run,
     "online": online.run,
     "online_http": online_http.run,
+    "online_guidellm": online_guidellm.run,
     "prefix": prefix.run,
     "isolation_cost": isolation_cost.run,
 }

@@ -15,6 +15,7 @@ SUITE_ORDER = (
     "continuous",
     "online",
     "online_http",
+    "online_guidellm",
     "prefix",
     "isolation_cost",
 )
@@ -34,6 +35,8 @@ all cores as threads, and runs alone after its own warm-up pass.
 | [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512} (median of 15 steps) |
 | [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward |
 | [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity |
+| [online_http](online_http.md) | the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, 3 interleaved rounds (median [min–max]); output tok/s unconstrained vs JSON-schema-constrained |
+| [online_guidellm](online_guidellm.md) | GuideLLM (its `concurrent` then `poisson` profiles) on the HTTP front vs the gRPC client on the same prompt texts and output lengths, each load generator in its own process: throughput, TTFT, ITL |
 | [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions |
 | [isolation_cost](isolation_cost.md) | engine throughput: scrub reassign vs off, prefix cache on vs off; 3 tenants, 48 requests, a 384-page pool so pages pass between tenants, 3 interleaved rounds (median) |
 

@@ -167,7 +167,7 @@ class KVFenceServer:
         add_cache_service(
             CacheServicer(
                 self._engine.usage,
-                self._engine.purge,
+                self._purge,
                 self._engine.page_size,
                 self._model.default_ttl_s,
                 self.limiter,
@@ -239,6 +239,13 @@ class KVFenceServer:
         self.metrics.set_tenants(registry.names())
         self._log.info("tenants.reloaded", tenants=len(registry.tenants))
         return True
+
+    async def _purge(self, tenant: str) -> int:
+        """Drop the tenant's cached prefixes and its compiled grammars: after a purge, neither
+        cache answers faster for anything the tenant sent before."""
+        if self._grammars is not None:
+            self._grammars.forget(tenant)
+        return await self._engine.purge(tenant)
 
     def _apply(self, registry: TenantRegistry) -> None:
         """Push the tenants' limits to the limiter and the engine. Raises ``KVShareError``

@@ -207,18 +207,26 @@ class OpenAIFront:
         choices = [render.Choice(i) for i in range(len(gen.requests))]
         offsets = [0] * len(choices)
         text = self._d.prompts.token_text
+
+        def live(chs: list[render.Choice]) -> dict[str, Any] | None:
+            return render.running_usage(chs) if opts.continuous_usage else None
+
         try:
             async for i, event in gen.events():
                 choice = choices[i]
                 if isinstance(event, Admitted):
                     choice.cached_tokens = event.cached_tokens
+                    choice.prompt_tokens = event.prompt_tokens
                 elif isinstance(event, Delta):
-                    yield _sse_data(render.delta_chunk(head, choice, event, opts, text, offsets[i]))
+                    choice.completion_tokens += len(event.token_ids)
+                    yield _sse_data(render.delta_chunk(
+                        head, choice, event, opts, text, offsets[i], live(choices)
+                    ))
                     offsets[i] += sum(len(text(lp.token_id)) for lp in event.logprobs)
                 else:
                     self._check_finish(event)
                     choice.finish = event
-                    yield _sse_data(render.finish_chunk(head, choice, event))
+                    yield _sse_data(render.finish_chunk(head, choice, event, live(choices)))
             if opts.include_usage:
                 yield _sse_data(head.wrap([], render.total_usage(choices)))
             yield b"data: [DONE]\n\n"

@@ -93,6 +93,9 @@ class HttpOptions:
     include_usage: bool = False
     logprobs: LogprobsKind = "none"
     top_logprobs: int = 0  # alternatives to render per token
+    # vLLM's ``stream_options.continuous_usage_stats`` (GuideLLM sends it): with
+    # include_usage, every chunk carries the usage so far, not only the last one.
+    continuous_usage: bool = False
 
 
 def load_body(raw: bytes) -> dict[str, Any]:
@@ -148,8 +151,8 @@ def _unknown(body: Mapping[str, Any], allowed: frozenset[str], out: Violations) 
 
 def _common(
     f: _Fields, req: inference_pb2.GenerateRequest, max_tokens_field: str
-) -> tuple[int, bool, bool]:
-    """Fields shared by both endpoints. Returns (n, stream, include_usage)."""
+) -> tuple[int, bool, bool, bool]:
+    """Fields shared by both endpoints. Returns (n, stream, include_usage, continuous_usage)."""
     model = f.get("model", "a string")
     if model:
         req.model = model
@@ -185,19 +188,21 @@ def _common(
     if not 1 <= n <= MAX_N:
         f.out.append(("n", f"must be in [1, {MAX_N}]"))
     stream = bool(f.get("stream", "a boolean"))
-    include_usage = False
+    flags = {"include_usage": False, "continuous_usage_stats": False}
     options = f.get("stream_options", "an object")
     if options is not None:
         if not stream:
             f.out.append(("stream_options", "is only allowed with stream: true"))
-        extra = set(options) - {"include_usage"}
+        extra = set(options) - set(flags)
         if extra:
             f.out.append(("stream_options", f"unknown fields {sorted(extra)}"))
-        usage = options.get("include_usage")
-        if usage is not None and not isinstance(usage, bool):
-            f.out.append(("stream_options.include_usage", "must be a boolean"))
-        include_usage = bool(usage)
-    return n, stream, include_usage
+        for name in flags:
+            value = options.get(name)
+            if value is not None and not isinstance(value, bool):
+                f.out.append((f"stream_options.{name}", "must be a boolean"))
+            flags[name] = bool(value)
+    include_usage = flags["include_usage"]
+    return n, stream, include_usage, include_usage and flags["continuous_usage_stats"]
 
 
 def _clamp_i32(value: int) -> int:
@@ -256,7 +261,7 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, 
     _unknown(body, CHAT_FIELDS, out)
     f = _Fields(body, out)
     req = inference_pb2.GenerateRequest()
-    n, stream, usage = _common(f, req, "max_completion_tokens")
+    n, stream, usage, continuous = _common(f, req, "max_completion_tokens")
     messages = f.get("messages", "an array")
     if messages is None:
         out.append(("messages", "is required"))
@@ -278,7 +283,7 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, 
         out.append(("top_logprobs", "needs logprobs: true"))
     if out:
         raise invalid_argument(out)
-    return req, HttpOptions(n, stream, usage, logprobs, top)
+    return req, HttpOptions(n, stream, usage, logprobs, top, continuous)
 
 
 def _message(msg: Any, field: str, out: Violations) -> tuple[str, str]:
@@ -312,7 +317,7 @@ def parse_completion(
     _unknown(body, COMPLETION_FIELDS, out)
     f = _Fields(body, out)
     req = inference_pb2.GenerateRequest()
-    n, stream, usage = _common(f, req, "max_tokens")
+    n, stream, usage, continuous = _common(f, req, "max_tokens")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -337,4 +342,4 @@ def parse_completion(
         req.logprobs = max(1, top)
     if out:
         raise invalid_argument(out)
-    return req, HttpOptions(n, stream, usage, logprobs, top or 0)
+    return req, HttpOptions(n, stream, usage, logprobs, top or 0, continuous)

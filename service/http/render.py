@@ -23,6 +23,8 @@ class Choice:
     finish: Finished | None = None
     cached_tokens: int = 0
     started: bool = False  # a streamed chat choice sends its role once
+    prompt_tokens: int = 0  # from Admitted; streamed running usage only
+    completion_tokens: int = 0  # tokens streamed so far; running usage only
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -42,6 +44,17 @@ def total_usage(choices: Sequence[Choice]) -> dict[str, Any]:
     done = [c.finish for c in choices if c.finish is not None]
     prompt = done[0].prompt_tokens if done else 0
     return usage(prompt, sum(f.completion_tokens for f in done), choices[0].cached_tokens)
+
+
+def running_usage(choices: Sequence[Choice]) -> dict[str, Any]:
+    """``total_usage`` while streaming: finished sequences count as they finished, the
+    others as far as they have streamed."""
+    prompt = next((c.prompt_tokens for c in choices if c.prompt_tokens), 0)
+    completion = sum(
+        c.finish.completion_tokens if c.finish is not None else c.completion_tokens
+        for c in choices
+    )
+    return usage(prompt, completion, choices[0].cached_tokens)
 
 
 def _chat_logprobs(lps: Sequence[TokenLogprob], top_n: int, text: TokenText) -> dict[str, Any]:
@@ -161,6 +174,7 @@ def delta_chunk(
     opts: HttpOptions,
     text: TokenText,
     offset: int,
+    usage_so_far: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     lps = logprobs_object(event.logprobs, opts, text, offset)
     if head.endpoint == "chat":
@@ -171,14 +185,16 @@ def delta_chunk(
     else:
         item = {"index": choice.index, "text": event.text, "logprobs": lps, "finish_reason": None}
     choice.started = True
-    return head.wrap([item])
+    return head.wrap([item], usage_so_far)
 
 
-def finish_chunk(head: ChunkHeader, choice: Choice, event: Finished) -> dict[str, Any]:
+def finish_chunk(
+    head: ChunkHeader, choice: Choice, event: Finished, usage_so_far: dict[str, Any] | None = None
+) -> dict[str, Any]:
     reason = finish_reason(event)
     if head.endpoint == "chat":
         delta: dict[str, Any] = {} if choice.started else {"role": "assistant", "content": ""}
         item = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}
     else:
         item = {"index": choice.index, "text": "", "logprobs": None, "finish_reason": reason}
-    return head.wrap([item])
+    return head.wrap([item], usage_so_far)

@@ -113,3 +113,13 @@ def test_mask_bits_map_to_token_ids() -> None:
     apply_grammar_masks(logits, [(0, m)])
     allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert allowed == [ord("q")]
+
+
+def test_masks_touch_only_constrained_rows_each_with_its_own_grammar() -> None:
+    compiler = _compiler()
+    q = compiler.compile("t", GrammarSpec("regex", "q")).matcher()
+    xy = compiler.compile("t", GrammarSpec("regex", "[xy]z")).matcher()
+    logits = torch.zeros(3, 257)
+    apply_grammar_masks(logits, [(2, q), (0, xy)])
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert allowed == [[ord("x"), ord("y")], list(range(257)), [ord("q")]]

@@ -73,6 +73,27 @@ def test_chat_streaming_with_usage(srv: ServerHandle) -> None:
     assert text == r.choices[0].message.content
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(srv: ServerHandle) -> None:
+    """vLLM's ``continuous_usage_stats`` (GuideLLM sends it): with include_usage, each chunk
+    carries the usage so far; without include_usage it changes nothing."""
+    def stream(options: dict[str, bool]) -> list[Any]:
+        return list(client(srv).completions.create(
+            model=_model(srv), prompt="The quick brown", max_tokens=6, n=2, temperature=0,
+            stream=True, stream_options=options, extra_body={"ignore_eos": True},
+        ))
+
+    chunks = stream({"include_usage": True, "continuous_usage_stats": True})
+    assert all(ch.usage is not None for ch in chunks)
+    completion = [ch.usage.completion_tokens for ch in chunks]
+    assert completion == sorted(completion) and completion[-1] == 12
+    tokens = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason is None]
+    running = [ch.usage.completion_tokens for ch in tokens]
+    assert running == sorted(set(running)) and running[0] >= 1  # rises with each delta
+    assert {ch.usage.prompt_tokens for ch in chunks} == {chunks[-1].usage.prompt_tokens} != {0}
+    plain = stream({"continuous_usage_stats": True})
+    assert all(ch.usage is None for ch in plain)
+
+
 def test_completions_streaming_and_not(srv: ServerHandle) -> None:
     c = client(srv)
     r = c.completions.create(model=_model(srv), prompt="The quick brown", max_tokens=6,

@@ -131,3 +131,21 @@ def test_grpc_response_format(srv: ServerHandle) -> None:
         list(stub.Generate(bad, metadata=srv.auth("acme")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "response_format" in (err.value.details() or "")
+
+
+def test_purge_drops_the_callers_compiled_grammars_only(srv: ServerHandle) -> None:
+    """Purge forgets the tenant's compiled grammars too, so a purged schema compiles (and
+    times) as new; another tenant's grammars stay."""
+    from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc
+
+    grammars = srv.stack.grammars
+    assert grammars is not None
+    fmt = {"type": "regex", "regex": "purge-[0-9]{3}"}
+    for tenant in ("acme", "globex"):
+        client(srv, tenant).completions.create(model=_model(srv), prompt="x", max_tokens=8,
+                                               extra_body={"response_format": fmt})
+    acme, globex = grammars.cached("acme"), grammars.cached("globex")
+    assert acme >= 1 and globex >= 1
+    cache = cache_pb2_grpc.CacheStub(srv.channel())
+    cache.Purge(cache_pb2.PurgeRequest(), metadata=srv.auth("acme"))
+    assert (grammars.cached("acme"), grammars.cached("globex")) == (0, globex)
