@@ -6,9 +6,13 @@ Top-level modules (one noun each; ``model/`` and ``engine/`` are their own packa
   ``env_flags``: ``KVFENCE_<FLAG>`` variables as flag defaults, checked only when used.
 - ``dev``: ``make serve``: a dev tenant, a paste-ready command, then ``kvfence serve``.
 - ``devcerts``: ``kvfence certs dev``: a development CA, server and tenant client certificates.
+- ``config``: ``ServeConfig``, the one frozen config built from the ``serve`` flags
+  (``serve_config``), and the pure functions deriving the engine/cache configs and KV budget.
 - ``preflight``: every ``serve`` flag, the tenants file and the port, checked before loading.
-- ``app``: the composition root: builds model -> KV pool -> engine -> servers; the ``serve``
-  process lifecycle;
+- ``kv_shares``: each tenant's share of the KV pool, refused when they cannot all fit.
+- ``app``: the composition root: builds model -> KV pool -> engine -> servers (the pool sized
+  from the model's header first, so bad KV quotas are refused before the weights load); the
+  ``serve`` process lifecycle;
   ``startup``: the slow start on a thread that Ctrl-C / SIGTERM can leave.
 - ``grpc_server``: ``KVFenceServer``: gRPC server, health, reflection, metrics, reload, drain.
 - ``inference_servicer`` / ``cache_servicer``: the ``Inference`` and ``Cache`` services.

@@ -4,6 +4,14 @@
 ``KVFenceServer``; the CLI and the tests both use it. ``serve`` is the ``kvfence serve``
 process: it prints one line once it serves, reloads the tenants file on SIGHUP, and drains
 on SIGTERM/SIGINT before exiting 0.
+
+``pool_pages`` sizes the KV pool (through ``kvcache.size_pool``, the one rule) from the flags
+and the model's shape, which the model file's header gives before any weight is read: so
+``serve`` refuses tenant KV quotas that cannot all be honoured (``check_shares_before_load``)
+in about a second instead of after the load. For a byte ``--kv-memory`` that figure is the
+pool's exact size. For a fraction of free memory it is only an upper bound (the weights take
+their memory first): quotas over it are refused before the load, and the real pool is checked
+when ``KVFenceServer`` is built (and on each SIGHUP reload), as before.
 """
 
 from __future__ import annotations
@@ -12,73 +20,91 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from structlog.typing import FilteringBoundLogger
 
-from service.grpc_server import KVFenceServer, ServedModel, ServerOptions
-from service.kv_shares import KVShareError
-from service.preflight import ConfigError, parse_kv_memory
+from service.config import (
+    ConfigError,
+    EngineSizing,
+    ServeConfig,
+    ServerOptions,
+    cache_config,
+    engine_config,
+    kv_budget,
+)
+from service.grpc_server import KVFenceServer, ServedModel
+from service.kv_shares import KVShareError, kv_shares
 from service.startup import StartupInterrupted, until_stopped
-from service.tenants import TenantRegistry, load_tenants
+from service.tenants import Tenant, TenantRegistry, load_tenants
 
 if TYPE_CHECKING:
-    from kvcache import CacheConfig
+    import torch
+
     from service.engine.engine import Engine
     from service.engine.grammar import GrammarCompiler
-    from service.engine.types import EngineConfig
+    from service.model.config import ModelConfig
     from service.model.loader import LoadedModel
 
-@dataclass(frozen=True, slots=True)
-class EngineSizing:
-    """Engine and KV-pool settings (the engine-sizing flags of ``kvfence serve``)."""
-
-    kv_memory: str = "512MiB"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 0  # 0 = the model's own context length
-    page_size: int = 16
-    dtype: str = "auto"
-    device: str = "cpu"
-    weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
-    scrub_policy: Literal["reassign", "always", "off"] = "reassign"
-    prefix_ttl_s: float = 600.0
-    warmup: bool = True
-    sampler_seed: int | None = None
-    # Fair compute (issue 12): steps sized to last about max_step_ms (0 = the whole
-    # max_num_batched_tokens every step); prefill_chunk caps one request's chunk while others
-    # have work (0 = half the step's budget).
-    max_step_ms: float = 100.0
-    prefill_chunk: int = 0
+__all__ = [
+    "ConfigError",
+    "EngineSizing",
+    "ServeConfig",
+    "Stack",
+    "build_server",
+    "check_shares_before_load",
+    "load_for_serving",
+    "pool_pages",
+    "serve",
+]
 
 
-def cache_config(sizing: EngineSizing) -> CacheConfig:
-    """The KV cache's config, derived from the serve flags (raises ValueError if bad)."""
-    from kvcache import CacheConfig
+def pool_pages(
+    sizing: EngineSizing, model: ModelConfig, dtype: torch.dtype, device: torch.device | str
+) -> int:
+    """Pages in the KV pool for these flags and this model's shape. A fraction of free memory
+    is taken of the memory free now. Raises ``ConfigError`` when the budget holds no page."""
+    from kvcache import size_pool
 
-    return CacheConfig(
-        page_size=sizing.page_size,
-        scrub_policy=sizing.scrub_policy,
-        default_ttl_s=sizing.prefix_ttl_s,
-    )
+    budget = kv_budget(sizing)
+    try:
+        return size_pool(
+            kv_bytes=budget.kv_bytes,
+            kv_fraction=budget.kv_fraction,
+            num_layers=model.num_layers,
+            page_size=sizing.page_size,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+    except ValueError as err:
+        raise ConfigError(f"--kv-memory: {err}") from None
 
 
-def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
-    """The engine's config, derived from the serve flags; ``max_model_len`` 0 means the
-    model's own length (the engine caps larger values to it)."""
-    from service.engine.types import EngineConfig
+def check_shares_before_load(
+    config: ServeConfig, tenants: Mapping[str, Tenant], model: ModelConfig
+) -> int:
+    """Refuse (``ConfigError``, one line) KV quotas that the pool cannot hold, unless
+    ``--kv-overcommit``; needs only the model's header. Returns the pool's pages as known
+    before the load (exact for a byte budget, an upper bound for a fraction)."""
+    from service.model.loader import resolve_dtype
 
-    return EngineConfig(
-        max_num_seqs=sizing.max_num_seqs,
-        max_num_batched_tokens=sizing.max_num_batched_tokens,
-        max_model_len=sizing.max_model_len or model_len,
-        warmup=sizing.warmup,
-        max_step_ms=sizing.max_step_ms,
-        long_prefill_threshold=sizing.prefill_chunk,
-    )
+    sizing = config.sizing
+    pages = pool_pages(sizing, model, resolve_dtype(sizing.dtype, sizing.device), sizing.device)
+    try:
+        kv_shares(tenants, pages, config.options.kv_overcommit)
+    except KVShareError as err:
+        if kv_budget(sizing).kv_fraction is None:
+            raise ConfigError(str(err)) from None
+        raise ConfigError(
+            f"{err} ({pages} pages is the most --kv-memory {sizing.kv_memory} can hold: that "
+            "fraction of the memory free before the model loads)"
+        ) from None
+    return pages
 
 
 @dataclass(slots=True)
@@ -111,14 +137,17 @@ def build_server(
         engine_cfg = engine_config(sizing, cfg.max_position_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    kind, amount = parse_kv_memory(sizing.kv_memory)
+    pages = pool_pages(sizing, cfg, loaded.model.dtype, loaded.model.device)
+    try:  # before the warm-up; KVFenceServer applies the shares (and again on each reload)
+        kv_shares(registry.tenants, pages, options.kv_overcommit)
+    except KVShareError as err:
+        raise ConfigError(str(err)) from None
     try:
         engine = build_engine(
             loaded,
             engine_cfg,
             cache,
-            kv_fraction=amount if kind == "fraction" else None,
-            kv_bytes=int(amount) if kind == "bytes" else None,
+            kv_pages=pages,
             clock=clock,
             sampler_seed=sizing.sampler_seed,
         )
@@ -153,19 +182,13 @@ def build_server(
     return Stack(engine=engine, server=server, model=loaded, grammars=grammars)
 
 
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    model: str | None
-    tenants: Path
-    options: ServerOptions
-    sizing: EngineSizing
-    log_format: Literal["json", "console", "auto"] = "auto"
-
-
 def load_for_serving(
     config: ServeConfig, log: FilteringBoundLogger
 ) -> tuple[LoadedModel, TenantRegistry]:
-    from service.model import load_model
+    """The tenants file and the model. The model's header is read first and the tenants' KV
+    quotas checked against the pool it implies, so a bad configuration is refused before the
+    weights load (``check_shares_before_load``)."""
+    from service.model import load_model, open_model
     from service.model.default import ensure_default_model
 
     registry = load_tenants(config.tenants)
@@ -174,8 +197,10 @@ def load_for_serving(
         raise ConfigError(f"--model: {path} does not exist")
     model_path = path if path is not None else ensure_default_model()
     log.info("model.loading", path=str(model_path))
+    opened = open_model(model_path)
+    check_shares_before_load(config, registry.tenants, opened.config)
     loaded = load_model(
-        model_path,
+        opened,
         dtype=config.sizing.dtype,
         device=config.sizing.device,
         weights=config.sizing.weights,

@@ -23,7 +23,6 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from clients import cli as client_cli
 from clients.cli_parser import add_command, new_parser, parse
@@ -116,77 +115,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=_serve)
 
 
-def _path(value: str | None) -> Path | None:
-    return None if value is None else Path(value)
-
-
 def _serve(args: argparse.Namespace) -> int:
-    from service.preflight import StartupFlags, check_all
+    from service.config import serve_config
+    from service.preflight import check_all
 
-    check_all(StartupFlags(
-        model=args.model, tenants=Path(args.tenants), host=args.host, port=args.port,
-        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
-        tls_client_ca=_path(args.tls_client_ca), grace_s=args.grace_seconds,
-        kv_memory=args.kv_memory, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        page_size=args.page_size, prefix_ttl_s=args.prefix_ttl, dtype=args.dtype,
-        device=args.device, http_port=args.http_port))
-    cluster_limits = _cluster_limits(args)  # --redis-url, also before anything loads
+    config = serve_config(args)  # the one config object; everything below reads it
+    check_all(config)  # flags, files and ports, before anything loads
 
-    from service.app import EngineSizing, ServeConfig, serve
-    from service.grpc_server import ServerOptions, TlsFiles
+    from service.app import serve
     from service.logging import make_logger
-
-    tls = None
-    if args.tls_cert is not None:
-        tls = TlsFiles(
-            Path(args.tls_cert),
-            Path(args.tls_key),
-            Path(args.tls_client_ca) if args.tls_client_ca else None,
-        )
-    options = ServerOptions(
-        host=args.host,
-        port=args.port,
-        tls=tls,
-        grace_s=args.grace_seconds,
-        reflection=args.reflection,
-        log_content=args.log_content,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        alert_tenant_kv_pages=args.alert_tenant_kv_pages,
-        alert_request_kv_pages=args.alert_request_kv_pages,
-        kv_overcommit=args.kv_overcommit,
-        http_port=args.http_port,
-        cluster_limits=cluster_limits,
-    )
-    if args.max_step_ms < 0 or args.prefill_chunk < 0:
-        raise UsageError("--max-step-ms and --prefill-chunk must be >= 0")
-    sizing = EngineSizing(
-        kv_memory=args.kv_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        scrub_policy=args.scrub_policy,
-        prefix_ttl_s=args.prefix_ttl,
-        max_step_ms=args.max_step_ms,
-        prefill_chunk=args.prefill_chunk,
-    )
-    config = ServeConfig(
-        model=args.model,
-        tenants=Path(args.tenants),
-        options=options,
-        sizing=sizing,
-        log_format=args.log_format,
-    )
     from service.startup import StartupInterrupted
 
-    log = make_logger(args.log_format, module_loggers=True)
-    if args.log_content:
+    log = make_logger(config.log_format, module_loggers=True)
+    if config.options.log_content:
         log.warning("log_content.enabled", note="prompt and output text will be logged")
     try:
         return asyncio.run(serve(config, log))
@@ -197,23 +138,6 @@ def _serve(args: argparse.Namespace) -> int:
         # NOTE: the abandoned loading thread may be inside torch; a normal interpreter exit
         # finalizes under it and can abort. Nothing is open that needs closing yet.
         os._exit(stopped.exit_code)
-
-
-def _cluster_limits(args: argparse.Namespace) -> Any:
-    if not args.redis_url:
-        return None
-    from service.cluster_limits import ClusterLimitsConfig
-
-    if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise UsageError(f"--redis-url {args.redis_url!r}: use redis://HOST:PORT/DB")
-    try:
-        return ClusterLimitsConfig(
-            redis_url=args.redis_url,
-            on_redis_failure=args.limits_on_redis_failure,
-            lease_ttl_s=args.stream_lease_ttl,
-        )
-    except ValueError as err:
-        raise UsageError(str(err)) from None
 
 
 def _tenants_add(args: argparse.Namespace) -> int:
@@ -316,7 +240,7 @@ def _is_user_error(err: Exception) -> bool:
     if isinstance(err, UsageError | TenantsFileError | FileNotFoundError):
         return True
     names = {cls.__name__ for cls in type(err).__mro__}
-    # ConfigError (service.app) and ModelLoadError (service.model) without importing torch.
+    # ConfigError (service.config) and ModelLoadError (service.model) without importing torch.
     return bool(names & {"ConfigError", "ModelLoadError"})
 
 

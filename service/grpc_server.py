@@ -24,10 +24,11 @@ from structlog.typing import FilteringBoundLogger
 from protos.kvfence.v1 import cache_pb2, inference_pb2
 from service.auth import Authenticator
 from service.cache_servicer import CacheServicer
-from service.cluster_limits import ClusterLimitsConfig, build_cluster_limiter
+from service.cluster_limits import build_cluster_limiter
+from service.config import ServerOptions, TlsFiles
 from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.engine.grammar import GrammarCompiler
-from service.health import DEFAULT_MAX_WATCHES, BoundedHealth
+from service.health import BoundedHealth
 from service.http.front import FrontDeps, OpenAIFront
 from service.http.server import HttpServer
 from service.inference_servicer import InferenceOptions, InferenceServicer
@@ -42,43 +43,10 @@ from service.tokenizer_pool import TokenizerPool
 from service.validation import ModelLimits
 from service.wire import add_cache_service, add_inference_service
 
-MiB = 1024 * 1024
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    cert: Path
-    key: Path
-    client_ca: Path | None = None  # set = mTLS: client certificates are required
-
-
-@dataclass(frozen=True, slots=True)
-class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 0
-    tls: TlsFiles | None = None
-    # NOTE: large enough that a prompt far over any context length (~700k token ids, or its
-    # text) still arrives and gets INVALID_ARGUMENT from validation; bigger messages are
-    # refused by gRPC with RESOURCE_EXHAUSTED before they are parsed.
-    max_message_bytes: int = 8 * MiB
-    grace_s: float = 10.0
-    reflection: bool = False
-    log_content: bool = False
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # None = no metrics endpoint; 0 = any free port
-    alert_tenant_kv_pages: int = 0  # 0 = off
-    alert_request_kv_pages: int = 0
-    stats_interval_s: float = 1.0
-    max_health_watches: int = DEFAULT_MAX_WATCHES  # open unauthenticated health Watch streams
-    tokenizer_threads: int = 1  # tokenizations running at once (one per tenant at most)
-    kv_overcommit: bool = False  # allow KV shares that add up to more than the pool
-    http_host: str | None = None  # None = ``host``
-    http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
-    cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,79 +9,14 @@ neither torch nor the engine; only the ``--device cuda`` check does.
 from __future__ import annotations
 
 import errno
-import re
 import socket
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from service.config import ConfigError, ServeConfig, parse_kv_memory
 from service.tenants import TenantsFileError, load_tenants
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "KI": 2**10,
-    "MI": 2**20,
-    "GI": 2**30,
-    "TI": 2**40,
-}
-
-
-class ConfigError(ValueError):
-    """A bad ``kvfence serve`` flag or start-up file; the message is one readable line."""
-
-
-def parse_kv_memory(text: str) -> tuple[Literal["bytes", "fraction"], float]:
-    """``512MiB``, ``2GB``, ``1073741824`` -> bytes; ``0.5`` (in (0, 1]) -> fraction of free
-    device memory."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if 0.0 < value <= 1.0 and "." in text:
-        return "fraction", value
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ConfigError(f"--kv-memory: cannot parse {text!r} (use e.g. 512MiB, 2GB or 0.5)")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    size = float(match.group(1)) * _UNITS[unit]
-    if size < 1:
-        raise ConfigError(f"--kv-memory: {text!r} is not a positive size")
-    return "bytes", size
-
-
-@dataclass(frozen=True, slots=True)
-class StartupFlags:
-    """The ``kvfence serve`` flags the checks read."""
-
-    model: str | None
-    tenants: Path
-    host: str
-    port: int
-    metrics_host: str
-    metrics_port: int | None
-    tls_cert: Path | None
-    tls_key: Path | None
-    tls_client_ca: Path | None
-    grace_s: float
-    kv_memory: str
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    page_size: int
-    prefix_ttl_s: float
-    dtype: str
-    device: str
-    http_port: int | None = None  # the OpenAI-compatible HTTP front, on ``host``
 
 
 def check_port(host: str, port: int, flag: str = "--port") -> None:
@@ -114,17 +49,31 @@ def _bind_error(host: str, port: int, flag: str, err: OSError) -> str:
     return f"--host {host} {flag} {port}: cannot bind ({err.strerror})"
 
 
-def check_numbers(flags: StartupFlags) -> None:
-    for flag, value, least in (("--max-num-seqs", flags.max_num_seqs, 1),
-                               ("--max-num-batched-tokens", flags.max_num_batched_tokens, 1),
-                               ("--max-model-len", flags.max_model_len, 0),
-                               ("--page-size", flags.page_size, 1),
-                               ("--prefix-ttl", flags.prefix_ttl_s, 0),
-                               ("--grace-seconds", flags.grace_s, 0)):
+def check_numbers(config: ServeConfig) -> None:
+    sizing = config.sizing
+    for flag, value, least in (("--max-num-seqs", sizing.max_num_seqs, 1),
+                               ("--max-num-batched-tokens", sizing.max_num_batched_tokens, 1),
+                               ("--max-model-len", sizing.max_model_len, 0),
+                               ("--page-size", sizing.page_size, 1),
+                               ("--prefix-ttl", sizing.prefix_ttl_s, 0),
+                               ("--grace-seconds", config.options.grace_s, 0)):
         if value < least:
             raise ConfigError(f"{flag} {value}: must be at least {least}")
-    if flags.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {flags.dtype}: use one of {', '.join(DTYPES)}")
+    if sizing.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {sizing.dtype}: use one of {', '.join(DTYPES)}")
+
+
+def check_fair_compute(config: ServeConfig) -> None:
+    if config.sizing.max_step_ms < 0 or config.sizing.prefill_chunk < 0:
+        raise ConfigError("--max-step-ms and --prefill-chunk must be >= 0")
+
+
+def check_redis_url(config: ServeConfig) -> None:
+    cluster = config.options.cluster_limits
+    if cluster is not None and not cluster.redis_url.startswith(
+        ("redis://", "rediss://", "unix://")
+    ):
+        raise ConfigError(f"--redis-url {cluster.redis_url!r}: use redis://HOST:PORT/DB")
 
 
 def check_cuda(device: str) -> None:
@@ -144,30 +93,24 @@ def check_cuda(device: str) -> None:
                           + (f" or cuda:0..{count - 1}" if count else ""))
 
 
-def check_tls_flags(flags: StartupFlags) -> None:
-    if (flags.tls_cert is None) != (flags.tls_key is None):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    if flags.tls_client_ca is not None and flags.tls_cert is None:
-        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-
-
-def check_tls_files(flags: StartupFlags) -> None:
-    if flags.tls_cert is None or flags.tls_key is None:
+def check_tls_files(config: ServeConfig) -> None:
+    tls = config.options.tls
+    if tls is None:
         return
-    for flag, path in (("--tls-cert", flags.tls_cert), ("--tls-key", flags.tls_key),
-                       ("--tls-client-ca", flags.tls_client_ca)):
+    for flag, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key),
+                       ("--tls-client-ca", tls.client_ca)):
         if path is not None and not path.is_file():
             raise ConfigError(f"{flag} {path}: file not found (`kvfence certs dev` makes a set)")
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(flags.tls_cert, flags.tls_key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(tls.cert, tls.key)
     except ssl.SSLError as err:
-        raise ConfigError(f"--tls-cert {flags.tls_cert} --tls-key {flags.tls_key}: not a PEM "
+        raise ConfigError(f"--tls-cert {tls.cert} --tls-key {tls.key}: not a PEM "
                            f"certificate and its key ({err.reason or 'no PEM data found'})") from None
-    if flags.tls_client_ca is not None:
+    if tls.client_ca is not None:
         try:
-            ssl.create_default_context(cafile=str(flags.tls_client_ca))
+            ssl.create_default_context(cafile=str(tls.client_ca))
         except ssl.SSLError as err:
-            raise ConfigError(f"--tls-client-ca {flags.tls_client_ca}: not a PEM certificate "
+            raise ConfigError(f"--tls-client-ca {tls.client_ca}: not a PEM certificate "
                                f"({err.reason})") from None
 
 
@@ -192,17 +135,20 @@ def check_model(model: str | None) -> None:
                           "Hugging Face directory, or 'default'")
 
 
-def check_all(flags: StartupFlags) -> None:
-    """Every start-up check, cheapest first; only ``--device cuda`` imports torch."""
-    check_tls_flags(flags)
-    check_tenants(flags.tenants)
-    check_model(flags.model)
-    check_tls_files(flags)
-    check_numbers(flags)
-    check_port(flags.host, flags.port)
-    if flags.metrics_port is not None:
-        check_port(flags.metrics_host, flags.metrics_port, "--metrics-port")
-    if flags.http_port is not None:
-        check_port(flags.host, flags.http_port, "--http-port")
-    parse_kv_memory(flags.kv_memory)
-    check_cuda(flags.device)
+def check_all(config: ServeConfig) -> None:
+    """Every start-up check, cheapest first; only ``--device cuda`` imports torch. (The TLS
+    flag pairs were checked when ``serve_config`` built ``config``.)"""
+    opts = config.options
+    check_tenants(config.tenants)
+    check_model(config.model)
+    check_tls_files(config)
+    check_numbers(config)
+    check_port(opts.host, opts.port)
+    if opts.metrics_port is not None:
+        check_port(opts.metrics_host, opts.metrics_port, "--metrics-port")
+    if opts.http_port is not None:
+        check_port(opts.host, opts.http_port, "--http-port")
+    parse_kv_memory(config.sizing.kv_memory)
+    check_cuda(config.sizing.device)
+    check_redis_url(config)
+    check_fair_compute(config)

@@ -4,7 +4,7 @@ from service.model.chat_template import ChatTemplate, ChatTemplateError
 from service.model.config import ModelConfig, RopeScaling
 from service.model.errors import ModelLoadError
 from service.model.llama import LlamaModel
-from service.model.loader import LoadedModel, load_model
+from service.model.loader import LoadedModel, ModelFile, load_model, open_model
 from service.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -13,8 +13,10 @@ __all__ = [
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",
+    "ModelFile",
     "ModelLoadError",
     "RopeScaling",
     "Tokenizer",
     "load_model",
+    "open_model",
 ]

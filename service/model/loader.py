@@ -1,4 +1,9 @@
-"""``load_model``: a .gguf file or a Hugging Face directory -> a ready-to-run model."""
+"""``load_model``: a .gguf file or a Hugging Face directory -> a ready-to-run model.
+
+``open_model`` reads only what precedes the weights (header, metadata, tokenizer, tensor
+index), so ``kvfence serve`` can size its KV pool from the model's shape and refuse a bad
+configuration before the slow part; ``load_model`` then reads the weights of that opened file.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import structlog
 import torch
 
 from service.model.chat_template import ChatTemplate, ChatTemplateError
+from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
@@ -60,8 +66,30 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return torch.float32
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFile:
+    """A model opened but not loaded: its config and tokenizer are read, its weights are not."""
+
+    path: Path
+    checkpoint: GGUFCheckpoint | HFCheckpoint
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.checkpoint.config
+
+
+def open_model(path: str | Path) -> ModelFile:
+    """Read a model's header, metadata and tokenizer, not its weights. Raises
+    :class:`ModelLoadError` with one readable line."""
+    p = Path(path).expanduser()
+    try:
+        return ModelFile(p, _read(p))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{p}: {e}") from None
+
+
 def load_model(
-    path: str | Path,
+    path: str | Path | ModelFile,
     *,
     dtype: str = "auto",
     device: str = "cpu",
@@ -71,8 +99,9 @@ def load_model(
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
 
     ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
-    copies of the projections for decode-sized batches."""
-    p = Path(path).expanduser()
+    copies of the projections for decode-sized batches. ``path`` may be a file already
+    opened by :func:`open_model`."""
+    p = path.path if isinstance(path, ModelFile) else Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype, device)
     try:
         mode = resolve_weights(weights, torch_dtype, device)
@@ -80,7 +109,7 @@ def load_model(
         raise ModelLoadError(str(e)) from None
     started = time.monotonic()
     try:
-        checkpoint = _read(p)
+        checkpoint = path.checkpoint if isinstance(path, ModelFile) else _read(p)
         bar = Progress(f"loading {p.name}", len(tensor_names(checkpoint.config)), enabled=progress)
         try:
             built = build_weights(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from service import cli, dev
-from service.app import ConfigError, parse_kv_memory
+from service.config import ConfigError, parse_kv_memory
 from service.tenants import load_tenants
 from tests.serverutil import ROOT
 

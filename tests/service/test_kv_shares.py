@@ -1,11 +1,17 @@
-"""Per-tenant KV shares: derived from the pool and weights, refused when they cannot fit."""
+"""Per-tenant KV shares: derived from the pool and weights, refused when they cannot fit
+(before the model's weights are read, where the flags and the model's header allow)."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from service.app import check_shares_before_load
+from service.config import ConfigError, ServeConfig, ServerOptions, serve_config
 from service.kv_shares import KVShareError, kv_shares
 from service.tenants import Quotas, Tenant
 
@@ -80,3 +86,71 @@ def test_default_shares_are_reported_by_get_usage(tiny_model: object, tmp_path: 
         assert usage(srv, "a").quotas.max_kv_pages == left * 3 // 4
         assert usage(srv, "b").quotas.max_kv_pages == left // 4
         assert usage(srv, "c").quotas.max_kv_pages == 8
+
+
+def _serve_config(model: Path, tenants: Path, *flags: str) -> ServeConfig:
+    """``kvfence serve`` flags -> the ServeConfig the CLI would build."""
+    from service import cli
+
+    argv = ["serve", "--model", str(model), "--tenants", str(tenants), "--port", "0", *flags]
+    return serve_config(cli.parse_args(argv))
+
+
+@pytest.mark.parametrize("model_format", ["hf", "gguf"])
+@pytest.mark.parametrize(
+    ("kv_memory", "quota", "bound"),
+    [("1MiB", 1_000_000, False), ("0.001", 4_000_000_000, True)],
+)
+def test_quotas_over_the_pool_are_refused_before_the_weights_load(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model_format: str,
+    kv_memory: str,
+    quota: int,
+    bound: bool,
+) -> None:
+    from service.app import serve
+    from service.logging import make_logger
+    from tests.fixtures.tiny_gguf import write_gguf_from_hf
+    from tests.serverutil import TenantSpec, write_tenants_file
+
+    model = tiny_llama_dir
+    if model_format == "gguf":
+        model = write_gguf_from_hf(tiny_llama_dir, tmp_path / "tiny.gguf")
+
+    tenants = tmp_path / "tenants.toml"
+    write_tenants_file(tenants, {"a": TenantSpec(max_kv_pages=quota), "b": TenantSpec()})
+    reads: list[object] = []
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        reads.append(args)
+        raise AssertionError("the weights were read before the quotas were checked")
+
+    monkeypatch.setattr("service.model.loader.build_weights", no_weights)
+    config = _serve_config(model, tenants, "--kv-memory", kv_memory)
+    with pytest.raises(ConfigError) as info:
+        asyncio.run(serve(config, make_logger("json", io.StringIO())))
+    message = str(info.value)
+    assert reads == []
+    assert f"max_kv_pages add up to {quota} pages but the KV pool has" in message
+    assert "--kv-overcommit" in message and "\n" not in message
+    assert (f"is the most --kv-memory {kv_memory} can hold" in message) is bound
+
+
+def test_the_pool_sized_before_the_load_is_the_pool_the_server_builds(
+    tiny_llama_dir: Path, tiny_model: object, tmp_path: Path
+) -> None:
+    from service.model import open_model
+    from tests.serverutil import TEST_SIZING, TenantSpec, running_server
+
+    header = open_model(tiny_llama_dir).config
+    config = ServeConfig(str(tiny_llama_dir), tmp_path / "t.toml", ServerOptions(), TEST_SIZING)
+    pages = check_shares_before_load(config, _of(_t("a", pages=1)), header)
+    with pytest.raises(ConfigError, match=f"add up to {pages + 1} pages but the KV pool has {pages};"):
+        check_shares_before_load(config, _of(_t("a", pages=pages + 1)), header)
+    overcommit = replace(config, options=ServerOptions(kv_overcommit=True))
+    assert check_shares_before_load(overcommit, _of(_t("a", pages=pages + 1)), header) == pages
+    tenants = {"a": TenantSpec(max_kv_pages=pages)}
+    with running_server(tiny_model, tenants, sizing=TEST_SIZING, tenants_dir=tmp_path) as srv:
+        assert srv.engine.num_pages == pages

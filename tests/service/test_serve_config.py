@@ -1,10 +1,24 @@
-"""Engine and cache configs are derived from the serve flags by one function each."""
+"""The serve flags become one ServeConfig in one place; the engine and cache configs and the
+KV budget are derived from it by one function each."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from service.app import EngineSizing, cache_config, engine_config
+from service.cluster_limits import ClusterLimitsConfig
+from service.config import (
+    EngineSizing,
+    KVBudget,
+    ServeConfig,
+    ServerOptions,
+    TlsFiles,
+    cache_config,
+    engine_config,
+    kv_budget,
+    serve_config,
+)
 
 
 def test_engine_config_takes_the_models_length_unless_capped() -> None:
@@ -24,3 +38,63 @@ def test_cache_config_carries_page_size_scrub_and_ttl() -> None:
     assert (cfg.page_size, cfg.scrub_policy, cfg.default_ttl_s) == (32, "always", 5.0)
     with pytest.raises(ValueError):
         cache_config(EngineSizing(page_size=0))
+
+
+# Every `kvfence serve` flag with a value other than its default.
+EVERY_FLAG = [
+    "--model", "m.gguf", "--host", "0.0.0.0", "--port", "1234", "--tenants", "t.toml",
+    "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
+    "--metrics-port", "9100", "--metrics-host", "0.0.0.1", "--http-port", "8080",
+    "--grace-seconds", "3", "--reflection", "--log-content", "--log-format", "json",
+    "--kv-memory", "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "99",
+    "--max-model-len", "300", "--page-size", "8", "--dtype", "float16", "--device", "cuda:1",
+    "--weights", "int8", "--scrub-policy", "always", "--prefix-ttl", "5",
+    "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
+    "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
+    "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
+]
+
+
+def test_serve_config_is_built_once_from_every_flag() -> None:
+    from service import cli
+
+    serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {s for a in serve_parser._actions for s in a.option_strings if s.startswith("--")}
+    assert flags - {"--help"} == {a for a in EVERY_FLAG if a.startswith("--")}
+    config = serve_config(cli.parse_args(["serve", *EVERY_FLAG]))
+    assert config == ServeConfig(
+        model="m.gguf",
+        tenants=Path("t.toml"),
+        log_format="json",
+        options=ServerOptions(
+            host="0.0.0.0",
+            port=1234,
+            tls=TlsFiles(Path("c.pem"), Path("k.pem"), Path("ca.pem")),
+            grace_s=3.0,
+            reflection=True,
+            log_content=True,
+            metrics_host="0.0.0.1",
+            metrics_port=9100,
+            alert_tenant_kv_pages=11,
+            alert_request_kv_pages=12,
+            kv_overcommit=True,
+            http_port=8080,
+            cluster_limits=ClusterLimitsConfig("redis://r:6379/0", "closed", lease_ttl_s=4.0),
+        ),
+        sizing=EngineSizing(
+            kv_memory="0.5",
+            max_num_seqs=7,
+            max_num_batched_tokens=99,
+            max_model_len=300,
+            page_size=8,
+            dtype="float16",
+            device="cuda:1",
+            weights="int8",
+            scrub_policy="always",
+            prefix_ttl_s=5.0,
+            max_step_ms=40.0,
+            prefill_chunk=64,
+        ),
+    )
+    assert kv_budget(config.sizing) == KVBudget(kv_fraction=0.5)
+    assert kv_budget(EngineSizing(kv_memory="2KiB")) == KVBudget(kv_bytes=2048)

@@ -19,7 +19,7 @@ MUTANTS = (
     mutant(
         "scrub-default-sizing",
         "an engine built with EngineSizing defaults scrubs pages between tenants",
-        edit("service/app.py", 'scrub_policy: Literal["reassign", "always", "off"] = "reassign"',
+        edit("service/config.py", 'scrub_policy: Literal["reassign", "always", "off"] = "reassign"',
              'scrub_policy: Literal["reassign", "always", "off"] = "off"'),
         tests=T_DEFAULTS,
     ),
