@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -18,6 +19,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Random prompt ids are drawn above the special/byte tokens so every system sees plain text tokens.
 FIRST_PLAIN_TOKEN = 1000
+# Every figure in a table is the median of at least this many timed runs, shown with its
+# [min–max]; a target passes only if its worst run passes.
+RUNS = 3
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma", "f16c")
 
 
@@ -49,6 +53,71 @@ class Target:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed, "margin": self.margin}
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """The timed runs of one figure: shown as median [min–max], judged on the worst run."""
+
+    runs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ValueError("a figure needs at least one timed run")
+
+    @property
+    def median(self) -> float:
+        return float(statistics.median(self.runs))
+
+    @property
+    def min(self) -> float:
+        return min(self.runs)
+
+    @property
+    def max(self) -> float:
+        return max(self.runs)
+
+    def worst(self, higher_is_better: bool = True) -> float:
+        return self.min if higher_is_better else self.max
+
+    def scaled(self, factor: float) -> Spread:
+        return Spread(tuple(v * factor for v in self.runs))
+
+    def __str__(self) -> str:
+        return fmt_spread(self.as_dict())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"median": self.median, "min": self.min, "max": self.max, "runs": list(self.runs)}
+
+
+def spread(values: Iterable[float]) -> Spread:
+    return Spread(tuple(float(v) for v in values))
+
+
+def spreads(runs: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> dict[str, Spread]:
+    """{key: Spread of that key over ``runs``} for the numeric keys of per-run dicts."""
+    return {k: spread(r[k] for r in runs) for k in keys}
+
+
+def worst_target(
+    name: str, runs: Spread, threshold: float, higher_is_better: bool = True
+) -> Target:
+    """A target judged on the worst of the runs (it passes only if every run passes)."""
+    return Target(
+        f"{name} (worst of {len(runs.runs)} runs)",
+        runs.worst(higher_is_better),
+        threshold,
+        higher_is_better,
+    )
+
+
+def fmt_spread(s: Mapping[str, float]) -> str:
+    """``median [min–max]`` of a Spread or of its JSON form."""
+    return f"{_num(s['median'])} [{_num(s['min'])}–{_num(s['max'])}]"
+
+
+def _num(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
 
 
 def bench_threads() -> int:
@@ -155,9 +224,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return str(v)
+        return _num(v) if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
@@ -194,7 +261,7 @@ def write_suite(out: Path, suite: str, data: Mapping[str, Any], markdown: str) -
 
 
 def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Target):
+    if isinstance(obj, Target | Spread):
         return obj.as_dict()
     if isinstance(obj, Path):
         return str(obj)

@@ -119,6 +119,7 @@ def _peer_runs(
     threads: int,
     runs: list[Throughput],
     errors: dict[str, str],
+    sweep: dict[str, float],
 ) -> None:
     from bench.hf_peer import generate_batch, load_hf_model, run_static
     from bench.llamacpp_peer import LlamaCppRunner, run_llamacpp
@@ -137,7 +138,7 @@ def _peer_runs(
     except Exception as err:
         errors["transformers"] = f"{type(err).__name__}: {err}"
         traceback.print_exc()
-    best = _llama_sweep(gguf, work, warm, threads, errors)
+    best = _llama_sweep(gguf, work, warm, threads, errors, sweep)
     if best is None:
         return
 
@@ -156,9 +157,15 @@ LlamaConfig = tuple[int, bool, bool | None]  # n_seq, kv_unified, flash_attn (No
 
 
 def _llama_sweep(
-    gguf: Any, work: list[Work], warm: list[Work], threads: int, errors: dict[str, str]
+    gguf: Any,
+    work: list[Work],
+    warm: list[Work],
+    threads: int,
+    errors: dict[str, str],
+    sweep: dict[str, float],
 ) -> LlamaConfig | None:
-    """One run per configuration on the first quarter of the work; the fastest one."""
+    """One run per configuration on the first quarter of the work; the fastest one.
+    ``sweep`` receives each configuration's output tok/s, keyed by its label."""
     from bench.llamacpp_peer import LlamaCppRunner, run_llamacpp
 
     configs: list[LlamaConfig] = [(n, False, None) for n in LLAMA_SEQS]
@@ -179,6 +186,7 @@ def _llama_sweep(
             errors[f"llama.cpp sweep {config}"] = f"{type(err).__name__}: {err}"
             continue
         scores[config] = got.output_tok_s
+        sweep[got.system.removeprefix("llama.cpp ")] = got.output_tok_s
         print(f"[{SUITE}] sweep {got.system}: {got.output_tok_s:.1f} output tok/s", flush=True)
     return max(scores, key=lambda c: scores[c]) if scores else None
 
@@ -214,6 +222,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     work, warm = workload(quick, gguf_vocab_size(gguf))
     runs: list[Throughput] = []
     errors: dict[str, str] = {}
+    sweep: dict[str, float] = {}
     dtype = torch.float32
     sizing: dict[str, Any] = {}
     try:
@@ -226,8 +235,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         del loaded
     except ImportError as err:
         errors["kvfence"] = f"ImportError: {err}"
-    _peer_runs(dtype, work, warm, threads, runs, errors)
-    return report(runs, errors, quick, threads, dtype, work, sizing)
+    _peer_runs(dtype, work, warm, threads, runs, errors, sweep)
+    return report(runs, errors, quick, threads, dtype, work, sizing, sweep)
 
 
 def report(
@@ -238,8 +247,10 @@ def report(
     dtype: torch.dtype,
     work: list[Work],
     sizing: dict[str, Any],
+    sweep: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     out = results_dir(quick)
+    sweep = sweep or {}
     groups = _by_system(runs)
     kv, grpc = _rates(runs, "kvfence engine"), _rates(runs, "kvfence gRPC")
     targets: list[Target] = []
@@ -314,6 +325,7 @@ def report(
                 rows,
             ),
             targets_table(targets),
+            *([sweep_table(sweep, len(work))] if sweep else []),
             f"![throughput]({plot})",
             *(f"**error** {name}: {msg}" for name, msg in errors.items()),
         ]
@@ -327,8 +339,24 @@ def report(
         "runs": [r.as_dict() for r in runs],
         "systems": systems,
         "ratios_kvfence_over": ratios,
+        "llama_cpp_sweep": sweep,
         "targets": targets,
         "errors": errors,
     }
     write_suite(out, SUITE, data, md)
     return data
+
+
+def sweep_table(sweep: dict[str, float], n: int) -> str:
+    """The llama.cpp sweep, fastest first; the first row is the configuration compared against."""
+    ranked = sorted(sweep.items(), key=lambda kv: -kv[1])
+    return "\n\n".join(
+        [
+            f"llama.cpp sweep (one run each on the first {max(1, n // 4)} requests); the fastest "
+            "configuration is the one timed in full and compared against:",
+            md_table(
+                ("llama.cpp configuration", "output tok/s", "chosen"),
+                [(c, v, "best" if i == 0 else "") for i, (c, v) in enumerate(ranked)],
+            ),
+        ]
+    )

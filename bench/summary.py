@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import md_table
+from bench.common import fmt_spread, md_table
 
 SUITE_ORDER = (
     "single_stream",
@@ -32,18 +32,20 @@ all cores as threads, and runs alone after its own warm-up pass.
 |---|---|
 | [single_stream](single_stream.md) | one request at a time (32-token prompt, 128 tokens greedy, 3 interleaved runs after a warm-up): TTFT and decode tok/s of kvfence in process (`--weights auto` and `bf16`) and over gRPC, llama.cpp n_seq=1, transformers `generate()`; median [min–max] |
 | [offline](offline.md) | 64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, ignore_eos: kvfence engine in process, kvfence over gRPC, transformers `generate()` in static left-padded batches of 8 and 32 (dense weights in kvfence's dtype), llama.cpp batched `llama_decode`: swept over n_seq in {1, 2, 4, 8, 16, 32} x (library defaults; flash attention on with split or unified KV) on a quarter of the work, then its best configuration timed in full. Every system timed 3 times: median [min–max]; ratio targets use kvfence's worst run against the peer's best. |
-| [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512} (median of 15 steps) |
-| [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward |
-| [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity |
+| [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512}: 3 runs per point, each the median of 15 steps; median [min–max], target on the worst run |
+| [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward; 3 interleaved runs each, median [min–max] |
+| [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity; the whole plan 3 times, median [min–max] |
 | [online_http](online_http.md) | the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, 3 interleaved rounds (median [min–max]); output tok/s unconstrained vs JSON-schema-constrained |
 | [online_guidellm](online_guidellm.md) | GuideLLM (its `concurrent` then `poisson` profiles) on the HTTP front vs the gRPC client on the same prompt texts and output lengths, each load generator in its own process: throughput, TTFT, ITL |
-| [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions |
-| [isolation_cost](isolation_cost.md) | engine throughput: scrub reassign vs off, prefix cache on vs off; 3 tenants, 48 requests, a 384-page pool so pages pass between tenants, 3 interleaved rounds (median) |
+| [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions, median [min–max], target on the worst |
+| [isolation_cost](isolation_cost.md) | engine throughput: scrub reassign vs off, prefix cache on vs off; 3 tenants, 48 requests, a 384-page pool so pages pass between tenants, 3 interleaved rounds: median [min–max], overhead paired by round, target on the worst round |
 
 Sizing: the whole run is meant to take about 20-25 minutes on 2 cores. The request counts
-are the ones asked for; repetitions were cut to fit (overhead: median of 15 steps per point;
-prefix: 5 repetitions; isolation: 3 rounds; online rates are fractions of the measured
-capacity so no run waits on a trickle of arrivals). Targets are reported, never asserted.
+are the ones asked for; repetitions were cut to fit, never below 3 timed runs per figure
+(overhead: 3 runs of 15 steps per point; prefix: 5 repetitions; isolation: 3 rounds; online
+rates are fractions of the first measured capacity so no run waits on a trickle of
+arrivals). Every figure is the median [min–max] of its runs, and a target passes only if its
+worst run passes. Targets are reported, never asserted.
 """
 
 
@@ -101,16 +103,36 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
                 else [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]],
             ),
         ]
+    # NOTE: a section is shown only from results that carry runs (median [min–max]); an
+    # older single-run results file is left out rather than shown without its spread.
+    overhead = results.get("overhead")
+    if overhead and _has_runs(overhead.get("points", [{}])[0].get("engine_step_ms")):
+        parts += [
+            "## Engine step overhead (median [min–max] of runs)",
+            md_table(
+                ("B", "context", "engine step ms", "raw forward ms", "raw / engine"),
+                [
+                    (
+                        p["batch"],
+                        p["context"],
+                        _spread(p["engine_step_ms"]),
+                        _spread(p["raw_forward_ms"]),
+                        _spread(p["ratio_raw_over_engine"]),
+                    )
+                    for p in overhead["points"]
+                ],
+            ),
+        ]
     cont = results.get("continuous")
-    if cont:
+    if cont and _has_runs(cont.get("speedup")):
         parts.append(
-            f"Continuous batching is **{cont['speedup']:.2f}x** static batching "
-            f"(max batch {cont['max_batch']})."
+            f"Continuous batching is **{_spread(cont['speedup'])}x** static batching "
+            f"(max batch {cont['max_batch']}; median [min–max] of runs paired by run)."
         )
     online = results.get("online")
-    if online:
+    if online and "rates" in online:
         parts += [
-            "## Online serving (gRPC)",
+            "## Online serving (gRPC; median [min–max] of runs)",
             md_table(
                 (
                     "rate",
@@ -124,15 +146,45 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
                 [
                     (
                         r["rate"],
-                        r["overall"]["req_s"],
-                        r["overall"]["output_tok_s"],
-                        r["overall"]["ttft_p50_ms"],
-                        r["overall"]["ttft_p99_ms"],
-                        r["overall"]["itl_p50_ms"],
-                        r["overall"]["itl_p99_ms"],
+                        *(
+                            _spread(r["overall"][k])
+                            for k in (
+                                "req_s",
+                                "output_tok_s",
+                                "ttft_p50_ms",
+                                "ttft_p99_ms",
+                                "itl_p50_ms",
+                                "itl_p99_ms",
+                            )
+                        ),
                     )
-                    for r in online["runs"]
+                    for r in online["rates"]
                 ],
+            ),
+        ]
+    prefix = results.get("prefix")
+    if prefix and "ttft_ms" in prefix:
+        parts += [
+            "## Prefix cache TTFT (median [min–max] of repetitions)",
+            md_table(
+                ("request", "TTFT ms", "/ cold", "max cached tokens"),
+                [
+                    (k, _spread(v), _spread(prefix["ttft_over_cold"][k]), prefix["cached_tokens"][k])
+                    for k, v in prefix["ttft_ms"].items()
+                ],
+            ),
+        ]
+    iso = results.get("isolation_cost")
+    if iso and "output_tok_s" in iso:
+        parts += [
+            "## Isolation cost (output tok/s, median [min–max] of rounds)",
+            md_table(
+                ("configuration", "output tok/s"),
+                [(k, _spread(v)) for k, v in iso["output_tok_s"].items()],
+            ),
+            md_table(
+                ("overhead (paired by round)", "1 - default / alternative"),
+                [(k, _spread(v)) for k, v in iso["overhead"].items()],
             ),
         ]
     any_data = next(iter(results.values()), None)
@@ -153,7 +205,11 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
 
 
 def _spread(s: dict[str, float]) -> str:
-    return f"{s['median']:.3g} [{s['min']:.3g}–{s['max']:.3g}]"
+    return fmt_spread(s)
+
+
+def _has_runs(figure: Any) -> bool:
+    return isinstance(figure, dict) and "runs" in figure
 
 
 def write_summary(out: Path, failures: dict[str, str]) -> str:

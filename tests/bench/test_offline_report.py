@@ -38,3 +38,27 @@ def test_report_uses_worst_kvfence_run_against_best_peer_run(
     assert targets["offline output tok/s vs transformers best"] == pytest.approx(200 / 50)
     assert targets["gRPC / in-process output tok/s"] == pytest.approx(200 / 250)
     assert "250 [200–400]" in (tmp_path / "offline.md").read_text()
+
+
+def test_report_shows_the_llama_sweep_with_the_fastest_configuration_chosen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(offline, "results_dir", lambda quick: tmp_path)
+    monkeypatch.setattr(offline, "bar_plot", lambda *a, **k: "plot.png")
+    monkeypatch.setattr(offline, "machine_info", lambda threads: {})
+    sweep = {
+        "n_seq=8 kv_unified=off fa=auto": 90.0,
+        "n_seq=32 kv_unified=on fa=on": 120.0,
+        "n_seq=16 kv_unified=on fa=on": 110.0,
+    }
+    runs = [_run("kvfence engine", 0.5), _run("llama.cpp n_seq=32 kv_unified=on fa=on", 1.0)]
+    data = offline.report(runs, {}, True, 2, torch.bfloat16, [Work((1,), 100)] * 8, {}, sweep)
+    assert data["llama_cpp_sweep"] == sweep
+    md = (tmp_path / "offline.md").read_text()
+    lines = [line for line in md.splitlines() if "kv_unified" in line and line.startswith("| n_seq")]
+    assert lines == [
+        "| n_seq=32 kv_unified=on fa=on | 120 | best |",
+        "| n_seq=16 kv_unified=on fa=on | 110 |  |",
+        "| n_seq=8 kv_unified=off fa=auto | 90 |  |",
+    ]
+    assert "first 2 requests" in md

@@ -248,8 +248,12 @@ def test_unauthenticated_flood(srv: ServerHandle, baseline: Latency, record: Rec
         under = _victim(srv).run(VICTIM_N)
     record.info("health Watch streams held open", len(watches))
     ok = record("health Watch streams refused past the cap", refused[0], "> 0", refused[0] > 0)
+    # NOTE: not only OK: the 1 MiB body is over the prompt limit, so a call that got past
+    # authentication is answered INVALID_ARGUMENT, not OK.
+    past_auth = sum(n for code, n in stats.codes.items() if code != "UNAUTHENTICATED")
     ok &= record(
-        "unauthenticated calls answered OK", stats.codes["OK"], "== 0", stats.codes["OK"] == 0
+        "unauthenticated calls answered other than UNAUTHENTICATED", past_auth, "== 0",
+        past_auth == 0,
     )
     _judge(record, baseline, under, stats)
     assert ok
@@ -265,18 +269,16 @@ def test_kv_pool_hog(small: ServerHandle, small_baseline: Latency, record: Recor
     )
     share = int(usage.quotas.max_kv_pages)
     record.info("attacker's KV share (pages of 64)", share)
-    with pytest.raises(grpc.RpcError) as info:
+    try:
         list(
             stub.Generate(
                 gen_request([lo] * 480, max_tokens=500), metadata=small.auth("attacker"), timeout=60
             )
         )
-    assert record(
-        "issue-size hog request",
-        info.value.code().name,
-        "RESOURCE_EXHAUSTED",
-        info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED,
-    )
+        code = grpc.StatusCode.OK.name
+    except grpc.RpcError as err:  # NOTE: caught, not pytest.raises: an OK answer is a row too
+        code = err.code().name
+    assert record("issue-size hog request", code, "RESOURCE_EXHAUSTED", code == "RESOURCE_EXHAUSTED")
     # Two streams that together fill the share: prompt and output a quarter of it each.
     quarter = share * small.stack.engine.page_size // 4 - 1
     worker = generate_loop(

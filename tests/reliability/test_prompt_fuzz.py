@@ -106,9 +106,8 @@ def test_prompt_lengths_get_a_complete_stream_or_invalid_argument(
         state = wait_for_baseline(srv)
         if not state.at_baseline:
             bad.append(f"pool not at baseline: {state.describe()}")
-        if bad:
+        if bad:  # NOTE: collected, not asserted here, so the check below counts every example
             problems.append(f"n={n} max_tokens={max_tokens}: {bad}")
-        assert not bad, bad
 
     example()
     lengths = {n for n, _, _ in seen}
