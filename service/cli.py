@@ -96,6 +96,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     _add(
         p,
+        "--decode-stretch",
+        2.0,
+        "while streams decode, a step with a prefill chunk lasts at most this many decode-only "
+        "steps (bounds their inter-token gap; 0 = off)",
+        type=float,
+    )
+    _add(
+        p,
         "--prefill-chunk",
         0,
         "one request's prefill tokens per step while others wait (0 = half the step's budget)",

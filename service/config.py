@@ -90,6 +90,9 @@ class EngineSizing:
     # have work (0 = half the step's budget).
     max_step_ms: float = 100.0
     prefill_chunk: int = 0
+    # While streams decode, a step that also prefills lasts at most decode_stretch times a
+    # decode-only step (0 = off), so long prompts cannot stretch others' inter-token gap.
+    decode_stretch: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +156,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         prefix_ttl_s=args.prefix_ttl,
         max_step_ms=args.max_step_ms,
         prefill_chunk=args.prefill_chunk,
+        decode_stretch=args.decode_stretch,
     )
     return ServeConfig(
         model=args.model,
@@ -185,6 +189,7 @@ def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
         max_model_len=sizing.max_model_len or model_len,
         warmup=sizing.warmup,
         max_step_ms=sizing.max_step_ms,
+        decode_stretch=sizing.decode_stretch,
         long_prefill_threshold=sizing.prefill_chunk,
     )
 

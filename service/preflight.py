@@ -66,6 +66,8 @@ def check_numbers(config: ServeConfig) -> None:
 def check_fair_compute(config: ServeConfig) -> None:
     if config.sizing.max_step_ms < 0 or config.sizing.prefill_chunk < 0:
         raise ConfigError("--max-step-ms and --prefill-chunk must be >= 0")
+    if not config.sizing.decode_stretch >= 0 or config.sizing.decode_stretch == float("inf"):
+        raise ConfigError("--decode-stretch must be a number >= 0")
 
 
 def check_redis_url(config: ServeConfig) -> None:

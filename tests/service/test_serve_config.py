@@ -50,7 +50,7 @@ EVERY_FLAG = [
     "--max-model-len", "300", "--page-size", "8", "--dtype", "float16", "--device", "cuda:1",
     "--weights", "int8", "--scrub-policy", "always", "--prefix-ttl", "5",
     "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
-    "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
+    "--decode-stretch", "1.5", "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
 ]
 
@@ -94,7 +94,23 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             prefix_ttl_s=5.0,
             max_step_ms=40.0,
             prefill_chunk=64,
+            decode_stretch=1.5,
         ),
     )
     assert kv_budget(config.sizing) == KVBudget(kv_fraction=0.5)
     assert kv_budget(EngineSizing(kv_memory="2KiB")) == KVBudget(kv_bytes=2048)
+
+
+def test_decode_stretch_reaches_the_engine_config() -> None:
+    assert engine_config(EngineSizing(decode_stretch=1.5), model_len=2048).decode_stretch == 1.5
+    assert engine_config(EngineSizing(), model_len=2048).decode_stretch == 2.0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bad_decode_stretch_is_refused_in_one_line(value: str) -> None:
+    from service import cli
+    from service.preflight import check_fair_compute
+
+    config = serve_config(cli.parse_args(["serve", "--decode-stretch", value]))
+    with pytest.raises(ConfigError, match="--decode-stretch must be a number >= 0"):
+        check_fair_compute(config)
