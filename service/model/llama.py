@@ -6,6 +6,7 @@ Attention never happens here: every layer hands its RoPE'd q, k, v to the ``attn
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,18 @@ class LlamaModel(torch.nn.Module):
         # NOTE: rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1.., +1..]; folding the sign into
         # the sin table makes RoPE three ops (roll, mul, addcmul) instead of five.
         table[:, 1, : config.head_dim // 2] *= -1
-        self.register_buffer("rope", table.to(device=weights.embed.device), persistent=False)
+        # Stored in the compute dtype: the same values the step used to convert on every call.
+        rope = table.to(device=weights.embed.device, dtype=weights.embed.dtype)
+        self.register_buffer("rope", rope, persistent=False)
+        # NOTE: indexing the stacked weights and choosing dense or packed per layer is done
+        # here once; a step then walks a tuple instead of issuing ~6 select ops per layer.
+        # Nothing moves the model after construction, so these views stay valid.
+        self._dense_layers = _layers(self, None)
+        self._small_layers = _layers(self, self.packed)
+        self._max_packed_rows = 0 if self.packed is None else self.packed.max_rows
+        self._dense_head = _dense(self.lm_head)
+        small_head = None if self.packed is None else self.packed.lm_head
+        self._small_head = self._dense_head if small_head is None else small_head
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,46 +125,81 @@ class LlamaModel(torch.nn.Module):
         hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         qk_rows = c.q_size + c.kv_size
         hidden = (c.hidden_size,)
-        rope = self.rope[positions].to(self.dtype)
+        rope = self.rope[positions]
         cos, sin = rope[:, 0:1], rope[:, 1:2]  # [T, 1, D], broadcast over heads
         half = d // 2
         # NOTE: decode batches read every weight once per token, so for a few rows the packed
         # integer GEMVs (3-4x fewer bytes) win; larger batches are compute bound and use dense.
-        packed = self.packed if self.packed is not None and t <= self.packed.max_rows else None
-        dense_only: tuple[Linear | None, ...] = (None,) * c.num_layers
-        p_qkv, p_o, p_gate_up, p_down = (
-            (dense_only,) * 4
-            if packed is None
-            else (packed.qkv, packed.o, packed.gate_up, packed.down)
-        )
+        small = t <= self._max_packed_rows
+        layers = self._small_layers if small else self._dense_layers
         x = F.embedding(input_ids, self.embed)
-        for i in range(c.num_layers):
-            h = F.rms_norm(x, hidden, self.attn_norm[i], eps)
-            qkv = _linear(h, self.qkv[i], p_qkv[i])
-            if self.qkv_bias is not None:
-                qkv = qkv + self.qkv_bias[i]
+        for i, layer in enumerate(layers):
+            h = F.rms_norm(x, hidden, layer.attn_norm, eps)
+            qkv = layer.qkv(h)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
             # q and k heads are normalized and rotated together as one [T, Hq+Hkv, D] block.
             qk = qkv[:, :qk_rows].reshape(t, hq + hkv, d)
-            if self.qk_norm is not None:
-                qk = F.rms_norm(qk, (d,), None, eps) * self.qk_norm[i]
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
             # Contiguous views so paged backends can copy/launch on them without restriding.
             q = qk[:, :hq].contiguous()
             k = qk[:, hq:].contiguous()
             v = qkv[:, qk_rows:].reshape(t, hkv, d).contiguous()
             out = attn(i, q, k, v)
-            x = x + _linear(out.reshape(t, c.q_size), self.o[i], p_o[i])
-            h = F.rms_norm(x, hidden, self.mlp_norm[i], eps)
-            gate_up = _linear(h, self.gate_up[i], p_gate_up[i])
+            # The residual stream ``x`` is this forward's own tensor: add in place (no new buffer).
+            x.add_(layer.o(out.reshape(t, c.q_size)))
+            h = F.rms_norm(x, hidden, layer.mlp_norm, eps)
+            gate_up = layer.gate_up(h)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, self.down[i], p_down[i])
+            x.add_(layer.down(F.silu(gate).mul_(up)))
         if logits_indices is not None:
             x = x[logits_indices]
         x = F.rms_norm(x, hidden, self.final_norm, eps)
-        head = self.packed
-        small = head.lm_head if head is not None and x.shape[0] <= head.max_rows else None
-        return _linear(x, self.lm_head, small).float()
+        head = self._small_head if x.shape[0] <= self._max_packed_rows else self._dense_head
+        return head(x).float()
 
 
-def _linear(x: torch.Tensor, dense: torch.Tensor, packed: Linear | None) -> torch.Tensor:
-    return F.linear(x, dense) if packed is None else packed(x)
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One layer's weights and projections, taken out of the stacked tensors once at load."""
+
+    attn_norm: torch.Tensor
+    qkv: Linear
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def _dense(weight: torch.Tensor) -> Linear:
+    return functools.partial(F.linear, weight=weight)
+
+
+def _layers(model: LlamaModel, packed: PackedLinears | None) -> tuple[_Layer, ...]:
+    """Per-layer views and callables; ``packed`` entries replace the dense ones they cover."""
+
+    none: tuple[Linear | None, ...] = (None,) * model.config.num_layers
+    qkv, o, gate_up, down = (
+        (none,) * 4 if packed is None else (packed.qkv, packed.o, packed.gate_up, packed.down)
+    )
+
+    def pick(dense: torch.Tensor, small: Linear | None) -> Linear:
+        return _dense(dense) if small is None else small
+
+    return tuple(
+        _Layer(
+            attn_norm=model.attn_norm[i],
+            qkv=pick(model.qkv[i], qkv[i]),
+            qkv_bias=None if model.qkv_bias is None else model.qkv_bias[i],
+            qk_norm=None if model.qk_norm is None else model.qk_norm[i],
+            o=pick(model.o[i], o[i]),
+            mlp_norm=model.mlp_norm[i],
+            gate_up=pick(model.gate_up[i], gate_up[i]),
+            down=pick(model.down[i], down[i]),
+        )
+        for i in range(model.config.num_layers)
+    )

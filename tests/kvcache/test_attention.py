@@ -129,6 +129,40 @@ def test_decode_only_batch_matches_dense() -> None:
             mgr.commit(e.seq_id, range(lens[e.seq_id]), lens[e.seq_id])
 
 
+@pytest.mark.parametrize("upcast_keys", [0, 10**6], ids=["bf16-matmul", "float32-upcast"])
+def test_bf16_decode_matches_float32_dense(
+    upcast_keys: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 decode of sequences of different lengths (padded, masked) on both CPU paths:
+    within bf16 rounding of float32 attention over the same bf16 K/V."""
+    monkeypatch.setattr(torch_backend, "_CPU_UPCAST_DECODE_KEYS", upcast_keys)
+    torch.manual_seed(3)
+    hq, hkv = 6, 2
+    pool = PagePool(1, 64, 4, hkv, HEAD_DIM, dtype=torch.bfloat16)
+    mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
+    lens = {"a": 9, "b": 2, "c": 17}
+    keys = {}
+    for s, n in lens.items():
+        mgr.open(s, "t", list(range(n + 1)), use_prefix_cache=False)
+        grow(mgr, s, n)
+        kv = [torch.randn(n, hkv, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+        attn_of(mgr, [StepEntry(s, 0, n)])(0, torch.randn(n, hq, HEAD_DIM).bfloat16(), *kv)
+        mgr.commit(s, range(n + 1), n)
+        keys[s] = kv
+    entries = []
+    for s in ("c", "a", "b"):
+        grow(mgr, s, lens[s] + 1)
+        entries.append(StepEntry(s, lens[s], 1))
+    q, k, v = (torch.randn(3, h, HEAD_DIM, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    out = attn_of(mgr, entries)(0, q, k, v)
+    assert out.dtype == torch.bfloat16
+    for i, e in enumerate(entries):
+        full_k = torch.cat([keys[e.seq_id][0], k[i : i + 1]]).float()
+        full_v = torch.cat([keys[e.seq_id][1], v[i : i + 1]]).float()
+        ref = causal_attention(q[i : i + 1].float(), full_k, full_v, lens[e.seq_id])
+        torch.testing.assert_close(out[i : i + 1].float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_attention_reads_only_own_pages() -> None:
     """Poisoning every page outside a sequence's table does not change its output."""
     torch.manual_seed(1)
