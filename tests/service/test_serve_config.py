@@ -109,6 +109,7 @@ def test_decode_stretch_reaches_the_engine_config() -> None:
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_bad_decode_stretch_is_refused_in_one_line(value: str) -> None:
     from service import cli
+    from service.config import ConfigError
     from service.preflight import check_fair_compute
 
     config = serve_config(cli.parse_args(["serve", "--decode-stretch", value]))
