@@ -9,13 +9,13 @@ import pytest
 
 from service import cli
 from service.cluster_limits import DEFAULT_FAILURE_MODE, ClusterLimitsConfig
+from service.config import serve_config
 from service.tenants import add_tenant
 
 
 def _parse(*argv: str) -> ClusterLimitsConfig | None:
     args = cli.parse_args(["serve", *argv])
-    result: ClusterLimitsConfig | None = cli._cluster_limits(args)
-    return result
+    return serve_config(args).options.cluster_limits
 
 
 def test_without_redis_url_limits_stay_local() -> None:

@@ -12,8 +12,6 @@ from typing import Any
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from protos.kvfence.v1 import inference_pb2_grpc
 from service.app import EngineSizing
@@ -49,22 +47,20 @@ def _anchors() -> list[int]:
     return sorted(points)
 
 
-NEAR_ANCHOR = st.builds(lambda a, d: max(0, a + d), st.sampled_from(_anchors()), st.integers(-2, 2))
-LENGTHS = st.one_of(NEAR_ANCHOR, NEAR_ANCHOR, NEAR_ANCHOR, st.integers(0, 2 * MAX_LEN))
-
-
-@st.composite
-def cases(draw: st.DrawFn) -> tuple[int, int]:
-    n = draw(LENGTHS)
+def _case(rng: random.Random) -> tuple[int, int]:
+    """A prompt length (3 times in 4 within 2 of an anchor) and a max_tokens that is tiny,
+    non-positive, exactly at or one past the context limit, or anything up to past it."""
+    if rng.random() < 0.75:
+        n = max(0, rng.choice(_anchors()) + rng.randint(-2, 2))
+    else:
+        n = rng.randint(0, 2 * MAX_LEN)
     room = MAX_LEN - n
-    max_tokens = draw(
-        st.one_of(
-            st.integers(1, 4),
-            st.integers(-2, 0),
-            st.sampled_from([room, room + 1]),  # exactly at, and one past, the context limit
-            st.integers(1, MAX_LEN + 8),
-        )
-    )
+    max_tokens = rng.choice([
+        lambda: rng.randint(1, 4),
+        lambda: rng.randint(-2, 0),
+        lambda: rng.choice([room, room + 1]),
+        lambda: rng.randint(1, MAX_LEN + 8),
+    ])()
     return n, max_tokens
 
 
@@ -80,17 +76,12 @@ def test_prompt_lengths_get_a_complete_stream_or_invalid_argument(
     seen: list[tuple[int, int, bool]] = []
     problems: list[str] = []
 
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
-    @given(case=cases(), seed=st.integers(0, 2**16))
-    def example(case: tuple[int, int], seed: int) -> None:
-        n, max_tokens = case
-        rng = random.Random(seed)
+    # NOTE: a seeded generator, not Hypothesis: problems are collected (so nothing would be
+    # shrunk), and Hypothesis's derandomized draws changed with the rest of the session (one
+    # full run covered only 5 distinct lengths near the anchors).
+    rng = random.Random(20261201)
+    for _ in range(EXAMPLES):
+        n, max_tokens = _case(rng)
         ids = [rng.randrange(3, 384) for _ in range(n)]
         result = collect(
             stub.Generate(
@@ -109,7 +100,6 @@ def test_prompt_lengths_get_a_complete_stream_or_invalid_argument(
         if bad:  # NOTE: collected, not asserted here, so the check below counts every example
             problems.append(f"n={n} max_tokens={max_tokens}: {bad}")
 
-    example()
     lengths = {n for n, _, _ in seen}
     near = {a + d for a in _anchors() for d in range(-2, 3)}
     record.info("examples run", len(seen))
