@@ -46,10 +46,11 @@ from tests.verify.scale import size
 N = size(12, 100)
 MAX_TOKENS = size(8, 16)
 MAX_LEN = 256
-# A near-limit prompt with its output fills 16 pages; three of them running at once need
-# more than the whole pool, so the scheduler must evict cached pages and preempt.
+# A near-limit prompt with its output fills 16 pages; four of them running at once need 64
+# pages, far more than the whole pool, so the scheduler must evict cached pages and preempt
+# (with three, 48 pages, a slow machine once let one finish before the third filled up).
 POOL_PAGES = 40
-NEAR_LIMIT = size(4, 24)  # B's near-limit prompts in run 2, three at a time
+NEAR_LIMIT = size(4, 24)  # B's near-limit prompts in run 2, four at a time
 STORM = size(8, 60)
 A_CONCURRENCY = 4
 
@@ -65,6 +66,11 @@ def srv(default_model: Any) -> Iterator[ServerHandle]:
         max_num_seqs=16,
         warmup=False,
         dtype="float32",
+        # Untimed steps (the whole token budget each step): the pool pressure below must not
+        # depend on the machine's speed. With the timed budget, a loaded machine got tiny
+        # prefill chunks, B's near-limit prompts ran one after another and nothing was
+        # ever preempted.
+        max_step_ms=0.0,
     )
     # NOTE: each tenant may hold the whole pool (overcommitted shares), so B's load evicts
     # A's cached pages and preempts A's requests: the pressure this test is about. With the
@@ -156,7 +162,7 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
 
         async def pressure() -> None:
             await half_done.wait()
-            gate = asyncio.Semaphore(3)  # three near-limit prompts fill the whole pool
+            gate = asyncio.Semaphore(4)  # four near-limit prompts overflow the whole pool
 
             async def one() -> None:
                 async with gate:
