@@ -53,12 +53,18 @@ class Sizing:
     kv_pages: int | None = None  # set: the in-process engine's pool has exactly this many pages
     scrub_policy: ScrubPolicy = "reassign"
     prefix_ttl_s: float = 600.0
+    # The in-process engine's step budget: 0 = untimed (the whole token budget each step);
+    # the served default (EngineSizing) is a 100 ms target with decode_stretch 2.
+    max_step_ms: float = 0.0
+    decode_stretch: float = 2.0
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            max_step_ms=self.max_step_ms,
+            decode_stretch=self.decode_stretch,
         )
 
     def cache_config(self) -> CacheConfig:

@@ -38,11 +38,14 @@ from bench.common import (
     throughput,
     write_suite,
 )
+from service.config import EngineSizing
 
 SUITE = "offline"
 HF_BATCHES = (8, 32)
 LLAMA_SEQS = (1, 2, 4, 8, 16, 32)
 REPEATS = 3
+FAIR = "kvfence engine, served step budget"
+SERVED = EngineSizing()  # the server's defaults: --max-step-ms and --decode-stretch
 TENANT = "bench"
 
 
@@ -82,6 +85,7 @@ def _kvfence_runs(
     loaded: Any, work: list[Work], warm: list[Work], runs: list[Throughput], errors: dict[str, str]
 ) -> None:
     from bench.kvfence_runner import (
+        Sizing,
         check_complete,
         grpc_server,
         run_engine,
@@ -90,16 +94,14 @@ def _kvfence_runs(
     )
 
     # NOTE: every run bypasses the prefix cache, so repeats of the same prompts stay cold.
-    def in_process() -> Throughput:
-        with started_engine(loaded) as engine:
+    def in_process(sizing: Sizing | None = None, name: str = "kvfence engine") -> Throughput:
+        with started_engine(loaded, sizing or Sizing()) as engine:
             asyncio.run(run_engine(engine, warm, (TENANT,), bypass_prefix_cache=True))
             wall, traces = asyncio.run(
                 run_engine(engine, work, (TENANT,), bypass_prefix_cache=True)
             )
         check_complete(work, traces)
-        return throughput(
-            "kvfence engine", work, wall, "engine API, all requests submitted at once"
-        )
+        return throughput(name, work, wall, "engine API, all requests submitted at once")
 
     async def over_grpc() -> Throughput:
         async with grpc_server(loaded, (TENANT,)) as (target, keys, _):
@@ -109,6 +111,9 @@ def _kvfence_runs(
         return throughput("kvfence gRPC", work, wall, "AsyncClient, all requests concurrent")
 
     _attempt("kvfence engine", in_process, runs, errors)
+    # The fair-compute step budget as served (issue 12): what it costs offline throughput.
+    fair = Sizing(max_step_ms=SERVED.max_step_ms, decode_stretch=SERVED.decode_stretch)
+    _attempt(FAIR, lambda: in_process(fair, FAIR), runs, errors)
     _attempt("kvfence gRPC", lambda: asyncio.run(over_grpc()), runs, errors)
 
 
@@ -270,6 +275,15 @@ def report(
                         f"offline output tok/s vs {label} ({peer}), worst run", ratios[peer], 2.0
                     )
                 )
+        fair = _rates(runs, FAIR)
+        if fair:
+            targets.append(
+                Target(
+                    "served step budget / untimed engine output tok/s (worst run vs median)",
+                    min(fair) / statistics.median(kv),
+                    0.97,
+                )
+            )
         if grpc:
             targets.append(
                 Target(

@@ -159,11 +159,19 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(
     exit_s = t_exit - t_sig
 
     assert record("SIGHUP reload revokes a key", revoked, "True", revoked)
+    # A short stream can end between its Started and the signal (the client waits for every
+    # Started first): the server logged its generate.finished before server.draining. One
+    # that logged it but was still writing its last message holds its slot, so it may count.
+    before = events[: events.index(draining[0])] if draining else events
+    ended = sum(1 for e in before if e["event"] == "generate.finished")
+    low = SHORT + LONG - ended
+    in_flight = draining[0]["in_flight"] if draining else -1
+    record.info("streams ended before SIGTERM (server log)", ended)
     assert record(
         "in flight at SIGTERM (server log)",
-        draining[0]["in_flight"] if draining else -1,
-        f"== {SHORT + LONG}",
-        bool(draining) and draining[0]["in_flight"] == SHORT + LONG,
+        in_flight,
+        f"in [{low}, {SHORT + LONG}] (streams not yet ended)",
+        bool(draining) and low <= in_flight <= SHORT + LONG and ended <= SHORT,
     )
     assert record(
         "short streams complete and untruncated",
