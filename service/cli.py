@@ -91,7 +91,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         p,
         "--max-step-ms",
         100.0,
-        "target engine step time; sizes prefill chunks (0 = off)",
+        "target engine step time while two or more tenants have work; sizes prefill chunks "
+        "(0 = off; one tenant alone gets the whole token budget)",
         type=float,
     )
     _add(

@@ -31,6 +31,7 @@ from tools.mutants.run import ROOT, scratch_copy, scratch_env
 MANAGER = "kvcache/manager.py"
 RESPONSES = "service/responses.py"
 GRAMMAR = "service/engine/grammar.py"
+DIFFERENTIAL = "tests/isolation/test_differential.py"
 DRAINING = '            if self._is_draining():\n                raise unavailable("server is shutting down")\n'
 SHUTDOWN = "        await asyncio.to_thread(stack.engine.shutdown)\n    return 0"
 CHUNK = "msg = inference_pb2.Chunk(token_ids=event.token_ids, text=event.text)"
@@ -262,9 +263,27 @@ PROBES: tuple[Probe, ...] = (
           edit(MANAGER, "        self.evict_expired()\n        table = PageTable(",
                '        self.evict_expired()\n        if tenant == "bob":\n'
                '            self.purge_tenant("alice")\n        table = PageTable(')),
+    probe("test_differential::A requests still running when B's pressure began",
+          "test_tenant_b_cannot", "B's pressure and storm start only after A's run 2 ended",
+          edit(DIFFERENTIAL, "            if len(run.probes) >= N // 2 and not half_done.is_set():",
+               "            if False:"),
+          edit(DIFFERENTIAL, "done, second_half_after=half_done)", "done)"),
+          edit(DIFFERENTIAL, "        half_done.set()  # already set,",
+               "        run.t_pressure = time.monotonic()\n        half_done.set()  # already set,")),
+    probe("test_differential::LRU evictions during run 2", "test_tenant_b_cannot",
+          "a pool 50x larger, so nothing is ever evicted",
+          edit(DIFFERENTIAL, "POOL_PAGES = 40\n", "POOL_PAGES = 2000\n")),
+    probe("test_differential::B streams ending wrongly", "test_tenant_b_cannot",
+          "a preempted sequence is refused instead of re-queued",
+          edit("service/engine/scheduler.py",
+               "            self.preempt(victim)\n            preempted.append(victim)\n",
+               "            self.remove_running(victim)\n"
+               "            victim.status = SeqStatus.FINISHED\n"
+               "            self.num_preemptions += 1\n"
+               "            rejected.append((victim, RequestTooLarge(1, 1, what)))\n")),
     probe("test_differential::preemptions during run 2", "test_tenant_b_cannot",
           "no near-limit pressure from B",
-          edit("tests/isolation/test_differential.py", "NEAR_LIMIT = size(4, 24)",
+          edit(DIFFERENTIAL, "NEAR_LIMIT = size(4, 24)",
                "NEAR_LIMIT = size(0, 0)")),
     probe("test_differential::fence violations", "test_tenant_b_cannot",
           "violation counter reads one more", FENCE_COUNTER),

@@ -111,7 +111,8 @@ class EngineConfig:
     chunks. ``long_prefill_threshold`` (``--prefill-chunk``) caps one request's prefill chunk
     per step while others have work (0 = half the step's budget), so one long prompt cannot
     take a whole step from the others. ``max_step_ms`` > 0 sizes each step's budget from a
-    measured cost model so a step lasts about that long; while decodes run, a step with a
+    measured cost model so a step lasts about that long while two or more tenants have work
+    (one tenant alone gets the whole token budget); while decodes run, a step with a
     prefill chunk lasts at most ``decode_stretch`` times the decode-only step (0 = no such
     bound), so a stream's inter-token gap stays within that multiple of what it is alone.
     ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller

@@ -131,3 +131,29 @@ def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_ste
     assert _chunk_beside_a_decode(tiny, stretch=2.0) == 20
     # Without the stretch the chunk takes what the 1 s target and the token budget allow.
     assert _chunk_beside_a_decode(tiny, stretch=0.0) > 200
+
+
+def _chunk_beside_own_decode(tiny: LoadedModel, prefiller: str) -> int:
+    """a's 400-token prompt arrives while ``b0`` (of tenant b) decodes; the step budget is
+    a tight 30 ms target on a machine taught to take 20 ms a decode and 1 ms a token."""
+    config = EngineConfig(warmup=False, max_step_ms=30.0, decode_stretch=2.0)
+    core = make_core(tiny, config=config)
+    rec = Recorder()
+    core.add(req("b0", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True),
+             rec.sink("b0"))
+    core.step()  # b0 is prefilled; it decodes from now on
+    core.add(req("a", prompt_ids(1, 400, V), tenant=prefiller, max_tokens=2), rec.sink("a"))
+    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
+    core.step()
+    assert len(rec.tokens("b0")) == 2  # the decode ran in the same step as a's chunk
+    return _computed(core, "a")
+
+
+def test_the_step_time_target_applies_only_while_two_tenants_have_work(
+    tiny: LoadedModel,
+) -> None:
+    # Another tenant's stream is decoding: the chunk is held to the 10 ms left of the target.
+    assert _chunk_beside_own_decode(tiny, prefiller="a") == 10
+    # The same prompt from the decoding stream's own tenant has nobody to be guarded from:
+    # the whole prompt goes in one step (511 tokens of budget are left beside the decode).
+    assert _chunk_beside_own_decode(tiny, prefiller="b") == 400
