@@ -43,6 +43,9 @@ log = structlog.get_logger(__name__)
 # A step always advances prefills by at least this many tokens, however slow the model says
 # steps are, so a long prompt under a tight ``max_step_ms`` still finishes.
 _MIN_PREFILL_TOKENS = 16
+# A tenant counts as active this long after it last had work, so a stream's tenant between
+# two requests is still guarded by the step time target.
+_ACTIVE_FOR_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,7 @@ class Scheduler:
         self.counter = TokenCounter(lambda t: policy(t).weight)
         self.cost = StepCostModel()
         self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
+        self._last_active: dict[str, float] = {}  # tenant -> when it last had work (_room)
 
     def num_running(self, tenant: str) -> int:
         return self._running_per_tenant.get(tenant, 0)
@@ -235,12 +239,13 @@ class Scheduler:
         return StepRoom(max(hard - len(decodes), 0), cost, seconds, cap_tokens, cap_s, floor)
 
     def _several_tenants(self) -> bool:
-        """Whether two or more tenants have running or waiting requests."""
-        tenants = set(self._running_per_tenant)
-        if len(tenants) > 1:
-            return True
-        tenants.update(self.waiting.tenants())
-        return len(tenants) > 1
+        """Whether two or more tenants have work now or had it in the last ``_ACTIVE_FOR_S``."""
+        now = self._clock()
+        for tenant in itertools.chain(self._running_per_tenant, self.waiting.tenants()):
+            self._last_active[tenant] = now
+        for tenant in [t for t, at in self._last_active.items() if now - at > _ACTIVE_FOR_S]:
+            del self._last_active[tenant]
+        return len(self._last_active) > 1
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """The wall time of a step of that ``shape`` (feeds the cost model)."""

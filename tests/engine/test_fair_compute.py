@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvcache import TenantCachePolicy
 from service.engine.types import EngineConfig, TenantSchedPolicy
 from service.model import LoadedModel
-from tests.engine.conftest import Recorder, make_core, prompt_ids, req
+from tests.engine.conftest import FakeClock, Recorder, make_core, prompt_ids, req
 
 V = 384
 
@@ -133,12 +133,21 @@ def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_ste
     assert _chunk_beside_a_decode(tiny, stretch=0.0) > 200
 
 
-def _chunk_beside_own_decode(tiny: LoadedModel, prefiller: str) -> int:
-    """a's 400-token prompt arrives while ``b0`` (of tenant b) decodes; the step budget is
-    a tight 30 ms target on a machine taught to take 20 ms a decode and 1 ms a token."""
+def _chunk_beside_own_decode(
+    tiny: LoadedModel, prefiller: str, other_done_ago: float | None = None
+) -> int:
+    """A 400-token prompt of ``prefiller`` arrives while ``b0`` (of tenant b) decodes; the
+    step budget is a tight 30 ms target on a machine taught to take 20 ms a decode and 1 ms a
+    token. With ``other_done_ago``, a request of tenant c finished that many seconds before."""
     config = EngineConfig(warmup=False, max_step_ms=30.0, decode_stretch=2.0)
-    core = make_core(tiny, config=config)
+    clock = FakeClock()
+    core = make_core(tiny, config=config, clock=clock)
     rec = Recorder()
+    if other_done_ago is not None:
+        core.add(req("c", prompt_ids(5, 10, V), tenant="c", max_tokens=1), rec.sink("c"))
+        while core.has_work():
+            core.step()
+        clock.now += other_done_ago
     core.add(req("b0", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True),
              rec.sink("b0"))
     core.step()  # b0 is prefilled; it decodes from now on
@@ -157,3 +166,6 @@ def test_the_step_time_target_applies_only_while_two_tenants_have_work(
     # The same prompt from the decoding stream's own tenant has nobody to be guarded from:
     # the whole prompt goes in one step (511 tokens of budget are left beside the decode).
     assert _chunk_beside_own_decode(tiny, prefiller="b") == 400
+    # A tenant between two requests is still guarded for 2 s after its last one ended.
+    assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=1.0) == 10
+    assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=3.0) == 400
