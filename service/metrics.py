@@ -85,7 +85,7 @@ class Metrics:
 
     def __init__(self, tenants: Iterable[str]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._lock = threading.Lock()  # the scrape thread reads what the loop thread writes
+        self._guard = threading.Lock()  # the scrape thread reads what the loop thread writes
         self._tenants: tuple[str, ...] = tuple(tenants)
         self._stats: CacheStats | None = None
         self._engine: EngineGauges | None = None
@@ -136,12 +136,12 @@ class Metrics:
         return tenant if tenant in self._tenants else UNKNOWN_TENANT
 
     def observe_cache(self, stats: CacheStats, engine: EngineGauges) -> None:
-        with self._lock:
+        with self._guard:
             self._stats = stats
             self._engine = engine
 
     def snapshot(self) -> tuple[CacheStats | None, EngineGauges | None]:
-        with self._lock:
+        with self._guard:
             return self._stats, self._engine
 
 

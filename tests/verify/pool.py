@@ -94,19 +94,19 @@ class FreeProbe:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._lock = threading.Lock()
+        self._guard = threading.Lock()
         self.freed: dict[str, list[float]] = {}
 
     def free_after(self, request_id: str, t: float) -> float | None:
         """The first free of ``request_id`` at or after ``t``."""
-        with self._lock:
+        with self._guard:
             times = [x for x in self.freed.get(request_id, ()) if x >= t]
         return min(times) if times else None
 
     @contextmanager
     def installed(self, srv: ServerHandle) -> Iterator[FreeProbe]:
         def freed(seq_id: str) -> None:
-            with self._lock:
+            with self._guard:
                 self.freed.setdefault(seq_id, []).append(self._clock())
 
         srv.engine.observe_frees(freed)
