@@ -41,7 +41,8 @@ from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolic
 log = structlog.get_logger(__name__)
 
 # A step always advances prefills by at least this many tokens, however slow the model says
-# steps are, so a long prompt under a tight ``max_step_ms`` still finishes.
+# steps are, so a long prompt under a tight ``max_step_ms`` still finishes. Beside other
+# tenants' decodes only the least-served tenant's chunk gets it (``_floor_allowed``).
 _MIN_PREFILL_TOKENS = 16
 # A tenant counts as active this long after it last had work, so a stream's tenant between
 # two requests is still guarded by the step time target.
@@ -140,6 +141,7 @@ class Scheduler:
                 entries.append(ScheduledSeq(seq, 1))
         room = self._room(entries)
         self._spent = {}
+        decoding_tenants = {e.seq.tenant for e in entries}
         admitted: list[SeqState] = []
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         blocked: set[str] = set()  # tenants whose next request does not fit this step
@@ -151,6 +153,7 @@ class Scheduler:
                 waiting is None or self._fair_order(ahead) <= self._fair_order(waiting)
             ):
                 prefilling.remove(ahead)
+                room.full_floor = self._floor_allowed(ahead, decoding_tenants)
                 num_new = room.chunk(ahead.num_computed, ahead.num_tokens - ahead.num_computed)
                 if num_new > 0 and self._allocate_running(
                     ahead, num_new, entries, preempted, rejected
@@ -161,6 +164,7 @@ class Scheduler:
                 continue
             if waiting is None:
                 break
+            room.full_floor = self._floor_allowed(waiting, decoding_tenants)
             used = self._admit(waiting, room, blocked, rejected)
             if used is None:
                 continue
@@ -169,7 +173,7 @@ class Scheduler:
             room.take(waiting.num_computed, used)
             self._spend(waiting.tenant, used)
         if self._config.long_prefill_threshold <= 0:
-            self._extend(entries, room)
+            self._extend(entries, room, decoding_tenants)
         good, attn, refused = self._fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
@@ -177,13 +181,26 @@ class Scheduler:
 
     def _fair_order(self, seq: SeqState) -> tuple[float, int]:
         """Lowest weighted processed tokens first, counting what this step already gave."""
-        spent = self._spent.get(seq.tenant, 0) / self._policy(seq.tenant).weight
-        return self.counter[seq.tenant] + spent, seq.admit_order or 0
+        return self._served(seq.tenant), seq.admit_order or 0
+
+    def _served(self, tenant: str) -> float:
+        """The tenant's weighted processed tokens, with what this step already gave it."""
+        return self.counter[tenant] + self._spent.get(tenant, 0) / self._policy(tenant).weight
+
+    def _floor_allowed(self, seq: SeqState, decoding: set[str]) -> bool:
+        """Whether ``seq``'s chunk may take the step's whole prefill floor: its tenant has had
+        no more weighted tokens than any other tenant whose streams decode in this step.
+        NOTE: with a floor of one token for everyone beside decodes, a victim's short prompt
+        advanced a token a step while an attacker's streams decoded (TTFT 0.09 -> 0.5 s);
+        with the full floor for everyone, an attacker's long prompts added 16 tokens to every
+        one of the victim's steps (inter-token gap 0.018 -> 0.10 s)."""
+        others = [self._served(t) for t in decoding if t != seq.tenant]
+        return not others or self._served(seq.tenant) <= min(others)
 
     def _spend(self, tenant: str, tokens: int) -> None:
         self._spent[tenant] = self._spent.get(tenant, 0) + tokens
 
-    def _extend(self, entries: list[ScheduledSeq], room: StepRoom) -> None:
+    def _extend(self, entries: list[ScheduledSeq], room: StepRoom, decoding: set[str]) -> None:
         """Room nobody else could use goes to the step's prefill chunks, fairest first, so
         the automatic chunk cap never leaves a step short (no preemption for it)."""
         order = sorted(range(len(entries)), key=lambda i: self._fair_order(entries[i].seq))
@@ -192,6 +209,7 @@ class Scheduler:
                 return
             e = entries[i]
             context = e.seq.num_computed + e.num_new
+            room.full_floor = self._floor_allowed(e.seq, decoding)
             extra = room.chunk(context, e.seq.num_tokens - context, capped=False)
             if extra <= 0:
                 continue
@@ -211,7 +229,7 @@ class Scheduler:
         that many times what it would be without it."""
         config = self._config
         hard = config.max_num_batched_tokens
-        floor = 1 if decodes else _MIN_PREFILL_TOKENS
+        floor = _MIN_PREFILL_TOKENS
         alone = len(self.running) + len(self.waiting) <= 1
         cap_tokens = config.long_prefill_threshold or (1 << 30)
         # NOTE: the time target guards tenants from each other. With one tenant active there

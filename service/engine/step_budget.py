@@ -182,7 +182,9 @@ class StepRoom:
     the step's time target (None: the step is sized in tokens alone). ``cap_tokens`` and
     ``cap_s`` bound one request's chunk while others have work. The step's first
     ``floor`` prefill tokens are granted whatever the clock says (not past the token caps),
-    so a long prompt still advances when the time target is tight."""
+    so a long prompt still advances when the time target is tight; while ``full_floor`` is
+    False (the scheduler sets it per chunk) a chunk is granted at most one token that way,
+    and taking it spends the rest of the floor."""
 
     tokens: int
     cost: StepCost | None = None
@@ -190,18 +192,22 @@ class StepRoom:
     cap_tokens: int = 1 << 30
     cap_s: float = math.inf
     floor: int = 0
+    full_floor: bool = True
 
     def chunk(self, context: int, want: int, capped: bool = True) -> int:
         """Tokens (at most ``want``) for one chunk after ``context`` computed tokens."""
         n = min(want, self.tokens, self.cap_tokens) if capped else min(want, self.tokens)
         if self.seconds is not None and self.cost is not None:
             left = min(self.seconds, self.cap_s) if capped else self.seconds
-            n = min(n, max(self.cost.chunk_tokens(left, context), self.floor))
+            floor = self.floor if self.full_floor else min(self.floor, 1)
+            n = min(n, max(self.cost.chunk_tokens(left, context), floor))
         return max(n, 0)
 
     def take(self, context: int, tokens: int) -> None:
         self.tokens -= tokens
-        self.floor = max(0, self.floor - tokens)
+        # A chunk held to one token of the floor spends all of it: beside other tenants'
+        # decodes the step's floor is one token for everyone but the least-served tenant.
+        self.floor = max(0, self.floor - tokens) if self.full_floor else 0
         if self.seconds is not None and self.cost is not None:
             self.seconds -= self.cost.chunk_seconds(context, tokens)
 

@@ -161,11 +161,38 @@ def _chunk_beside_own_decode(
 def test_the_step_time_target_applies_only_while_two_tenants_have_work(
     tiny: LoadedModel,
 ) -> None:
-    # Another tenant's stream is decoding: the chunk is held to the 10 ms left of the target.
-    assert _chunk_beside_own_decode(tiny, prefiller="a") == 10
+    # Another tenant's stream is decoding: the chunk is held to the 10 ms left of the target,
+    # raised to the 16-token floor (a, lifted level with b on arrival, is no more served).
+    assert _chunk_beside_own_decode(tiny, prefiller="a") == 16
     # The same prompt from the decoding stream's own tenant has nobody to be guarded from:
     # the whole prompt goes in one step (511 tokens of budget are left beside the decode).
     assert _chunk_beside_own_decode(tiny, prefiller="b") == 400
     # A tenant between two requests is still guarded for 2 s after its last one ended.
-    assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=1.0) == 10
+    assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=1.0) == 16
     assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=3.0) == 400
+
+
+def _floor_chunk(tiny: LoadedModel, a_ahead_by: int) -> int:
+    """a's prompt beside b's decode when the time target leaves no room at all (stretch 1):
+    only the prefill floor moves it. a has had ``a_ahead_by`` more tokens than b."""
+    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=1.0)
+    core = make_core(tiny, config=config)
+    rec = Recorder()
+    core.add(req("b", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True),
+             rec.sink("b"))
+    core.step()
+    core.add(req("a", prompt_ids(1, 400, V), tenant="a", max_tokens=2), rec.sink("a"))
+    core.scheduler.counter.charge("a", a_ahead_by)  # type: ignore[attr-defined]
+    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
+    core.step()
+    assert len(rec.tokens("b")) == 2
+    return _computed(core, "a")
+
+
+def test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_floor(
+    tiny: LoadedModel,
+) -> None:
+    # Level with b (a victim whose short prompt must not crawl a token a step): 16 tokens.
+    assert _floor_chunk(tiny, a_ahead_by=0) == 16
+    # Ahead of b (an attacker's long prompts beside the victim's stream): one token a step.
+    assert _floor_chunk(tiny, a_ahead_by=1000) == 1

@@ -75,4 +75,18 @@ MUTANTS = (
              "cost = 0"),
         tests="tests/http/test_errors.py::test_input_is_charged_before_the_tokenizer_runs",
     ),
+    mutant(
+        "prefill-floor-for-all",
+        "beside another tenant's decodes, only the least-served tenant's chunk gets the prefill floor",
+        edit(SCHEDULER, "        return not others or self._served(seq.tenant) <= min(others)",
+             "        return True"),
+        tests=f"{T_FAIR}::test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_floor",
+    ),
+    mutant(
+        "step-timer-one-tenant",
+        "the step time target applies only while two or more tenants have work",
+        edit(SCHEDULER, "timed = config.max_step_ms > 0 and self._several_tenants()",
+             "timed = config.max_step_ms > 0"),
+        tests=f"{T_FAIR}::test_the_step_time_target_applies_only_while_two_tenants_have_work",
+    ),
 )
