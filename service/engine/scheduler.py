@@ -188,12 +188,15 @@ class Scheduler:
         return self.counter[tenant] + self._spent.get(tenant, 0) / self._policy(tenant).weight
 
     def _floor_allowed(self, seq: SeqState, decoding: set[str]) -> bool:
-        """Whether ``seq``'s chunk may take the step's whole prefill floor: its tenant has had
-        no more weighted tokens than any other tenant whose streams decode in this step.
+        """Whether ``seq``'s chunk may take the step's whole prefill floor: the rest of its
+        prompt fits in the floor (one small chunk finishes it), or its tenant has had no more
+        weighted tokens than any other tenant whose streams decode in this step.
         NOTE: with a floor of one token for everyone beside decodes, a victim's short prompt
         advanced a token a step while an attacker's streams decoded (TTFT 0.09 -> 0.5 s);
         with the full floor for everyone, an attacker's long prompts added 16 tokens to every
         one of the victim's steps (inter-token gap 0.018 -> 0.10 s)."""
+        if seq.num_tokens - seq.num_computed <= _MIN_PREFILL_TOKENS:
+            return True
         others = [self._served(t) for t in decoding if t != seq.tenant]
         return not others or self._served(seq.tenant) <= min(others)
 

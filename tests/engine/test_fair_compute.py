@@ -172,7 +172,7 @@ def test_the_step_time_target_applies_only_while_two_tenants_have_work(
     assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=3.0) == 400
 
 
-def _floor_chunk(tiny: LoadedModel, a_ahead_by: int) -> int:
+def _floor_chunk(tiny: LoadedModel, a_ahead_by: int, prompt: int = 400) -> int:
     """a's prompt beside b's decode when the time target leaves no room at all (stretch 1):
     only the prefill floor moves it. a has had ``a_ahead_by`` more tokens than b."""
     config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=1.0)
@@ -181,7 +181,7 @@ def _floor_chunk(tiny: LoadedModel, a_ahead_by: int) -> int:
     core.add(req("b", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True),
              rec.sink("b"))
     core.step()
-    core.add(req("a", prompt_ids(1, 400, V), tenant="a", max_tokens=2), rec.sink("a"))
+    core.add(req("a", prompt_ids(1, prompt, V), tenant="a", max_tokens=2), rec.sink("a"))
     core.scheduler.counter.charge("a", a_ahead_by)  # type: ignore[attr-defined]
     _teach_cost(core, decode_s=0.020, per_token_s=0.001)
     core.step()
@@ -196,3 +196,6 @@ def test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_f
     assert _floor_chunk(tiny, a_ahead_by=0) == 16
     # Ahead of b (an attacker's long prompts beside the victim's stream): one token a step.
     assert _floor_chunk(tiny, a_ahead_by=1000) == 1
+    # ... unless the rest of the prompt fits in the floor: one small chunk finishes it (a
+    # victim charged for its prompt's first chunk is briefly ahead of the hog it was lifted to).
+    assert _floor_chunk(tiny, a_ahead_by=1000, prompt=12) == 12

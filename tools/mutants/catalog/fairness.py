@@ -55,8 +55,8 @@ MUTANTS = (
         edit("service/engine/fairness.py",
              "self._count[tenant] = self[tenant] + tokens / self._weight(tenant)",
              "self._count[tenant] = self[tenant] + tokens"),
-        edit(SCHEDULER, "spent = self._spent.get(seq.tenant, 0) / self._policy(seq.tenant).weight",
-             "spent = self._spent.get(seq.tenant, 0)"),
+        edit(SCHEDULER, "self._spent.get(tenant, 0) / self._policy(tenant).weight",
+             "self._spent.get(tenant, 0)"),
         tests=f"{T_FAIR}::test_prefill_tokens_are_shared_by_weight",
     ),
     mutant(
