@@ -108,19 +108,41 @@ def _teach_cost(core: object, decode_s: float, per_token_s: float) -> None:
             model.observe(0, 0, [(0, tokens)], decode_s + per_token_s * tokens)
 
 
-def _chunk_beside_a_decode(tiny: LoadedModel, stretch: float) -> int:
-    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=stretch)
-    core = make_core(tiny, config=config)
+def _chunk_beside_b_decode(
+    tiny: LoadedModel,
+    config: EngineConfig,
+    *,
+    prefiller: str = "a",
+    prompt: int = 400,
+    ahead_by: int = 0,
+    other_done_ago: float | None = None,
+) -> int:
+    """The chunk a ``prompt``-token request of ``prefiller`` gets in its first step while
+    tenant b's stream decodes, on a machine taught to take 20 ms a decode and 1 ms a token.
+    ``ahead_by``: tokens the prefiller has had beyond its lift; ``other_done_ago``: a request
+    of tenant c finished that many seconds before b's arrived."""
+    clock = FakeClock()
+    core = make_core(tiny, config=config, clock=clock)
     rec = Recorder()
+    if other_done_ago is not None:
+        core.add(req("c", prompt_ids(5, 10, V), tenant="c", max_tokens=1), rec.sink("c"))
+        while core.has_work():
+            core.step()
+        clock.now += other_done_ago
     b = req("b", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True)
     core.add(b, rec.sink("b"))
     core.step()  # b is prefilled; it decodes from now on
-    a = req("a", prompt_ids(1, 400, V), tenant="a", max_tokens=2)
-    core.add(a, rec.sink("a"))
+    core.add(req("a", prompt_ids(1, prompt, V), tenant=prefiller, max_tokens=2), rec.sink("a"))
+    core.scheduler.counter.charge(prefiller, ahead_by)  # type: ignore[attr-defined]
     _teach_cost(core, decode_s=0.020, per_token_s=0.001)
     core.step()
     assert len(rec.tokens("b")) == 2  # the decode ran in the same step as a's chunk
     return _computed(core, "a")
+
+
+def _chunk_beside_a_decode(tiny: LoadedModel, stretch: float) -> int:
+    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=stretch)
+    return _chunk_beside_b_decode(tiny, config)
 
 
 def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step(
@@ -136,26 +158,11 @@ def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_ste
 def _chunk_beside_own_decode(
     tiny: LoadedModel, prefiller: str, other_done_ago: float | None = None
 ) -> int:
-    """A 400-token prompt of ``prefiller`` arrives while ``b0`` (of tenant b) decodes; the
-    step budget is a tight 30 ms target on a machine taught to take 20 ms a decode and 1 ms a
-    token. With ``other_done_ago``, a request of tenant c finished that many seconds before."""
+    """A tight 30 ms step target (stretch 2) while b decodes."""
     config = EngineConfig(warmup=False, max_step_ms=30.0, decode_stretch=2.0)
-    clock = FakeClock()
-    core = make_core(tiny, config=config, clock=clock)
-    rec = Recorder()
-    if other_done_ago is not None:
-        core.add(req("c", prompt_ids(5, 10, V), tenant="c", max_tokens=1), rec.sink("c"))
-        while core.has_work():
-            core.step()
-        clock.now += other_done_ago
-    core.add(req("b0", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True),
-             rec.sink("b0"))
-    core.step()  # b0 is prefilled; it decodes from now on
-    core.add(req("a", prompt_ids(1, 400, V), tenant=prefiller, max_tokens=2), rec.sink("a"))
-    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
-    core.step()
-    assert len(rec.tokens("b0")) == 2  # the decode ran in the same step as a's chunk
-    return _computed(core, "a")
+    return _chunk_beside_b_decode(
+        tiny, config, prefiller=prefiller, other_done_ago=other_done_ago
+    )
 
 
 def test_the_step_time_target_applies_only_while_two_tenants_have_work(
@@ -173,20 +180,9 @@ def test_the_step_time_target_applies_only_while_two_tenants_have_work(
 
 
 def _floor_chunk(tiny: LoadedModel, a_ahead_by: int, prompt: int = 400) -> int:
-    """a's prompt beside b's decode when the time target leaves no room at all (stretch 1):
-    only the prefill floor moves it. a has had ``a_ahead_by`` more tokens than b."""
+    """No room left by the time target at all (stretch 1): only the prefill floor moves a."""
     config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=1.0)
-    core = make_core(tiny, config=config)
-    rec = Recorder()
-    core.add(req("b", prompt_ids(9, 10, V), tenant="b", max_tokens=20, ignore_eos=True),
-             rec.sink("b"))
-    core.step()
-    core.add(req("a", prompt_ids(1, prompt, V), tenant="a", max_tokens=2), rec.sink("a"))
-    core.scheduler.counter.charge("a", a_ahead_by)  # type: ignore[attr-defined]
-    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
-    core.step()
-    assert len(rec.tokens("b")) == 2
-    return _computed(core, "a")
+    return _chunk_beside_b_decode(tiny, config, prompt=prompt, ahead_by=a_ahead_by)
 
 
 def test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_floor(
