@@ -86,10 +86,11 @@ class LlamaModel(torch.nn.Module):
         # NOTE: indexing the stacked weights and choosing dense or packed per layer is done
         # here once; a step then walks a tuple instead of issuing ~6 select ops per layer.
         # Nothing moves the model after construction, so these views stay valid.
-        self._dense_layers = _layers(self, None)
-        self._small_layers = _layers(self, self.packed)
+        prepack = _prepacks(self.embed)
+        self._dense_layers = _layers(self, None, prepack)
+        self._small_layers = _layers(self, self.packed, prepack)
         self._max_packed_rows = 0 if self.packed is None else self.packed.max_rows
-        self._dense_head = _dense(self.lm_head)
+        self._dense_head = _dense(self.lm_head, prepack)
         small_head = None if self.packed is None else self.packed.lm_head
         self._small_head = self._dense_head if small_head is None else small_head
 
@@ -175,11 +176,43 @@ class _Layer:
     down: Linear
 
 
-def _dense(weight: torch.Tensor) -> Linear:
+# Any batch size works with a packed weight; the hint only picks oneDNN's blocking.
+_PREPACK_HINT = 32
+
+
+def _prepacks(weight: torch.Tensor) -> bool:
+    """Whether dense projections run through oneDNN with weights reordered once at load.
+
+    NOTE: measured on a 2-core AVX512-BF16 CPU (30 layers of SmolLM2-135M's projections, bf16):
+    ``F.linear`` reorders the weight for oneDNN on every call; the prepacked weight makes the
+    layers' matmuls 14.7 vs 25.6 ms at 8 rows, 26.4 vs 42.5 at 32, 78 vs 90 at 128 and
+    272 vs 294 at 512. The copy costs the dense weights' size in memory once more. fp32 (the
+    parity dtype) keeps ``F.linear``, so parity compares the plain matmul."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def _mkldnn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+        x.contiguous(), weight, None, "none", [], ""
+    )
+    return out
+
+
+def _dense(weight: torch.Tensor, prepack: bool = False) -> Linear:
+    if prepack:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PREPACK_HINT)
+        return functools.partial(_mkldnn_linear, weight=packed)
     return functools.partial(F.linear, weight=weight)
 
 
-def _layers(model: LlamaModel, packed: PackedLinears | None) -> tuple[_Layer, ...]:
+def _layers(
+    model: LlamaModel, packed: PackedLinears | None, prepack: bool
+) -> tuple[_Layer, ...]:
     """Per-layer views and callables; ``packed`` entries replace the dense ones they cover."""
 
     none: tuple[Linear | None, ...] = (None,) * model.config.num_layers
@@ -188,7 +221,7 @@ def _layers(model: LlamaModel, packed: PackedLinears | None) -> tuple[_Layer, ..
     )
 
     def pick(dense: torch.Tensor, small: Linear | None) -> Linear:
-        return _dense(dense) if small is None else small
+        return _dense(dense, prepack) if small is None else small
 
     return tuple(
         _Layer(
