@@ -91,7 +91,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         p,
         "--max-step-ms",
         100.0,
-        "target engine step time while two or more tenants have work; sizes prefill chunks "
+        "while two or more tenants have work, the most time prefill chunks may add to a step "
         "(0 = off; one tenant alone gets the whole token budget)",
         type=float,
     )
@@ -99,8 +99,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         p,
         "--decode-stretch",
         2.0,
-        "while streams decode, a step with a prefill chunk lasts at most this many decode-only "
-        "steps (bounds their inter-token gap; 0 = off)",
+        "beside another tenant's decoding streams, a chunk of a tenant served more than it "
+        "makes the step last at most this many decode-only steps (0 = off)",
         type=float,
     )
     _add(

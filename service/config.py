@@ -85,13 +85,14 @@ class EngineSizing:
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
-    # Fair compute (issue 12): steps sized to last about max_step_ms (0 = the whole
+    # Fair compute (issue 12): prefill chunks add at most max_step_ms to a step (0 = the whole
     # max_num_batched_tokens every step); prefill_chunk caps one request's chunk while others
     # have work (0 = half the step's budget).
     max_step_ms: float = 100.0
     prefill_chunk: int = 0
-    # While streams decode, a step that also prefills lasts at most decode_stretch times a
-    # decode-only step (0 = off), so long prompts cannot stretch others' inter-token gap.
+    # Beside another tenant's decodes, a chunk of a tenant served more than it keeps the step
+    # within decode_stretch decode-only steps (0 = off), so long prompts cannot stretch
+    # others' inter-token gap.
     decode_stretch: float = 2.0
 
 

@@ -42,7 +42,7 @@ log = structlog.get_logger(__name__)
 
 # A step always advances prefills by at least this many tokens, however slow the model says
 # steps are, so a long prompt under a tight ``max_step_ms`` still finishes. Beside other
-# tenants' decodes only the least-served tenant's chunk gets it (``_floor_allowed``).
+# tenants' decodes only the least-served tenant's chunk gets it (``_fit_room``).
 _MIN_PREFILL_TOKENS = 16
 # A tenant counts as active this long after it last had work, so a stream's tenant between
 # two requests is still guarded by the step time target.
@@ -153,7 +153,7 @@ class Scheduler:
                 waiting is None or self._fair_order(ahead) <= self._fair_order(waiting)
             ):
                 prefilling.remove(ahead)
-                room.full_floor = self._floor_allowed(ahead, decoding_tenants)
+                self._fit_room(room, ahead, decoding_tenants)
                 num_new = room.chunk(ahead.num_computed, ahead.num_tokens - ahead.num_computed)
                 if num_new > 0 and self._allocate_running(
                     ahead, num_new, entries, preempted, rejected
@@ -164,7 +164,7 @@ class Scheduler:
                 continue
             if waiting is None:
                 break
-            room.full_floor = self._floor_allowed(waiting, decoding_tenants)
+            self._fit_room(room, waiting, decoding_tenants)
             used = self._admit(waiting, room, blocked, rejected)
             if used is None:
                 continue
@@ -187,16 +187,25 @@ class Scheduler:
         """The tenant's weighted processed tokens, with what this step already gave it."""
         return self.counter[tenant] + self._spent.get(tenant, 0) / self._policy(tenant).weight
 
-    def _floor_allowed(self, seq: SeqState, decoding: set[str]) -> bool:
-        """Whether ``seq``'s chunk may take the step's whole prefill floor: the rest of its
-        prompt fits in the floor (one small chunk finishes it), or its tenant has had no more
-        weighted tokens than any other tenant whose streams decode in this step.
+    def _fit_room(self, room: StepRoom, seq: SeqState, decoding: set[str]) -> None:
+        """Set the room's rules for ``seq``'s chunk. A chunk whose tenant is owed service
+        (``_owed``) is held only to ``max_step_ms``; any other is also held to the decode
+        stretch. The owed chunk, or one that finishes its prompt within the floor, may take
+        the step's whole prefill floor.
         NOTE: with a floor of one token for everyone beside decodes, a victim's short prompt
         advanced a token a step while an attacker's streams decoded (TTFT 0.09 -> 0.5 s);
         with the full floor for everyone, an attacker's long prompts added 16 tokens to every
         one of the victim's steps (inter-token gap 0.018 -> 0.10 s)."""
-        if seq.num_tokens - seq.num_computed <= _MIN_PREFILL_TOKENS:
-            return True
+        owed = self._owed(seq, decoding)
+        room.stretched = not owed
+        room.full_floor = owed or seq.num_tokens - seq.num_computed <= _MIN_PREFILL_TOKENS
+
+    def _owed(self, seq: SeqState, decoding: set[str]) -> bool:
+        """Whether ``seq``'s tenant has had no more weighted tokens than any other tenant
+        whose streams decode in this step: the step's decodes then belong to tenants that
+        have had at least their share, and stretching their gap is their share being spent.
+        NOTE: two tenants sharing 64 offline requests, every chunk held to the decode
+        stretch: 70-93 output tok/s against 130 untimed (the batch grows a few rows a step)."""
         others = [self._served(t) for t in decoding if t != seq.tenant]
         return not others or self._served(seq.tenant) <= min(others)
 
@@ -212,7 +221,7 @@ class Scheduler:
                 return
             e = entries[i]
             context = e.seq.num_computed + e.num_new
-            room.full_floor = self._floor_allowed(e.seq, decoding)
+            self._fit_room(room, e.seq, decoding)
             extra = room.chunk(context, e.seq.num_tokens - context, capped=False)
             if extra <= 0:
                 continue
@@ -226,10 +235,11 @@ class Scheduler:
         """What the step's prefill chunks may take once ``decodes`` are in.
 
         Within ``max_num_batched_tokens``; with ``max_step_ms`` set and two or more tenants
-        with work, also within the time the cost model says is left of the step's target.
-        While decodes run the target is at most ``decode_stretch`` times the decode-only step,
-        so one tenant's prefill chunk never makes another tenant's inter-token gap more than
-        that many times what it would be without it."""
+        with work, also within a time the cost model converts to tokens: the chunks add at
+        most ``max_step_ms`` to the step and, while decodes run, at most ``decode_stretch - 1``
+        decode-only steps, so one tenant's prefill never makes another tenant's inter-token
+        gap more than ``max_step_ms`` longer, nor more than ``decode_stretch`` times what it
+        would be without it."""
         config = self._config
         hard = config.max_num_batched_tokens
         floor = _MIN_PREFILL_TOKENS
@@ -250,14 +260,19 @@ class Scheduler:
             least = min(budget, _MIN_PREFILL_TOKENS)
             tokens = min(hard - len(decodes), max(budget - len(decodes), least))
             return StepRoom(max(tokens, 0), cap_tokens=cap_tokens)
-        keys = sum(e.seq.num_computed + 1 for e in decodes)
-        decode_s = cost.decode_seconds(len(decodes), keys)
-        target = config.max_step_ms / 1000.0
+        seconds = config.max_step_ms / 1000.0
+        stretch_s = math.inf
         if decodes and config.decode_stretch > 0:
-            target = min(target, config.decode_stretch * decode_s)
-        seconds = target - decode_s
+            keys = sum(e.seq.num_computed + 1 for e in decodes)
+            # NOTE: the bound is on what prefill adds, not on the whole step. Held to a
+            # 100 ms step, a CPU batch of 8 decodes (~70 ms) left about one floor of 16
+            # prefill tokens a step: two tenants' 64 offline requests ran at 70 output tok/s
+            # against 130 untimed, the batch never grew past ~8 rows.
+            stretch_s = (config.decode_stretch - 1) * cost.decode_seconds(len(decodes), keys)
         cap_s = seconds / 2 if not alone and not config.long_prefill_threshold else math.inf
-        return StepRoom(max(hard - len(decodes), 0), cost, seconds, cap_tokens, cap_s, floor)
+        return StepRoom(
+            max(hard - len(decodes), 0), cost, seconds, cap_tokens, cap_s, floor, stretch_s
+        )
 
     def _several_tenants(self) -> bool:
         """Whether two or more tenants have work now or had it in the last ``_ACTIVE_FOR_S``."""
@@ -421,6 +436,9 @@ class Scheduler:
             self.waiting.pop(seq, charge=False)
             seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
             rejected.append((seq, too_large))
+            return None
+        if room.chunk(0, 1, capped=False) == 0:
+            blocked.add(seq.tenant)  # held to the decode stretch, with none of it left
             return None
         cached = self._cache.open(
             seq.seq_id,

@@ -179,12 +179,14 @@ class StepRoom:
     """What is left of one step while the scheduler fills it with prefill chunks.
 
     ``tokens`` is what is left of ``max_num_batched_tokens``; ``seconds`` what is left of
-    the step's time target (None: the step is sized in tokens alone). ``cap_tokens`` and
-    ``cap_s`` bound one request's chunk while others have work. The step's first
-    ``floor`` prefill tokens are granted whatever the clock says (not past the token caps),
-    so a long prompt still advances when the time target is tight; while ``full_floor`` is
-    False (the scheduler sets it per chunk) a chunk is granted at most one token that way,
-    and taking it spends the rest of the floor."""
+    the time prefill may add to the step (None: the step is sized in tokens alone), and
+    ``stretch_s`` what is left of the decode stretch, which binds a chunk only while
+    ``stretched`` is True. ``cap_tokens`` and ``cap_s`` bound one request's chunk while
+    others have work. The step's first ``floor`` prefill tokens are granted whatever the
+    clock says (not past the token caps), so a long prompt still advances when the time
+    target is tight; while ``full_floor`` is False a chunk is granted at most one token that
+    way, and taking it spends the rest of the floor. The scheduler sets ``stretched`` and
+    ``full_floor`` per chunk."""
 
     tokens: int
     cost: StepCost | None = None
@@ -192,6 +194,8 @@ class StepRoom:
     cap_tokens: int = 1 << 30
     cap_s: float = math.inf
     floor: int = 0
+    stretch_s: float = math.inf
+    stretched: bool = True
     full_floor: bool = True
 
     def chunk(self, context: int, want: int, capped: bool = True) -> int:
@@ -199,6 +203,8 @@ class StepRoom:
         n = min(want, self.tokens, self.cap_tokens) if capped else min(want, self.tokens)
         if self.seconds is not None and self.cost is not None:
             left = min(self.seconds, self.cap_s) if capped else self.seconds
+            if self.stretched:
+                left = min(left, self.stretch_s)
             floor = self.floor if self.full_floor else min(self.floor, 1)
             n = min(n, max(self.cost.chunk_tokens(left, context), floor))
         return max(n, 0)
@@ -209,8 +215,15 @@ class StepRoom:
         # decodes the step's floor is one token for everyone but the least-served tenant.
         self.floor = max(0, self.floor - tokens) if self.full_floor else 0
         if self.seconds is not None and self.cost is not None:
-            self.seconds -= self.cost.chunk_seconds(context, tokens)
+            spent = self.cost.chunk_seconds(context, tokens)
+            self.seconds -= spent
+            self.stretch_s -= spent
 
     def is_open(self) -> bool:
-        """Whether a one-token chunk at position 0 still fits."""
-        return self.tokens > 0 and (self.floor > 0 or self.chunk(0, 1, capped=False) > 0)
+        """Whether a one-token chunk at position 0 still fits, for a chunk not held to the
+        decode stretch."""
+        if self.tokens <= 0:
+            return False
+        if self.floor > 0 or self.seconds is None or self.cost is None:
+            return True
+        return self.cost.chunk_tokens(self.seconds, 0) > 0

@@ -110,11 +110,12 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the per-step token budget shared by decodes and prefill
     chunks. ``long_prefill_threshold`` (``--prefill-chunk``) caps one request's prefill chunk
     per step while others have work (0 = half the step's budget), so one long prompt cannot
-    take a whole step from the others. ``max_step_ms`` > 0 sizes each step's budget from a
-    measured cost model so a step lasts about that long while two or more tenants have work
-    (one tenant alone gets the whole token budget); while decodes run, a step with a
-    prefill chunk lasts at most ``decode_stretch`` times the decode-only step (0 = no such
-    bound), so a stream's inter-token gap stays within that multiple of what it is alone.
+    take a whole step from the others. ``max_step_ms`` > 0 sizes each step's prefill from a
+    measured cost model so it adds at most that long to the step while two or more tenants
+    have work (one tenant alone gets the whole token budget); beside another tenant's
+    decodes, a chunk of a tenant that has had more weighted tokens than that tenant keeps the
+    step within ``decode_stretch`` times the decode-only step (0 = no such bound), so a
+    stream's inter-token gap stays within that multiple of what it is alone.
     ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
     interleaves tenants more finely; costs are prompt + max_tokens).
     """

@@ -140,26 +140,38 @@ def _chunk_beside_b_decode(
     return _computed(core, "a")
 
 
-def _chunk_beside_a_decode(tiny: LoadedModel, stretch: float) -> int:
-    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=stretch)
-    return _chunk_beside_b_decode(tiny, config)
+def _chunk_beside_a_decode(
+    tiny: LoadedModel, stretch: float, ahead_by: int = 1000, max_step_ms: float = 1000.0
+) -> int:
+    config = EngineConfig(warmup=False, max_step_ms=max_step_ms, decode_stretch=stretch)
+    return _chunk_beside_b_decode(tiny, config, ahead_by=ahead_by)
 
 
 def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step(
     tiny: LoadedModel,
 ) -> None:
-    # The step target is 1 s, but b is decoding: a's chunk may add only one more decode
-    # step's time (20 ms at 1 ms a token), so b's inter-token gap at most doubles.
+    # Prefill may add 1 s to the step, but b is decoding and a has had 1,000 more tokens:
+    # a's chunk may add only one more decode step's time (20 ms at 1 ms a token), so b's
+    # inter-token gap at most doubles.
     assert _chunk_beside_a_decode(tiny, stretch=2.0) == 20
-    # Without the stretch the chunk takes what the 1 s target and the token budget allow.
+    # Without the stretch the chunk takes what the 1 s and the token budget allow.
     assert _chunk_beside_a_decode(tiny, stretch=0.0) > 200
+
+
+def test_a_tenant_owed_service_is_held_only_to_max_step_ms(tiny: LoadedModel) -> None:
+    # a, lifted level with b on arrival, is owed service: b's decodes are b's share being
+    # spent, so a's chunk may add the whole 100 ms (one request gets half of it while
+    # others have work: 50 tokens), not just the stretch's 20 ms.
+    assert _chunk_beside_a_decode(tiny, stretch=2.0, ahead_by=0, max_step_ms=100.0) == 50
+    # Ahead of b by 1,000 tokens, the same chunk is held to the stretch.
+    assert _chunk_beside_a_decode(tiny, stretch=2.0, ahead_by=1000, max_step_ms=100.0) == 20
 
 
 def _chunk_beside_own_decode(
     tiny: LoadedModel, prefiller: str, other_done_ago: float | None = None
 ) -> int:
-    """A tight 30 ms step target (stretch 2) while b decodes."""
-    config = EngineConfig(warmup=False, max_step_ms=30.0, decode_stretch=2.0)
+    """Prefill may add a tight 10 ms to a step (stretch 2) while b decodes."""
+    config = EngineConfig(warmup=False, max_step_ms=10.0, decode_stretch=2.0)
     return _chunk_beside_b_decode(
         tiny, config, prefiller=prefiller, other_done_ago=other_done_ago
     )
@@ -168,8 +180,8 @@ def _chunk_beside_own_decode(
 def test_the_step_time_target_applies_only_while_two_tenants_have_work(
     tiny: LoadedModel,
 ) -> None:
-    # Another tenant's stream is decoding: the chunk is held to the 10 ms left of the target,
-    # raised to the 16-token floor (a, lifted level with b on arrival, is no more served).
+    # Another tenant's stream is decoding: the chunk is held to the 10 ms, raised to the
+    # 16-token floor (a, lifted level with b on arrival, is no more served).
     assert _chunk_beside_own_decode(tiny, prefiller="a") == 16
     # The same prompt from the decoding stream's own tenant has nobody to be guarded from:
     # the whole prompt goes in one step (511 tokens of budget are left beside the decode).
@@ -180,8 +192,9 @@ def test_the_step_time_target_applies_only_while_two_tenants_have_work(
 
 
 def _floor_chunk(tiny: LoadedModel, a_ahead_by: int, prompt: int = 400) -> int:
-    """No room left by the time target at all (stretch 1): only the prefill floor moves a."""
-    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=1.0)
+    """No room left by the time targets at all (prefill may add 1 ms, stretch 1): only the
+    prefill floor moves a."""
+    config = EngineConfig(warmup=False, max_step_ms=1.0, decode_stretch=1.0)
     return _chunk_beside_b_decode(tiny, config, prompt=prompt, ahead_by=a_ahead_by)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.engine.fairness import FairQueue
+from service.engine.fairness import FairQueue, TokenCounter
 
 
 @dataclass(eq=False)
@@ -85,3 +85,20 @@ def test_front_push_remove_and_counts() -> None:
     assert q.num_waiting("a") == 0 and len(q) == 0
     with pytest.raises(ValueError):
         FairQueue(0, lambda t: 1.0)
+
+
+def test_a_returning_tenant_gets_no_credit_for_idle_time() -> None:
+    counter = TokenCounter(lambda tenant: 1.0)
+    counter.charge("b", 500)
+    counter.charge("c", 200)
+    # With others active it starts level with the least served of them.
+    counter.lift("a", ["b", "c"])
+    assert counter["a"] == 200
+    # With nobody else active (b between two requests) it starts level with the most served
+    # tenant, so it is not served ahead of b's next decodes for b's past 500 tokens.
+    counter.lift("d", [])
+    assert counter["d"] == 500
+    # A tenant already ahead keeps its own count.
+    counter.charge("e", 900)
+    counter.lift("e", ["b"])
+    assert counter["e"] == 900

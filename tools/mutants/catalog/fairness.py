@@ -39,7 +39,9 @@ MUTANTS = (
     mutant(
         "decode-stretch-off",
         "while decodes run, a prefill chunk keeps the step within decode_stretch decode-only steps",
-        edit(SCHEDULER, "target = min(target, config.decode_stretch * decode_s)", "target = target"),
+        edit(SCHEDULER,
+             "stretch_s = (config.decode_stretch - 1) * cost.decode_seconds(len(decodes), keys)",
+             "stretch_s = math.inf"),
         tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
     ),
     mutant(
@@ -78,8 +80,9 @@ MUTANTS = (
     mutant(
         "prefill-floor-for-all",
         "beside another tenant's decodes, only the least-served tenant's chunk gets the prefill floor",
-        edit(SCHEDULER, "        return not others or self._served(seq.tenant) <= min(others)",
-             "        return True"),
+        edit(SCHEDULER,
+             "room.full_floor = owed or seq.num_tokens - seq.num_computed <= _MIN_PREFILL_TOKENS",
+             "room.full_floor = True"),
         tests=f"{T_FAIR}::test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_floor",
     ),
     mutant(
@@ -88,5 +91,25 @@ MUTANTS = (
         edit(SCHEDULER, "timed = config.max_step_ms > 0 and self._several_tenants()",
              "timed = config.max_step_ms > 0"),
         tests=f"{T_FAIR}::test_the_step_time_target_applies_only_while_two_tenants_have_work",
+    ),
+    mutant(
+        "owed-held-to-stretch",
+        "a chunk of a tenant owed service is held only to max_step_ms, not to the decode stretch",
+        edit(SCHEDULER, "room.stretched = not owed", "room.stretched = True"),
+        tests=f"{T_FAIR}::test_a_tenant_owed_service_is_held_only_to_max_step_ms",
+    ),
+    mutant(
+        "stretch-spares-the-ahead",
+        "a chunk of a tenant ahead of a decoding tenant is held to the decode stretch",
+        edit(SCHEDULER, "room.stretched = not owed", "room.stretched = False"),
+        tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+    ),
+    mutant(
+        "lift-only-to-active",
+        "a tenant returning while nobody else is active starts level with the most served tenant",
+        edit("service/engine/fairness.py",
+             "floor = min(others) if others else max(self._count.values(), default=0.0)",
+             "floor = min(others) if others else 0.0"),
+        tests="tests/engine/test_fairness.py::test_a_returning_tenant_gets_no_credit_for_idle_time",
     ),
 )
