@@ -8,6 +8,11 @@ decode tok/s is (tokens - 1) over the time from the first token to the last. Run
 interleaved (run r of every system, then run r + 1) so machine load drifts hit all alike;
 each figure is the median of the runs with min and max, and a target passes only if it
 passes in every run.
+
+Each kvfence run starts its own engine (or server) and shuts it down after, and the peers'
+runs happen on threads that exit, so while a system runs it is the process's only thread
+pool, as in a served process (see service.model.threads: a second live OpenMP pool makes
+every parallel op of the engine's step pay a futex wake-up).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from bench.common import (
     targets_table,
     write_suite,
 )
+from service.model.threads import on_fresh_thread
 
 SUITE = "single_stream"
 PROMPT_TOKENS = 32
@@ -73,7 +79,7 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
 
     from bench.hf_peer import load_hf_model
 
-    model = load_hf_model(path, dtype)
+    model = on_fresh_thread(lambda: load_hf_model(path, dtype))
 
     from transformers import LogitsProcessor
 
@@ -87,7 +93,7 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
             self.times.append(time.perf_counter())
             return scores
 
-    def one(w: Work) -> Sample:
+    def run(w: Work) -> Sample:
         stamp = Stamp()
         ids = torch.tensor([w.prompt_ids])
         start = time.perf_counter()
@@ -103,6 +109,9 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
             )
         return sample(start, stamp.times)
 
+    def one(w: Work) -> Sample:
+        return on_fresh_thread(lambda: run(w))
+
     return one
 
 
@@ -111,11 +120,14 @@ def _llama_system(path: Any, threads: int) -> Callable[[Work], Sample]:
 
     runner = LlamaCppRunner(path, 1, threads, max_len=PROMPT_TOKENS + 160)
 
-    def one(w: Work) -> Sample:
+    def run(w: Work) -> Sample:
         times: list[list[float]] = [[]]
         start = time.perf_counter()
         runner.generate([w], times)
         return sample(start, times[0])
+
+    def one(w: Work) -> Sample:
+        return on_fresh_thread(lambda: run(w))
 
     return one
 
@@ -138,38 +150,35 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
     dense = load_model(str(path), weights="bf16", progress=False)
     dtype = str(auto.dtype).removeprefix("torch.")
     samples: dict[str, list[Sample]] = {}
-    async with grpc_server(auto, ["bench"], sizing) as (target, keys, _):
-        with (
-            started_engine(auto, sizing) as engine_auto,
-            started_engine(dense, sizing) as engine_bf16,
-        ):
 
-            async def inproc(engine: Any, w: Work) -> Sample:
-                _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
-                return _trace_sample(traces, w.max_tokens)
+    async def inproc(loaded: Any, w: Work) -> Sample:
+        with started_engine(loaded, sizing) as engine:
+            _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
+        return _trace_sample(traces, w.max_tokens)
 
-            async def grpc(w: Work) -> Sample:
-                _, traces = await run_grpc(target, keys, [w], ["bench"], bypass_prefix_cache=True)
-                return _trace_sample(traces, w.max_tokens)
+    async def grpc(w: Work) -> Sample:
+        async with grpc_server(auto, ["bench"], sizing) as (target, keys, _):
+            _, traces = await run_grpc(target, keys, [w], ["bench"], bypass_prefix_cache=True)
+        return _trace_sample(traces, w.max_tokens)
 
-            systems: dict[str, Callable[[Work], Any]] = {
-                INPROC: lambda w: inproc(engine_auto, w),
-                "kvfence in-process (bf16)": lambda w: inproc(engine_bf16, w),
-                GRPC: grpc,
-                LLAMA: _llama_system(path, threads),
-                "transformers generate": _hf_system(path, auto.dtype),
-            }
-            for r, ws in enumerate(work):
-                for name, fn in systems.items():
-                    result = fn(ws[0])
-                    got = await result if asyncio.iscoroutine(result) else result
-                    if r > 0:
-                        samples.setdefault(name, []).append(got)
-                        print(
-                            f"[{SUITE}] run {r} {name}: TTFT {1000 * got.ttft_s:.1f} ms, "
-                            f"{got.decode_tok_s:.1f} tok/s",
-                            flush=True,
-                        )
+    systems: dict[str, Callable[[Work], Any]] = {
+        INPROC: lambda w: inproc(auto, w),
+        "kvfence in-process (bf16)": lambda w: inproc(dense, w),
+        GRPC: grpc,
+        LLAMA: _llama_system(path, threads),
+        "transformers generate": _hf_system(path, auto.dtype),
+    }
+    for r, ws in enumerate(work):
+        for name, fn in systems.items():
+            result = fn(ws[0])
+            got = await result if asyncio.iscoroutine(result) else result
+            if r > 0:
+                samples.setdefault(name, []).append(got)
+                print(
+                    f"[{SUITE}] run {r} {name}: TTFT {1000 * got.ttft_s:.1f} ms, "
+                    f"{got.decode_tok_s:.1f} tok/s",
+                    flush=True,
+                )
     return samples, dtype
 
 

@@ -78,18 +78,43 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._done = False  # the engine thread has exited; commands run on the caller
+        self._num_threads = torch.get_num_threads()  # the creator's; OpenMP's is per thread
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, progress: WarmupProgress | None = None) -> None:
-        """Warm up (if configured; ``progress(done, total)`` after each warm-up batch), then
-        start the engine thread. Returns when ready."""
+        """Start the engine thread, which warms up first (if configured; ``progress(done,
+        total)`` after each warm-up batch, called on that thread). Returns when it is ready;
+        a warm-up error is raised here.
+        NOTE: the warm-up runs on the engine thread so that no other thread keeps an OpenMP
+        pool from it (see service.model.threads)."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
-        if self.config.warmup:
-            run_warmup(self._core, progress)
-            self._counters = self._core.counters()
-        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready, progress), name="kvfence-engine", daemon=True
+        )
         self._thread.start()
+        try:
+            ready.result()
+        except BaseException:
+            self._thread.join()
+            self._thread = None
+            raise
+
+    def _run(
+        self, ready: concurrent.futures.Future[None], progress: WarmupProgress | None
+    ) -> None:
+        torch.set_num_threads(self._num_threads)
+        if self.config.warmup:
+            try:
+                with torch.inference_mode():
+                    run_warmup(self._core, progress)
+            except BaseException as err:
+                ready.set_exception(err)
+                return
+            self._counters = self._core.counters()
+        ready.set_result(None)
+        self._loop()
 
     def shutdown(self) -> None:
         """Abort everything and join the engine thread."""

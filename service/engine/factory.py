@@ -22,6 +22,7 @@ from service.engine.engine import Engine
 from service.engine.types import EngineConfig
 from service.model.llama import LlamaModel
 from service.model.loader import LoadedModel
+from service.model.threads import on_fresh_thread
 
 
 def build_cache(
@@ -34,7 +35,8 @@ def build_cache(
     clock: Callable[[], float] = time.monotonic,
     backend: AttentionBackend | None = None,
 ) -> KVCacheManager:
-    """A KVCacheManager over a fresh PagePool shaped for ``model``."""
+    """A KVCacheManager over a fresh PagePool shaped for ``model``. The pool is allocated
+    (and zeroed) on a fresh thread (see :mod:`service.model.threads`)."""
     cfg = model.config
     kv_pages = size_pool(
         kv_pages=kv_pages,
@@ -47,14 +49,16 @@ def build_cache(
         dtype=model.dtype,
         device=model.device,
     )
-    pool = PagePool(
-        cfg.num_layers,
-        kv_pages,
-        cache_config.page_size,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        model.dtype,
-        model.device,
+    pool = on_fresh_thread(
+        lambda: PagePool(
+            cfg.num_layers,
+            kv_pages,
+            cache_config.page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            model.dtype,
+            model.device,
+        )
     )
     return KVCacheManager(pool, cache_config, clock, backend)
 

@@ -22,6 +22,7 @@ from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.llama import LlamaModel
 from service.model.packed import resolve_weights
 from service.model.progress import Progress
+from service.model.threads import on_fresh_thread
 from service.model.tokenizer import Tokenizer
 from service.model.weights import build_weights, tensor_names
 
@@ -112,14 +113,17 @@ def load_model(
         checkpoint = path.checkpoint if isinstance(path, ModelFile) else _read(p)
         bar = Progress(f"loading {p.name}", len(tensor_names(checkpoint.config)), enabled=progress)
         try:
-            built = build_weights(
-                checkpoint.config,
-                checkpoint.get,
-                torch_dtype,
-                device,
-                bar,
-                weights=mode,
-                codes=checkpoint.int4_codes,
+            # On a thread that exits when done: see service.model.threads.
+            built = on_fresh_thread(
+                lambda: build_weights(
+                    checkpoint.config,
+                    checkpoint.get,
+                    torch_dtype,
+                    device,
+                    bar,
+                    weights=mode,
+                    codes=checkpoint.int4_codes,
+                )
             )
         finally:
             bar.close()
@@ -131,7 +135,9 @@ def load_model(
     except ChatTemplateError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     factors = checkpoint.rope_freq_factors if isinstance(checkpoint, GGUFCheckpoint) else None
-    model = LlamaModel(checkpoint.config, built, rope_freq_factors=factors).eval()
+    model = on_fresh_thread(
+        lambda: LlamaModel(checkpoint.config, built, rope_freq_factors=factors).eval()
+    )
     name = p.name if p.is_file() else p.resolve().name
     log.info(
         "model_loaded",

@@ -170,4 +170,18 @@ MUTANTS = (
         edit("service/engine/invariants.py", "if not 0 < s.top_p <= 1:", "if not 0 < s.top_p <= 10:"),
         tests="tests/reliability/test_malformed.py",
     ),
+    mutant(
+        "torch-work-on-caller",
+        "model loading, KV pool allocation and the warm-up leave no OpenMP pool on the caller",
+        edit("service/model/threads.py",
+             "    thread.start()\n    thread.join()\n",
+             "    run()\n"),
+        edit("service/engine/engine.py",
+             "        ready: concurrent.futures.Future[None] = concurrent.futures.Future()\n"
+             "        self._thread = threading.Thread(",
+             "        if self.config.warmup:\n            run_warmup(self._core, progress)\n"
+             "        ready: concurrent.futures.Future[None] = concurrent.futures.Future()\n"
+             "        self._thread = threading.Thread("),
+        tests="tests/engine/test_threads.py",
+    ),
 )
