@@ -2,11 +2,17 @@
 
 Full-run sizing targets about 25 minutes on 2 cores (see bench/results/README.md for what
 each suite runs). Systems never run concurrently; each suite reports its own targets.
+Each suite runs in its own interpreter: a suite that ran torch on the main thread leaves an
+OpenMP pool there, which slows every engine thread started after it (service.model.threads;
+measured: offline untimed engine 130 output tok/s after the overhead suite in the same
+process, 184 alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -52,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SUITE",
         help=f"run only this suite (repeatable): {', '.join(SUITES)}",
     )
+    parser.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     chosen = args.only or list(SUITES)
     failures: dict[str, str] = {}
@@ -59,11 +66,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in chosen:
         t0 = time.perf_counter()
         print(f"== {name} ==", flush=True)
-        try:
-            SUITES[name](args.quick)
-        except Exception as err:  # keep going: one failed suite must not hide the others
-            failures[name] = f"{type(err).__name__}: {err}"
-            traceback.print_exc()
+        if args.here:
+            try:
+                SUITES[name](args.quick)
+            except Exception as err:  # keep going: one failed suite must not hide the others
+                failures[name] = f"{type(err).__name__}: {err}"
+                traceback.print_exc()
+        else:
+            child = [sys.executable, "-m", "bench.run_all", "--here", "--only", name]
+            code = subprocess.run([*child, *(["--quick"] if args.quick else [])]).returncode
+            if code != 0:
+                failures[name] = f"the suite's process exited with {code}"
         print(f"== {name}: {time.perf_counter() - t0:.0f}s ==", flush=True)
     out = results_dir(args.quick)
     print(write_summary(out, failures))

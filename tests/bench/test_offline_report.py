@@ -11,16 +11,19 @@ from bench import offline
 from bench.common import Throughput, Work
 
 
+@pytest.fixture
+def quiet_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """report() writes into tmp_path, draws no plot and probes no machine."""
+    monkeypatch.setattr(offline, "results_dir", lambda quick: tmp_path)
+    monkeypatch.setattr(offline, "bar_plot", lambda *a, **k: "plot.png")
+    monkeypatch.setattr(offline, "machine_info", lambda threads: {})
+
+
 def _run(system: str, wall_s: float) -> Throughput:
     return Throughput(system, wall_s, 1, 10, 100)
 
 
-def test_report_uses_worst_kvfence_run_against_best_peer_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(offline, "results_dir", lambda quick: tmp_path)
-    monkeypatch.setattr(offline, "bar_plot", lambda *a, **k: "plot.png")
-    monkeypatch.setattr(offline, "machine_info", lambda threads: {})
+def test_report_uses_worst_kvfence_run_against_best_peer_run(tmp_path: Path, quiet_report: None) -> None:
     runs = [
         *(_run("kvfence engine", w) for w in (0.4, 0.5, 0.25)),  # 250, 200, 400 tok/s
         *(_run("kvfence gRPC", w) for w in (0.5, 0.5, 0.5)),
@@ -40,12 +43,7 @@ def test_report_uses_worst_kvfence_run_against_best_peer_run(
     assert "250 [200–400]" in (tmp_path / "offline.md").read_text()
 
 
-def test_report_shows_the_llama_sweep_with_the_fastest_configuration_chosen(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(offline, "results_dir", lambda quick: tmp_path)
-    monkeypatch.setattr(offline, "bar_plot", lambda *a, **k: "plot.png")
-    monkeypatch.setattr(offline, "machine_info", lambda threads: {})
+def test_report_shows_the_llama_sweep_with_the_fastest_configuration_chosen(tmp_path: Path, quiet_report: None) -> None:
     sweep = {
         "n_seq=8 kv_unified=off fa=auto": 90.0,
         "n_seq=32 kv_unified=on fa=on": 120.0,
@@ -64,12 +62,7 @@ def test_report_shows_the_llama_sweep_with_the_fastest_configuration_chosen(
     assert "first 2 requests" in md
 
 
-def test_served_budget_rows_are_judged_against_the_untimed_engine_alone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(offline, "results_dir", lambda quick: tmp_path)
-    monkeypatch.setattr(offline, "bar_plot", lambda *a, **k: "plot.png")
-    monkeypatch.setattr(offline, "machine_info", lambda threads: {})
+def test_served_budget_rows_are_judged_against_the_untimed_engine_alone(tmp_path: Path, quiet_report: None) -> None:
     runs = [
         *(_run(offline.ENGINE, w) for w in (0.5, 0.5, 0.4)),  # 200, 200, 250 tok/s
         *(_run(offline.FAIR, w) for w in (0.5, 0.5, 0.5)),  # 200
