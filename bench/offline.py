@@ -63,24 +63,10 @@ def workload(quick: bool, vocab: int) -> tuple[list[Work], list[Work]]:
 
 
 def _attempt(
-    name: str,
-    fn: Callable[[], Throughput],
-    runs: list[Throughput],
-    errors: dict[str, str],
-    repeats: int = REPEATS,
+    name: str, fn: Callable[[], Throughput], runs: list[Throughput], errors: dict[str, str]
 ) -> None:
-    """Time ``fn`` ``repeats`` times; every run is kept (rows group them by system)."""
-    print(f"[{SUITE}] {name} ...", flush=True)
-    try:
-        for _ in range(repeats):
-            r = fn()
-            runs.append(r)
-            print(f"[{SUITE}]   {r.output_tok_s:.1f} output tok/s ({r.wall_s:.1f}s)", flush=True)
-    except Exception as err:  # one broken system must not lose the others' numbers
-        errors[name] = f"{type(err).__name__}: {err}"
-        traceback.print_exc()
-    finally:
-        gc.collect()
+    """Time one system ``REPEATS`` times; every run is kept (rows group them by system)."""
+    _attempt_rounds([(name, fn)], runs, errors)
 
 
 def _attempt_rounds(

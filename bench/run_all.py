@@ -78,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if code != 0:
                 failures[name] = f"the suite's process exited with {code}"
         print(f"== {name}: {time.perf_counter() - t0:.0f}s ==", flush=True)
+    if args.here:  # the parent writes the summary once every suite is done
+        return 1 if failures else 0
     out = results_dir(args.quick)
     print(write_summary(out, failures))
     print(f"total {time.perf_counter() - started:.0f}s; results in {out}")
