@@ -12,6 +12,9 @@ slot) and the padding is masked out, so no sequence ever reads a page outside it
   and the softmax in float32.
 - float32 decode and all prefill chunks gather whole pages and run SDPA (``enable_gqa``) on
   a strided view; prefill uses a causal mask aligned to the chunk's start position.
+- on CPU, bf16 decode rows skip the gather: where the C kernel of
+  :mod:`kvcache.backends.cpu_decode` could be built, it reads each row's own pages in place
+  (one call for each run of consecutive decode rows).
 
 Softmax scale ``head_dim ** -0.5``.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvcache.backends import cpu_decode
 from kvcache.metadata import AttentionMetadata
 
 # NOTE: on CPU, decode attention is memory bound. Gathering a few sequences at a time keeps
@@ -56,6 +60,8 @@ class _Chunk:
     causal: bool  # plain top-left causal mask (prefill from position 0)
     decode: bool
     upcast: bool = False  # by-rows decode whose matmuls run in float32 (see above)
+    # The C kernel's page metadata (indptr, indices, lens: int32), or None for the torch path
+    paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class TorchStep:
@@ -71,18 +77,24 @@ class TorchStep:
             self._offsets.append(self._offsets[-1] + n)
         self._num_kv_heads = 0  # set on first call, when the pool layout is known
         self._matmul_decode = False  # set on first call, from the query dtype
+        self._kernel: cpu_decode.DecodeKernel | None = None  # set on first call
         self._built = False
 
     def _build(self, q: torch.Tensor, kv_layer: torch.Tensor) -> None:
         meta = self._meta
         self._num_kv_heads = kv_layer.shape[-2]
         self._matmul_decode = q.dtype in _MATMUL_DECODE
+        if q.dtype == torch.bfloat16 and self._device.type == "cpu":
+            kernel = cpu_decode.kernel()
+            if kernel is not None and kernel.supports(q.shape[1], kv_layer):
+                self._kernel = kernel
         bytes_per_key = 2 * kv_layer.shape[-2] * kv_layer.shape[-1] * kv_layer.element_size()
         pending: list[int] = []  # consecutive decode sequences not yet chunked
         for i, n in enumerate(meta.qo_lens):
             if n == 1:
                 longest = max([meta.kv_lens[i], *(meta.kv_lens[j] for j in pending)])
-                if pending and (len(pending) + 1) * longest * bytes_per_key > self._budget:
+                gathered = (len(pending) + 1) * longest * bytes_per_key
+                if pending and self._kernel is None and gathered > self._budget:
                     self._chunks.append(self._decode_chunk(pending))
                     pending = []
                 pending.append(i)
@@ -130,6 +142,30 @@ class TorchStep:
 
     def _decode_chunk(self, seqs: list[int]) -> _Chunk:
         meta, device = self._meta, self._device
+        start = self._offsets[seqs[0]]
+        if self._kernel is not None:  # the rows' own pages, read in place
+            pages = [meta.page_ids[i] for i in seqs]
+            indptr = [0]
+            for p in pages:
+                indptr.append(indptr[-1] + len(p))
+            paged = (
+                torch.tensor(indptr, dtype=torch.int32),
+                torch.tensor([x for p in pages for x in p], dtype=torch.int32),
+                torch.tensor([meta.kv_lens[i] for i in seqs], dtype=torch.int32),
+            )
+            return _Chunk(
+                start=start,
+                end=start + len(seqs),
+                batch=len(seqs),
+                index=torch.empty(0, dtype=torch.long),
+                by_rows=True,
+                kv_len=0,
+                mask=None,
+                padding=None,
+                causal=False,
+                decode=True,
+                paged=paged,
+            )
         lens = [meta.kv_lens[i] for i in seqs]
         kv_len = max(lens)
         mask = padding = None
@@ -137,7 +173,6 @@ class TorchStep:
             valid = torch.arange(kv_len)[None, :] < torch.tensor(lens)[:, None]
             mask = valid[:, None, None].to(device)
             padding = mask.logical_not()
-        start = self._offsets[seqs[0]]
         upcast = (
             self._matmul_decode
             and device.type == "cpu"
@@ -187,8 +222,9 @@ class TorchStep:
             out[c.start : c.end] = self._run(q[c.start : c.end], kv_layer, c)
         return out
 
-    @staticmethod
-    def _run(q: torch.Tensor, kv_layer: torch.Tensor, c: _Chunk) -> torch.Tensor:
+    def _run(self, q: torch.Tensor, kv_layer: torch.Tensor, c: _Chunk) -> torch.Tensor:
+        if c.paged is not None and self._kernel is not None:
+            return self._kernel.run(q, kv_layer, *c.paged)
         _, hq, d = q.shape
         hkv = kv_layer.shape[-2]
         n = c.kv_len

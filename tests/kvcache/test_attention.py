@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry, write_kv
-from kvcache.backends import torch_backend
+from kvcache.backends import cpu_decode, torch_backend
 from kvcache.dense import DenseAttention, causal_attention
 
 from .helpers import SECRET, FakeClock, attn_of, grow
@@ -129,13 +129,23 @@ def test_decode_only_batch_matches_dense() -> None:
             mgr.commit(e.seq_id, range(lens[e.seq_id]), lens[e.seq_id])
 
 
-@pytest.mark.parametrize("upcast_keys", [0, 10**6], ids=["bf16-matmul", "float32-upcast"])
-def test_bf16_decode_matches_float32_dense(
-    upcast_keys: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bf16 decode of sequences of different lengths (padded, masked) on both CPU paths:
+def _decode_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pick one of the CPU bf16 decode paths: the C kernel, or the torch path's two."""
+    if path == "c-kernel":
+        assert cpu_decode.kernel() is not None, "a C compiler is here: the kernel must build"
+        return
+    monkeypatch.setattr(cpu_decode, "kernel", lambda: None)
+    monkeypatch.setattr(torch_backend, "_CPU_UPCAST_DECODE_KEYS", 0 if path == "bf16" else 10**6)
+
+
+DECODE_PATHS = ["c-kernel", "bf16", "float32-upcast"]
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_bf16_decode_matches_float32_dense(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 decode of sequences of different lengths (padded, masked) on every CPU path:
     within bf16 rounding of float32 attention over the same bf16 K/V."""
-    monkeypatch.setattr(torch_backend, "_CPU_UPCAST_DECODE_KEYS", upcast_keys)
+    _decode_path(path, monkeypatch)
     torch.manual_seed(3)
     hq, hkv = 6, 2
     pool = PagePool(1, 64, 4, hkv, HEAD_DIM, dtype=torch.bfloat16)
@@ -163,19 +173,22 @@ def test_bf16_decode_matches_float32_dense(
         torch.testing.assert_close(out[i : i + 1].float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_attention_reads_only_own_pages() -> None:
-    """Poisoning every page outside a sequence's table does not change its output."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_attention_reads_only_own_pages(dtype: torch.dtype) -> None:
+    """Poisoning every page outside a sequence's table does not change its output (bf16
+    decode runs the C kernel where it builds)."""
     torch.manual_seed(1)
-    pool = PagePool(1, 32, 4, 1, HEAD_DIM)
+    pool = PagePool(1, 32, 4, 1, HEAD_DIM, dtype=dtype)
     mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
     mgr.open("mine", "a", list(range(10)), use_prefix_cache=False)
     mgr.open("other", "b", list(range(10)), use_prefix_cache=False)
     for s in ("mine", "other"):
         grow(mgr, s, 6)
-        attn_of(mgr, [StepEntry(s, 0, 6)])(0, *[torch.randn(6, 1, HEAD_DIM) for _ in range(3)])
+        qkv = [torch.randn(6, 1, HEAD_DIM, dtype=dtype) for _ in range(3)]
+        attn_of(mgr, [StepEntry(s, 0, 6)])(0, *qkv)
         mgr.commit(s, range(10), 6)
     own = {r.page_id for r in mgr.sequence_pages("mine")}
-    q, k, v = (torch.randn(1, 1, HEAD_DIM) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, HEAD_DIM, dtype=dtype) for _ in range(3))
     grow(mgr, "mine", 7)
     before = attn_of(mgr, [StepEntry("mine", 6, 1)])(0, q, k, v)
     for page in range(32):

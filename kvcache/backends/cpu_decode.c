@@ -1,0 +1,217 @@
+/* Paged decode attention for bf16 KV on CPU: one query token per sequence, read straight
+ * from the pool's pages (no gathered copy), float32 math, online softmax.
+ *
+ * Built by kvcache/backends/cpu_decode.py with the system C compiler and loaded through
+ * ctypes (the GIL is released for the call). OpenMP resolves to the libgomp torch already
+ * loaded, so the kernel shares the calling thread's worker pool.
+ *
+ * Layout (kvcache/pool.py): one layer is [num_pages, 2 (K|V), page_size, Hkv, D].
+ * Sequence b attends over its first lens[b] keys, on pages
+ * indices[indptr[b] .. indptr[b + 1]); nothing outside those pages is read.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define MAX_PAGE 128
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(v.u >> 16);
+}
+
+int kvf_limits(int *max_group, int *max_dim, int *max_page) {
+    *max_group = MAX_GROUP;
+    *max_dim = MAX_DIM;
+    *max_page = MAX_PAGE;
+    return 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define KVF_AVX512 1
+
+/* exp of 16 floats: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
+ * polynomial (relative error ~2e-7); inputs below -87 give 0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5353362e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One (sequence, KV head) job with AVX512-BF16: scores by bf16 dot products (exact
+ * products, float32 sums, as a bf16 matmul computes them), then softmax and the weighted
+ * sum of V in float32, 16 keys at a time. dim is a multiple of 32. */
+static void job_avx512(const uint16_t *q, const uint16_t *kv, int first, int last,
+                       const int32_t *indices, int n, uint16_t *out, int group, int dim,
+                       int64_t row, int64_t half, int page_size, float scale) {
+    const int chunks = dim / 32; /* 32 bf16 per dot-product instruction */
+    const int lanes = dim / 16;  /* 16 float32 per accumulator */
+    __m512bh qv[MAX_GROUP][MAX_DIM / 32];
+    __m512 acc[MAX_GROUP][MAX_DIM / 16];
+    float s[MAX_GROUP][16];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        for (int c = 0; c < chunks; ++c)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(q + g * dim + 32 * c));
+        for (int c = 0; c < lanes; ++c) acc[g][c] = _mm512_setzero_ps();
+        m[g] = -1e30f;
+        l[g] = 0.0f;
+    }
+    for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
+        const int count = n - start < page_size ? n - start : page_size;
+        const uint16_t *k_page = kv + (int64_t)indices[p] * 2 * half;
+        const uint16_t *v_page = k_page + half;
+        for (int b0 = 0; b0 < count; b0 += 16) {
+            const int nb = count - b0 < 16 ? count - b0 : 16;
+            const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+            for (int o = 0; o < nb; ++o) {
+                const uint16_t *k_row = k_page + (b0 + o) * row;
+                __m512bh kr[MAX_DIM / 32];
+                for (int c = 0; c < chunks; ++c)
+                    kr[c] = (__m512bh)_mm512_loadu_si512((const void *)(k_row + 32 * c));
+                for (int g = 0; g < group; ++g) {
+                    __m512 dot = _mm512_setzero_ps();
+                    for (int c = 0; c < chunks; ++c) dot = _mm512_dpbf16_ps(dot, qv[g][c], kr[c]);
+                    s[g][o] = _mm512_reduce_add_ps(dot);
+                }
+            }
+            for (int g = 0; g < group; ++g) {
+                const __m512 sv = _mm512_mul_ps(
+                    _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), live, s[g]),
+                    _mm512_set1_ps(scale));
+                const float block_top = _mm512_reduce_max_ps(sv);
+                const float top = block_top > m[g] ? block_top : m[g];
+                const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+                const float rescale = expf(m[g] - top); /* 0 on the first block */
+                l[g] = l[g] * rescale + _mm512_reduce_add_ps(e);
+                m[g] = top;
+                _mm512_storeu_ps(s[g], e);
+                const __m512 r = _mm512_set1_ps(rescale);
+                for (int c = 0; c < lanes; ++c) {
+                    __m512 a = _mm512_mul_ps(acc[g][c], r);
+                    for (int o = 0; o < nb; ++o) {
+                        const __m256i raw = _mm256_loadu_si256(
+                            (const __m256i *)(v_page + (b0 + o) * row + 16 * c));
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(s[g][o]),
+                                            _mm512_cvtpbh_ps((__m256bh)raw), a);
+                    }
+                    acc[g][c] = a;
+                }
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        float tmp[16];
+        for (int c = 0; c < lanes; ++c) {
+            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
+            for (int d = 0; d < 16; ++d) out[g * dim + 16 * c + d] = f32_to_bf16(tmp[d]);
+        }
+    }
+}
+#endif
+
+/* q, out: [B, Hq, D] bf16 (contiguous). kv: one layer of the pool. */
+void kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
+                     const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
+                     int hq, int hkv, int dim, int page_size, float scale) {
+    const int group = hq / hkv;
+    const int64_t row = (int64_t)hkv * dim;          /* one slot: all heads */
+    const int64_t half = (int64_t)page_size * row;   /* K or V of one page */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int job = 0; job < batch * hkv; ++job) {
+        const int b = job / hkv, h = job % hkv;
+#ifdef KVF_AVX512
+        if (dim % 32 == 0) {
+            job_avx512(q + ((int64_t)b * hq + h * group) * dim, kv + h * dim, indptr[b],
+                       indptr[b + 1], indices, lens[b], out + ((int64_t)b * hq + h * group) * dim,
+                       group, dim, row, half, page_size, scale);
+            continue;
+        }
+#endif
+        float qf[MAX_GROUP][MAX_DIM];
+        float acc[MAX_GROUP][MAX_DIM];
+        float s[MAX_GROUP][MAX_PAGE];
+        float kf[MAX_DIM];
+        float m[MAX_GROUP], l[MAX_GROUP];
+        for (int g = 0; g < group; ++g) {
+            const uint16_t *src = q + ((int64_t)b * hq + h * group + g) * dim;
+            for (int d = 0; d < dim; ++d) qf[g][d] = bf16_to_f32(src[d]) * scale;
+            memset(acc[g], 0, sizeof(float) * (size_t)dim);
+            m[g] = -1e30f; /* finite: built with -ffast-math */
+            l[g] = 0.0f;
+        }
+        const int n = lens[b];
+        for (int p = indptr[b], start = 0; p < indptr[b + 1] && start < n;
+             ++p, start += page_size) {
+            const int count = n - start < page_size ? n - start : page_size;
+            const uint16_t *k_page = kv + (int64_t)indices[p] * 2 * half + h * dim;
+            const uint16_t *v_page = k_page + half;
+            for (int o = 0; o < count; ++o) {
+                const uint16_t *k_row = k_page + o * row;
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) kf[d] = bf16_to_f32(k_row[d]);
+                for (int g = 0; g < group; ++g) {
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < dim; ++d) dot += qf[g][d] * kf[d];
+                    s[g][o] = dot;
+                }
+            }
+            for (int g = 0; g < group; ++g) {
+                float top = m[g];
+#pragma omp simd reduction(max : top)
+                for (int o = 0; o < count; ++o) top = s[g][o] > top ? s[g][o] : top;
+                const float rescale = expf(m[g] - top); /* 0 on the first page */
+                float sum = l[g] * rescale;
+#pragma omp simd reduction(+ : sum)
+                for (int o = 0; o < count; ++o) {
+                    s[g][o] = expf(s[g][o] - top);
+                    sum += s[g][o];
+                }
+                if (rescale != 1.0f) {
+#pragma omp simd
+                    for (int d = 0; d < dim; ++d) acc[g][d] *= rescale;
+                }
+                m[g] = top;
+                l[g] = sum;
+            }
+            for (int o = 0; o < count; ++o) {
+                const uint16_t *v_row = v_page + o * row;
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) kf[d] = bf16_to_f32(v_row[d]);
+                for (int g = 0; g < group; ++g) {
+                    const float w = s[g][o];
+#pragma omp simd
+                    for (int d = 0; d < dim; ++d) acc[g][d] += w * kf[d];
+                }
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            uint16_t *dst = out + ((int64_t)b * hq + h * group + g) * dim;
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int d = 0; d < dim; ++d) dst[d] = f32_to_bf16(acc[g][d] * inv);
+        }
+    }
+}

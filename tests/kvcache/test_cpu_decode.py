@@ -1,0 +1,100 @@
+"""The C decode kernel (kvcache/backends/cpu_decode.c): built from source on first use,
+against float32 attention over each sequence's own pages, and off without a compiler."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcache.backends import cpu_decode
+
+PAGE, HKV, GROUP, DIM = 16, 3, 3, 64
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No kernel loaded yet in this process, and an empty kernel cache."""
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setenv("KVFENCE_HOME", str(tmp_path))
+    return tmp_path / "kernels"
+
+
+def _reference(q: torch.Tensor, layer: torch.Tensor, pages: list[list[int]], lens: list[int]):
+    out = []
+    for b, (own, n) in enumerate(zip(pages, lens, strict=True)):
+        idx = torch.tensor(own)
+        k = layer[idx, 0].reshape(-1, HKV, DIM)[:n].float()
+        v = layer[idx, 1].reshape(-1, HKV, DIM)[:n].float()
+        qq = q[b].float().view(HKV, GROUP, DIM)
+        p = (torch.einsum("hgd,nhd->hgn", qq, k) * DIM**-0.5).softmax(-1)
+        out.append(torch.einsum("hgn,nhd->hgd", p, v).reshape(HKV * GROUP, DIM))
+    return torch.stack(out)
+
+
+def _metadata(pages: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, ...]:
+    indptr = [0]
+    for p in pages:
+        indptr.append(indptr[-1] + len(p))
+    flat = [x for p in pages for x in p]
+    return (
+        torch.tensor(indptr, dtype=torch.int32),
+        torch.tensor(flat, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+    )
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_kernel_builds_and_matches_float32_attention(fresh: Path) -> None:
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    assert len(list(fresh.glob("cpu_decode-*.so"))) == 1
+    torch.manual_seed(0)
+    layer = torch.randn(40, 2, PAGE, HKV, DIM).bfloat16()
+    # Lengths on and off page boundaries, one key, and scattered, out-of-order pages.
+    lens = [1, 16, 17, 100, 250]
+    order = torch.randperm(40).tolist()
+    pages, used = [], 0
+    for n in lens:
+        count = -(-n // PAGE)
+        pages.append(order[used : used + count])
+        used += count
+    q = torch.randn(len(lens), HKV * GROUP, DIM).bfloat16()
+    out = kernel.run(q, layer, *_metadata(pages, lens))
+    want = _reference(q, layer, pages, lens)
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+    # Pages nobody named can hold anything: poison them all.
+    named = {x for p in pages for x in p}
+    for page in set(range(40)) - named:
+        layer[page] = float("nan")
+    again = kernel.run(q, layer, *_metadata(pages, lens))
+    assert torch.equal(out, again)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_kernel_refuses_what_it_cannot_take(fresh: Path) -> None:
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    layer = torch.zeros(4, 2, PAGE, HKV, DIM).bfloat16()
+    q = torch.zeros(1, HKV * GROUP, DIM).bfloat16()
+    good = _metadata([[0]], [3])
+    with pytest.raises(ValueError, match="dtype"):
+        kernel.run(q.float(), layer, *good)
+    with pytest.raises(ValueError, match="int32"):
+        kernel.run(q, layer, good[0].long(), good[1], good[2])
+    with pytest.raises(ValueError, match="one length per sequence"):
+        kernel.run(q, layer, *_metadata([[0], [1]], [3, 3]))
+    assert not kernel.supports(HKV * GROUP, layer.float())
+
+
+def test_no_compiler_means_the_torch_path(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "kvfence-no-such-compiler")
+    assert cpu_decode.kernel() is None
+    assert not fresh.exists()
+
+
+def test_switched_off(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
+    assert cpu_decode.kernel() is None
