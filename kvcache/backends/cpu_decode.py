@@ -129,6 +129,30 @@ def _cpu_flags() -> str:
     return ""
 
 
+def compile_kernel(compiler: str, target: Path, march: str = "native") -> None:
+    """Build ``cpu_decode.c`` into ``target``; ``march`` picks the instruction set (the
+    AVX512-BF16 path where it has it, plain C loops elsewhere)."""
+    subprocess.run(
+        [
+            compiler,
+            "-O3",
+            f"-march={march}",
+            "-ffast-math",
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            str(_SOURCE),
+            "-o",
+            str(target),
+            "-lm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+
 def _load() -> DecodeKernel | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
@@ -145,22 +169,7 @@ def _load() -> DecodeKernel | None:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [
-                    compiler,
-                    "-O3",
-                    "-march=native",
-                    "-ffast-math",
-                    "-fopenmp",
-                    "-shared",
-                    "-fPIC",
-                ]
-                subprocess.run(
-                    [*cmd, str(_SOURCE), "-o", str(built), "-lm"],
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                    check=True,
-                )
+                compile_kernel(compiler, built)
                 os.replace(built, target)  # atomic: a concurrent build loads either copy
         return DecodeKernel(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as err:
