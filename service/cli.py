@@ -99,8 +99,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         p,
         "--decode-stretch",
         2.0,
-        "beside another tenant's decoding streams, a chunk of a tenant served more than it "
-        "makes the step last at most this many decode-only steps (0 = off)",
+        "a step the least-served decoding tenant's streams are in lasts at most this many "
+        "times what their rows alone cost: others' decode rows and prefill chunks fit in "
+        "that or wait a step (0 = off)",
         type=float,
     )
     _add(

@@ -90,9 +90,9 @@ class EngineSizing:
     # have work (0 = half the step's budget).
     max_step_ms: float = 100.0
     prefill_chunk: int = 0
-    # Beside another tenant's decodes, a chunk of a tenant served more than it keeps the step
-    # within decode_stretch decode-only steps (0 = off), so long prompts cannot stretch
-    # others' inter-token gap.
+    # A step the least-served decoding tenant's streams are in lasts at most decode_stretch
+    # times what their rows alone cost (0 = off): more-served tenants' decode rows and
+    # prefill chunks fit within that or wait, so nobody's load stretches another's gap.
     decode_stretch: float = 2.0
 
 

@@ -35,7 +35,7 @@ from kvcache.metadata import StepEntry
 from kvcache.stats import CacheStats, TenantUsage
 from service.engine.fairness import FairQueue, TokenCounter
 from service.engine.request import SeqState, SeqStatus
-from service.engine.step_budget import StepCostModel, StepRoom, StepShape
+from service.engine.step_budget import StepCost, StepCostModel, StepRoom, StepShape
 from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolicy
 
 log = structlog.get_logger(__name__)
@@ -112,6 +112,8 @@ class Scheduler:
         self.cost = StepCostModel()
         self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
         self._last_active: dict[str, float] = {}  # tenant -> when it last had work (_room)
+        # tenant -> admit_order of its last decode row that ran beside the guard
+        self._decode_cursor: dict[str, int] = {}
 
     def num_running(self, tenant: str) -> int:
         return self._running_per_tenant.get(tenant, 0)
@@ -130,7 +132,10 @@ class Scheduler:
         entries: list[ScheduledSeq] = []
         preempted: list[SeqState] = []
         rejected: list[tuple[SeqState, RequestTooLarge]] = []
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        cost = self.cost.fit() if self._timed() else None
+        decoding, guard_s = self._fair_decodes(
+            [s for s in self.running if s.num_tokens - s.num_computed == 1], cost
+        )
         hard = self._config.max_num_batched_tokens
         for seq in decoding:
             if len(entries) >= hard:
@@ -139,7 +144,7 @@ class Scheduler:
                 seq, 1, entries, preempted, rejected
             ):
                 entries.append(ScheduledSeq(seq, 1))
-        room = self._room(entries)
+        room = self._room(entries, cost, guard_s)
         self._spent = {}
         decoding_tenants = {e.seq.tenant for e in entries}
         admitted: list[SeqState] = []
@@ -231,26 +236,74 @@ class Scheduler:
                 room.take(context, extra)
                 self._spend(e.seq.tenant, extra)
 
-    def _room(self, decodes: list[ScheduledSeq]) -> StepRoom:
+    def _timed(self) -> bool:
+        """Whether steps are sized to the time target: ``max_step_ms`` set and two or more
+        tenants with work.
+        NOTE: the time target guards tenants from each other. With one tenant active there
+        is nobody to guard, and on CPU a timed step is mostly fixed cost (the weights are
+        read once per step however few tokens it carries): measured on 2 cores, 64 offline
+        requests of one tenant ran at 37-56 output tok/s timed against 127 untimed."""
+        return self._config.max_step_ms > 0 and self._several_tenants()
+
+    def _fair_decodes(
+        self, decoding: list[SeqState], cost: StepCost | None
+    ) -> tuple[list[SeqState], float]:
+        """The decode rows this step runs, and the step time they leave the guard.
+
+        With the step timed and ``decode_stretch`` set, the least-served decoding tenant's
+        streams (and those of any tenant tied with it) always decode, and the step is held
+        to ``decode_stretch`` times what their rows alone cost (the guard): other tenants'
+        rows join, least-served tenant first and each tenant's rows in turn,
+        while the step stays within it, and the rest wait a step. Returns the rows and the
+        guard (infinite when there is none).
+        NOTE: with every row in every step, a tenant's eight streams at 1,000 keys made a
+        victim's one stream decode at 80-90 ms a token against 30 ms alone (one thread)."""
+        stretch = self._config.decode_stretch
+        if cost is None or stretch <= 0 or not decoding:
+            return decoding, math.inf
+        served = {t: self._served(t) for t in {s.tenant for s in decoding}}
+        least = min(served.values())
+        first = [s for s in decoding if served[s.tenant] <= least]
+        keys = sum(s.num_computed + 1 for s in first)
+        guard = max(1.0, stretch) * cost.decode_seconds(len(first), keys)
+        if len(first) == len(decoding):
+            return decoding, guard
+        rows = list(first)
+        for tenant in sorted(
+            {s.tenant for s in decoding} - {s.tenant for s in first}, key=served.__getitem__
+        ):
+            # Round robin within the tenant: its rows after the last one that ran go first.
+            cursor = self._decode_cursor.get(tenant, 0)
+            own = sorted(
+                (s for s in decoding if s.tenant == tenant),
+                key=lambda s: (s.admit_order <= cursor, s.admit_order),
+            )
+            for seq in own:
+                more = keys + seq.num_computed + 1
+                if cost.decode_seconds(len(rows) + 1, more) <= guard:
+                    rows.append(seq)
+                    keys = more
+                    self._decode_cursor[tenant] = seq.admit_order
+        order = {id(s): i for i, s in enumerate(decoding)}
+        rows.sort(key=lambda s: order[id(s)])  # admission order, as without the guard
+        return rows, guard
+
+    def _room(self, decodes: list[ScheduledSeq], cost: StepCost | None, guard_s: float) -> StepRoom:
         """What the step's prefill chunks may take once ``decodes`` are in.
 
-        Within ``max_num_batched_tokens``; with ``max_step_ms`` set and two or more tenants
-        with work, also within a time the cost model converts to tokens: the chunks add at
-        most ``max_step_ms`` to the step and, while decodes run, at most ``decode_stretch - 1``
-        decode-only steps, so one tenant's prefill never makes another tenant's inter-token
-        gap more than ``max_step_ms`` longer, nor more than ``decode_stretch`` times what it
-        would be without it."""
+        Within ``max_num_batched_tokens``; with the step timed (``_timed``: ``cost`` is the
+        fitted model), also within a time the cost model converts to tokens: the chunks add
+        at most ``max_step_ms`` to the step and, while decodes run, a chunk of a tenant
+        served more than a decoding tenant fits within what the decode rows leave of the
+        guard (``_fair_decodes``), so one tenant's prefill never makes another tenant's
+        inter-token gap more than ``max_step_ms`` longer, nor more than ``decode_stretch``
+        times what that tenant's own rows cost."""
         config = self._config
         hard = config.max_num_batched_tokens
         floor = _MIN_PREFILL_TOKENS
         alone = len(self.running) + len(self.waiting) <= 1
         cap_tokens = config.long_prefill_threshold or (1 << 30)
-        # NOTE: the time target guards tenants from each other. With one tenant active there
-        # is nobody to guard, and on CPU a timed step is mostly fixed cost (the weights are
-        # read once per step however few tokens it carries): measured on 2 cores, 64 offline
-        # requests of one tenant ran at 37-56 output tok/s timed against 127 untimed.
-        timed = config.max_step_ms > 0 and self._several_tenants()
-        cost = self.cost.fit() if timed else None
+        timed = self._timed()
         if cost is None:
             # Untimed: the whole token budget. Unmeasured: start small; the first steps teach
             # the model. Either way one request's chunk is half of it while others have work.
@@ -262,13 +315,13 @@ class Scheduler:
             return StepRoom(max(tokens, 0), cap_tokens=cap_tokens)
         seconds = config.max_step_ms / 1000.0
         stretch_s = math.inf
-        if decodes and config.decode_stretch > 0:
+        if decodes and math.isfinite(guard_s):
             keys = sum(e.seq.num_computed + 1 for e in decodes)
             # NOTE: the bound is on what prefill adds, not on the whole step. Held to a
             # 100 ms step, a CPU batch of 8 decodes (~70 ms) left about one floor of 16
             # prefill tokens a step: two tenants' 64 offline requests ran at 70 output tok/s
             # against 130 untimed, the batch never grew past ~8 rows.
-            stretch_s = (config.decode_stretch - 1) * cost.decode_seconds(len(decodes), keys)
+            stretch_s = max(0.0, guard_s - cost.decode_seconds(len(decodes), keys))
         cap_s = seconds / 2 if not alone and not config.long_prefill_threshold else math.inf
         return StepRoom(
             max(hard - len(decodes), 0), cost, seconds, cap_tokens, cap_s, floor, stretch_s
@@ -500,6 +553,7 @@ class Scheduler:
         self._running_per_tenant[seq.tenant] -= 1
         if self._running_per_tenant[seq.tenant] == 0:
             del self._running_per_tenant[seq.tenant]
+            self._decode_cursor.pop(seq.tenant, None)
         self._close(seq)
 
 

@@ -112,10 +112,11 @@ class EngineConfig:
     per step while others have work (0 = half the step's budget), so one long prompt cannot
     take a whole step from the others. ``max_step_ms`` > 0 sizes each step's prefill from a
     measured cost model so it adds at most that long to the step while two or more tenants
-    have work (one tenant alone gets the whole token budget); beside another tenant's
-    decodes, a chunk of a tenant that has had more weighted tokens than that tenant keeps the
-    step within ``decode_stretch`` times the decode-only step (0 = no such bound), so a
-    stream's inter-token gap stays within that multiple of what it is alone.
+    have work (one tenant alone gets the whole token budget). A step that the least-served
+    decoding tenant's streams are in lasts at most ``decode_stretch`` times what their rows
+    alone cost (0 = no such bound): decode rows and prefill chunks of tenants that have had
+    more weighted tokens fit within that or wait a step, so a stream's inter-token gap stays
+    within that multiple of what it is alone.
     ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
     interleaves tenants more finely; costs are prompt + max_tokens).
     """

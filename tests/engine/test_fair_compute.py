@@ -208,3 +208,44 @@ def test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_f
     # ... unless the rest of the prompt fits in the floor: one small chunk finishes it (a
     # victim charged for its prompt's first chunk is briefly ahead of the hog it was lifted to).
     assert _floor_chunk(tiny, a_ahead_by=1000, prompt=12) == 12
+
+
+def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int = 8) -> dict:
+    """Tokens each stream gets over ``steps`` steps: tenant a's four streams, 1,000 tokens
+    ahead, beside tenant b's one, on a machine taught that a decode step costs 12 ms plus
+    5 ms a row (b's row alone: 17 ms; the guard at stretch 2: 34 ms, so b's row and three
+    of a's: 32 ms)."""
+    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=stretch)
+    core = make_core(tiny, config=config, clock=FakeClock())
+    rec = Recorder()
+    names = ["a0", "a1", "a2", "a3", "b0"]
+    for i, name in enumerate(names):
+        r = req(name, prompt_ids(i, 12, V), tenant=name[0], max_tokens=60, ignore_eos=True)
+        core.add(r, rec.sink(name))
+    while any(len(rec.tokens(n)) == 0 for n in names):
+        core.step()
+    core.scheduler.counter.charge("a", 1000)  # type: ignore[attr-defined]
+    # The taught machine stays: the tiny model's real steps are not observed.
+    core.scheduler.observe_step = lambda shape, seconds: None  # type: ignore[attr-defined]
+    model = core.scheduler.cost  # type: ignore[attr-defined]
+    for _ in range(200):
+        for rows in range(1, 7):
+            model.observe(rows, 0, [], 0.012 + 0.005 * rows)
+        for tokens in (8, 32, 100):
+            model.observe(0, 0, [(0, tokens)], 0.010 + 0.001 * tokens)
+    before = {n: len(rec.tokens(n)) for n in names}
+    for _ in range(steps):
+        core.step()
+    return {n: len(rec.tokens(n)) - before[n] for n in names}
+
+
+def test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream(
+    tiny: LoadedModel,
+) -> None:
+    got = _decodes_beside_a_heavy_tenant(tiny, stretch=2.0)
+    # b, the least served, decodes every step; a's rows fill what b's guard leaves (three
+    # a step), and take turns: over 8 steps each of a's four streams decodes 6 times.
+    assert got["b0"] == 8
+    assert [got[f"a{i}"] for i in range(4)] == [6, 6, 6, 6]
+    # Without the guard every row decodes every step.
+    assert set(_decodes_beside_a_heavy_tenant(tiny, stretch=0.0).values()) == {8}

@@ -40,7 +40,7 @@ MUTANTS = (
         "decode-stretch-off",
         "while decodes run, a prefill chunk keeps the step within decode_stretch decode-only steps",
         edit(SCHEDULER,
-             "stretch_s = (config.decode_stretch - 1) * cost.decode_seconds(len(decodes), keys)",
+             "stretch_s = max(0.0, guard_s - cost.decode_seconds(len(decodes), keys))",
              "stretch_s = math.inf"),
         tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
     ),
@@ -88,8 +88,8 @@ MUTANTS = (
     mutant(
         "step-timer-one-tenant",
         "the step time target applies only while two or more tenants have work",
-        edit(SCHEDULER, "timed = config.max_step_ms > 0 and self._several_tenants()",
-             "timed = config.max_step_ms > 0"),
+        edit(SCHEDULER, "return self._config.max_step_ms > 0 and self._several_tenants()",
+             "return self._config.max_step_ms > 0"),
         tests=f"{T_FAIR}::test_the_step_time_target_applies_only_while_two_tenants_have_work",
     ),
     mutant(
@@ -103,6 +103,19 @@ MUTANTS = (
         "a chunk of a tenant ahead of a decoding tenant is held to the decode stretch",
         edit(SCHEDULER, "room.stretched = not owed", "room.stretched = False"),
         tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+    ),
+    mutant(
+        "decode-guard-off",
+        "beside a less-served tenant's streams, other tenants' decode rows fit within its guard",
+        edit(SCHEDULER, "if cost.decode_seconds(len(rows) + 1, more) <= guard:", "if True:"),
+        tests=f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
+    ),
+    mutant(
+        "guarded-rows-no-turns",
+        "a tenant's decode rows held back by the guard take turns (round robin)",
+        edit(SCHEDULER, "key=lambda s: (s.admit_order <= cursor, s.admit_order),",
+             "key=lambda s: s.admit_order,"),
+        tests=f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
     ),
     mutant(
         "lift-only-to-active",
