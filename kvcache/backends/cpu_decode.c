@@ -159,7 +159,7 @@ void kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indpt
             const uint16_t *src = q + ((int64_t)b * hq + h * group + g) * dim;
             for (int d = 0; d < dim; ++d) qf[g][d] = bf16_to_f32(src[d]) * scale;
             memset(acc[g], 0, sizeof(float) * (size_t)dim);
-            m[g] = -1e30f; /* finite: built with -ffast-math */
+            m[g] = -1e30f;
             l[g] = 0.0f;
         }
         const int n = lens[b];

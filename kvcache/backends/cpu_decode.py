@@ -9,7 +9,7 @@ step of 9 rows at 1,050 keys spent 56 ms in index_select and 42 ms in bmm out of
 
 The kernel is built with the system C compiler (``$CC``, else ``cc``) into
 ``$KVFENCE_HOME/kernels`` (else ``$XDG_CACHE_HOME/kvfence/kernels``, else
-``~/.cache/kvfence/kernels``), keyed by its source, the compiler and the CPU's flags, and
+``~/.cache/kvfence/kernels``), keyed by its source, the compiler, its flags and the CPU's, and
 loaded with ctypes, which releases the GIL for the call. Without a compiler, or with
 ``KVFENCE_CPU_KERNEL=off``, :func:`kernel` answers None and the torch path runs. Loading it
 after torch makes its OpenMP calls resolve to the libgomp torch loaded, so it uses the
@@ -129,23 +129,16 @@ def _cpu_flags() -> str:
     return ""
 
 
+# NOTE: not -ffast-math: linking a shared library with it sets flush-to-zero for the process,
+# and a request's temperature of 1e-45 then read as 0 (greedy) instead of being refused.
+_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+
+
 def compile_kernel(compiler: str, target: Path, march: str = "native") -> None:
     """Build ``cpu_decode.c`` into ``target``; ``march`` picks the instruction set (the
     AVX512-BF16 path where it has it, plain C loops elsewhere)."""
     subprocess.run(
-        [
-            compiler,
-            "-O3",
-            f"-march={march}",
-            "-ffast-math",
-            "-fopenmp",
-            "-shared",
-            "-fPIC",
-            str(_SOURCE),
-            "-o",
-            str(target),
-            "-lm",
-        ],
+        [compiler, *_FLAGS, f"-march={march}", str(_SOURCE), "-o", str(target), "-lm"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -163,7 +156,8 @@ def _load() -> DecodeKernel | None:
             [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
         ).stdout
         source = _SOURCE.read_bytes()
-        key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+        built_by = "\n".join([version, *_FLAGS, _cpu_flags()]).encode()
+        key = hashlib.sha256(source + built_by).hexdigest()[:16]
         target = _cache_dir() / f"cpu_decode-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)

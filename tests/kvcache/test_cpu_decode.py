@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,19 @@ def test_no_compiler_means_the_torch_path(fresh: Path, monkeypatch: pytest.Monke
 def test_switched_off(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
     assert cpu_decode.kernel() is None
+
+
+def test_loading_the_kernel_keeps_subnormal_numbers() -> None:
+    """Built with -ffast-math, the library set flush-to-zero for the whole process when it
+    loaded: a request's temperature of 1e-45 then read as 0 (greedy) instead of being
+    refused. Checked in a fresh interpreter, so nothing else loaded it first."""
+    code = (
+        "from kvcache.backends import cpu_decode\n"
+        "assert cpu_decode.kernel() is not None\n"
+        "import struct\n"
+        "tiny = struct.unpack('f', struct.pack('f', 1e-45))[0]\n"
+        "assert tiny * 1.0 > 0 and 5e-324 * 1.0 > 0, 'subnormals flushed to zero'\n"
+    )
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -72,4 +72,16 @@ MUTANTS = (
              "None (nothing inserted) on a collision.\"\"\"\n        tenant = \"shared\"\n"),
         tests=f"{T_PREFIX}::test_cross_tenant_prefix_never_hits",
     ),
+    mutant(
+        "kernel-flushes-subnormals",
+        "loading the CPU decode kernel leaves the process's floating point as it was",
+        edit("kvcache/backends/cpu_decode.py", '_FLAGS = ("-O3", ', '_FLAGS = ("-O3", "-ffast-math", '),
+        tests="tests/kvcache/test_cpu_decode.py::test_loading_the_kernel_keeps_subnormal_numbers",
+    ),
+    mutant(
+        "kernel-reads-past-length",
+        "the CPU decode kernel reads only each sequence's own keys, on its own pages",
+        edit("kvcache/backends/cpu_decode.c", "const int n = lens[b];", "const int n = lens[b] + 1;"),
+        tests="tests/kvcache/test_cpu_decode.py::test_kernel_builds_and_matches_float32_attention",
+    ),
 )
