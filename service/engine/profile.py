@@ -51,8 +51,10 @@ def measure_step_overhead(
     raw_times: list[float] = []
     with torch.inference_mode():
         # Prefill, then two decode steps so every shape is warm.
-        while core.step().num_tokens > batch or core.counters().num_waiting:
-            pass
+        while True:  # until a step carries exactly one token of every sequence
+            stats = core.step()
+            if stats.num_seqs == batch == stats.num_tokens and not core.counters().num_waiting:
+                break
         core.step()
         for _ in range(repeats):
             start = time.perf_counter()
