@@ -28,7 +28,7 @@ def measure_step_overhead(
         raise ValueError("batch, context and repeats must be >= 1")
     config = EngineConfig(
         max_num_seqs=batch,
-        max_num_batched_tokens=max(batch, 512, context + 1),
+        max_num_batched_tokens=batch * (context + 1),  # every prompt in one step
         max_model_len=context + 2 * repeats + 8,
         warmup=False,
     )
