@@ -144,14 +144,13 @@ class TorchStep:
         meta, device = self._meta, self._device
         start = self._offsets[seqs[0]]
         if self._kernel is not None:  # the rows' own pages, read in place
-            pages = [meta.page_ids[i] for i in seqs]
-            indptr = [0]
-            for p in pages:
-                indptr.append(indptr[-1] + len(p))
+            # The step's own CSR metadata, sliced: a decode chunk's sequences are consecutive.
+            first, last = seqs[0], seqs[-1] + 1
+            indptr = meta.kv_indptr[first : last + 1]
             paged = (
-                torch.tensor(indptr, dtype=torch.int32),
-                torch.tensor([x for p in pages for x in p], dtype=torch.int32),
-                torch.tensor([meta.kv_lens[i] for i in seqs], dtype=torch.int32),
+                (indptr - indptr[0]).contiguous(),
+                meta.kv_indices[int(indptr[0]) : int(indptr[-1])].contiguous(),
+                torch.tensor(meta.kv_lens[first:last], dtype=torch.int32),
             )
             return _Chunk(
                 start=start,
