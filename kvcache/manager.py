@@ -9,6 +9,7 @@ exceptions mean a bug in the caller and leave nothing that matters changed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -108,7 +109,9 @@ class KVCacheManager:
         table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)
         cached = 0
         if self._caching(table):
+            started = time.perf_counter()
             self._self_match(table, token_ids)
+            self._counters.prefix_s += time.perf_counter() - started
             table.num_cached_pages = len(table.pages)
             cached = len(table.pages) * self.page_size
             self._counters.add_lookup(tenant, cached, len(token_ids) - cached)
@@ -245,6 +248,9 @@ class KVCacheManager:
                 f"commit of {num_computed} tokens for {seq_id!r} outside "
                 f"[{cached}, {min(table.num_slots, len(token_ids))}]"
             )
+        if not (self._caching(table) and table.num_cached_pages < num_computed // self.page_size):
+            return
+        started = time.perf_counter()
         while self._caching(table) and table.num_cached_pages < num_computed // self.page_size:
             index = table.num_cached_pages
             page_id = table.pages[index].page_id
@@ -255,6 +261,7 @@ class KVCacheManager:
                 break
             table.chain = ChainPos(entry.key, entry.serial)
             table.num_cached_pages += 1
+        self._counters.prefix_s += time.perf_counter() - started
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages, tail first. Cached pages become evictable."""
@@ -297,7 +304,11 @@ class KVCacheManager:
         return [page_id] if self.config.scrub_policy == "always" else []
 
     def _zero(self, page_ids: list[int]) -> None:
+        if not page_ids:
+            return
+        started = time.perf_counter()
         self.pool.zero_pages(page_ids)
+        self._counters.scrub_s += time.perf_counter() - started
         for page_id in page_ids:
             self.allocator.mark_zeroed(page_id)
         self._counters.scrubs += len(page_ids)
@@ -365,6 +376,8 @@ class KVCacheManager:
             tenants={t: self.usage(t) for t in sorted(tenants)},
             evictions=dict(self._counters.evictions),
             scrubs=self._counters.scrubs,
+            scrub_s=self._counters.scrub_s,
+            prefix_s=self._counters.prefix_s,
             fence_violations=self.allocator.violations,
             hash_collisions=self.prefix.collisions,
             free_pages=self.allocator.num_free(),

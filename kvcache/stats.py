@@ -38,6 +38,8 @@ class CacheStats:
     free_pages: int
     total_pages: int
     open_sequences: int = 0  # opened and not freed yet
+    scrub_s: float = 0.0  # wall seconds spent zeroing those pages (host time of the zeroing call)
+    prefix_s: float = 0.0  # wall seconds in prefix-cache lookups (open) and inserts (commit)
 
 
 @dataclass(slots=True)
@@ -48,6 +50,8 @@ class Counters:
     miss_tokens: dict[str, int] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
     scrubs: int = 0
+    scrub_s: float = 0.0
+    prefix_s: float = 0.0
 
     def add_lookup(self, tenant: str, hit: int, miss: int) -> None:
         self.hit_tokens[tenant] = self.hit_tokens.get(tenant, 0) + hit

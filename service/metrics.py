@@ -71,6 +71,16 @@ class _CacheCollector(Collector):
         yield evictions
         yield CounterMetricFamily("kvfence_kv_scrubs", "KV pages zeroed", value=stats.scrubs)
         yield CounterMetricFamily(
+            "kvfence_kv_scrub_seconds",
+            "Wall seconds spent zeroing KV pages",
+            value=stats.scrub_s,
+        )
+        yield CounterMetricFamily(
+            "kvfence_kv_prefix_seconds",
+            "Wall seconds spent in prefix-cache lookups and inserts",
+            value=stats.prefix_s,
+        )
+        yield CounterMetricFamily(
             "kvfence_kv_fence_violations",
             "Fence checks that refused a page",
             value=stats.fence_violations,

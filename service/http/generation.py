@@ -48,6 +48,7 @@ class Generation:
         self._tasks: list[asyncio.Task[None]] = []
         self._finished: set[int] = set()
         self._rest_started = False
+        self._only: AsyncIterator[EngineEvent] | None = None  # n == 1: read with no pump
 
     @property
     def requests(self) -> Sequence[Request]:
@@ -66,6 +67,9 @@ class Generation:
             stream = await self._engine.submit(self._requests[i])
         except EngineError as exc:
             raise submit_error(exc) from None
+        if len(self._requests) == 1:  # one sequence: events() reads it in the caller's task
+            self._only = stream
+            return
         self._tasks.append(asyncio.create_task(self._pump(i, stream)))
 
     async def _pump(self, i: int, stream: AsyncIterator[EngineEvent]) -> None:
@@ -89,6 +93,14 @@ class Generation:
     async def events(self) -> AsyncIterator[tuple[int, EngineEvent]]:
         """(sequence index, event) until every sequence has finished. Raises ServiceError if
         a later sequence's submit was refused."""
+        if self._only is not None:  # no task and no queue between the engine and the caller
+            async for only in self._only:
+                if isinstance(only, Finished):
+                    self._finished.add(0)
+                yield 0, only
+                if isinstance(only, Finished):
+                    return
+            return
         done = 0
         while done < len(self._requests):
             i, event = await self._queue.get()

@@ -109,20 +109,32 @@ def test_prefix_ratios_paired_by_repetition_and_target_on_the_worst() -> None:
     assert not prefix.judge(samples)[3][1].passed
 
 
-def test_isolation_overhead_paired_by_round_and_judged_on_the_worst_round() -> None:
+def _cost(scrubs: int, scrub_ms: float, prefix_ms: float, wall_s: float) -> isolation_cost.Cost:
+    return isolation_cost.Cost(scrubs, scrub_ms / 1e3, prefix_ms / 1e3, wall_s)
+
+
+def test_isolation_cost_is_the_timed_work_over_the_wall_time_judged_on_the_worst_round() -> None:
     samples = {
         isolation_cost.DEFAULT: [99.0, 90.0, 100.0],
         "scrub off": [100.0, 100.0, 100.0],
         "prefix cache off": [98.0, 80.0, 120.0],
     }
-    tok_s, over, targets = isolation_cost.judge(samples)
+    # round 2 zeroes 400 pages in 400 ms of a 10 s run: 4% of the wall time
+    costs = [_cost(200, 20.0, 5.0, 10.0), _cost(400, 400.0, 5.0, 10.0), _cost(100, 10.0, 5.0, 10.0)]
+    tok_s, over, seen, targets = isolation_cost.judge(samples, costs)
     assert tok_s[isolation_cost.DEFAULT].runs == (99.0, 90.0, 100.0)
     assert over["scrub reassign vs off"].runs == pytest.approx((0.01, 0.1, 0.0))
     assert over["prefix cache on vs off"].median == pytest.approx(1 - 99 / 98)
-    scrub, prefix_cost = targets
-    assert scrub.value == pytest.approx(0.1) and not scrub.passed  # median round: 1%
-    # rounds: -1%, -12.5%, +16.7%: the median round is cheaper than off, the worst is not
-    assert prefix_cost.value == pytest.approx(1 - 100 / 120) and not prefix_cost.passed
+    assert seen["µs per zeroed page"].runs == pytest.approx((100.0, 1000.0, 100.0))
+    assert seen[isolation_cost.ZEROING].runs == pytest.approx((0.002, 0.04, 0.001))
+    zeroing, prefix_cost = targets
+    assert zeroing.value == pytest.approx(0.04) and not zeroing.passed  # median round: 0.2%
+    assert prefix_cost.value == pytest.approx(0.0005) and prefix_cost.passed
+    cheap = [_cost(200, 20.0, 5.0, 10.0)] * 3
+    assert all(t.passed for t in isolation_cost.judge(samples, cheap)[3])
+    assert isolation_cost.judge(samples, [_cost(0, 0.0, 0.0, 10.0)] * 3)[2][
+        "µs per zeroed page"
+    ].runs == (0.0, 0.0, 0.0)
 
 
 def _roundtrip(data: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +149,8 @@ def test_summary_renders_every_figure_as_median_min_max() -> None:
     )
     iso = isolation_cost.judge(
         {isolation_cost.DEFAULT: [99.0, 90.0, 100.0], "scrub off": [100.0] * 3,
-         "prefix cache off": [100.0] * 3}
+         "prefix cache off": [100.0] * 3},
+        [_cost(200, 20.0, 5.0, 10.0), _cost(100, 100.0, 5.0, 10.0), _cost(300, 30.0, 5.0, 10.0)],
     )
     pre = prefix.judge({k: [(1.0, 0), (2.0, 0), (3.0, 0)] for k in ("cold", "warm", "other tenant")})
     machine = {"cpu_model": "cpu", "usable_cores": 2, "threads": 2, "cpu_flags": {}, "versions": {}}
@@ -151,8 +164,8 @@ def test_summary_renders_every_figure_as_median_min_max() -> None:
               "per_tenant": {}} for r in range(3)])},
         "prefix": {"machine": machine, "targets": pre[3], "ttft_ms": pre[0],
                    "ttft_over_cold": pre[1], "cached_tokens": pre[2]},
-        "isolation_cost": {"machine": machine, "targets": iso[2], "output_tok_s": iso[0],
-                           "overhead": iso[1]},
+        "isolation_cost": {"machine": machine, "targets": iso[3], "output_tok_s": iso[0],
+                           "overhead": iso[1], "isolation_work": iso[2]},
     }
     text = summary_markdown({k: _roundtrip(v) for k, v in results.items()})
     assert "| 1 | 128 | 12 [10–20] | 10 [9–12] | 0.9 [0.5–1] |" in text
@@ -161,7 +174,8 @@ def test_summary_renders_every_figure_as_median_min_max() -> None:
     assert "| warm | 2000 [1000–3000] | 1 [1–1] | 0 |" in text
     assert "| default (reassign, prefix on) | 99 [90–100] |" in text
     assert "| scrub reassign vs off | 0.01 [0–0.1] |" in text
-    assert "isolation overhead: scrub reassign vs off (worst of 3 runs) | 0.100 | ≤ 0.03 | MISS" in text
+    assert "| µs per zeroed page | 100 [100–1000] |" in text
+    assert "isolation cost: page zeroing / run wall time (worst of 3 runs) | 0.010 | ≤ 0.03 | pass" in text
 
 
 def test_summary_leaves_out_single_run_results_instead_of_showing_them_without_spread() -> None:

@@ -101,3 +101,11 @@ def test_stats_snapshot() -> None:
     assert (u.hit_tokens, u.miss_tokens) == (8, 12)
     assert u.hit_rate == pytest.approx(0.4)
     assert dict(s.evictions) == {"ttl": 0, "lru": 0, "quota": 0, "purge": 0}
+
+
+def test_prefix_time_is_counted_only_when_the_prefix_cache_is_used() -> None:
+    mgr, _ = make_manager(num_pages=8)
+    prefill(mgr, "off", "t", list(range(10)), use_prefix_cache=False)
+    assert mgr.stats().prefix_s == 0.0
+    prefill(mgr, "on", "t", list(range(10)))
+    assert mgr.stats().prefix_s > 0.0

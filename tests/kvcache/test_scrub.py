@@ -69,3 +69,21 @@ def test_ttl_zero_tenant_pages_are_not_left_cached() -> None:
     mgr.free("a")
     assert mgr.num_free_pages() == 4
     assert torch.all(mgr.pool.kv == 0)
+
+
+def test_scrub_time_is_counted_only_while_pages_are_zeroed() -> None:
+    """``scrub_s`` (the figure the isolation-cost benchmark divides by the step time) grows
+    with each zeroing and stays 0 while nothing is zeroed."""
+    mgr, _ = make_manager(num_pages=1, scrub_policy="reassign")
+    prefill(mgr, "first", "a", [1, 2, 3, 4], fill=7.0, use_prefix_cache=False)
+    mgr.free("first")
+    assert mgr.stats().scrub_s == 0.0
+    mgr.open("second", "b", [4, 5], use_prefix_cache=False)
+    grow(mgr, "second", 2)
+    stats = mgr.stats()
+    assert stats.scrubs == 1
+    assert stats.scrub_s > 0.0
+    mgr.free("second")
+    mgr.open("third", "b", [6], use_prefix_cache=False)
+    grow(mgr, "third", 1)
+    assert mgr.stats().scrub_s == stats.scrub_s  # same tenant: no zeroing, no time

@@ -49,6 +49,8 @@ def test_scrape_shows_each_tenants_tokens_and_requests(srv: ServerHandle) -> Non
     stats = srv.stats()
     assert m["kvfence_kv_pages_total"][()] == stats.total_pages
     assert m["kvfence_kv_scrubs_total"][()] == stats.scrubs
+    assert m["kvfence_kv_scrub_seconds_total"][()] == stats.scrub_s
+    assert m["kvfence_kv_prefix_seconds_total"][()] == stats.prefix_s > 0  # acme's prompt cached
     assert m["kvfence_kv_fence_violations_total"][()] == stats.fence_violations == 0
     assert {dict(k)["reason"] for k in m["kvfence_kv_evictions_total"]} == {
         "ttl",
