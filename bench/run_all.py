@@ -21,6 +21,7 @@ from typing import Any
 from bench import (
     continuous,
     isolation_cost,
+    memory,
     offline,
     online,
     online_guidellm,
@@ -36,6 +37,7 @@ SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
     "single_stream": single_stream.run,
     "offline": offline.run,
     "overhead": overhead.run,
+    "memory": memory.run,
     "continuous": continuous.run,
     "online": online.run,
     "online_http": online_http.run,

@@ -12,6 +12,7 @@ SUITE_ORDER = (
     "single_stream",
     "offline",
     "overhead",
+    "memory",
     "continuous",
     "online",
     "online_http",
@@ -33,6 +34,7 @@ all cores as threads, and runs alone after its own warm-up pass.
 | [single_stream](single_stream.md) | one request at a time (32-token prompt, 128 tokens greedy, 3 interleaved runs after a warm-up): TTFT and decode tok/s of kvfence in process (`--weights auto` and `bf16`) and over gRPC, llama.cpp n_seq=1, transformers `generate()`; median [min–max] |
 | [offline](offline.md) | 64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, ignore_eos: kvfence engine in process, kvfence over gRPC, transformers `generate()` in static left-padded batches of 8 and 32 (dense weights in kvfence's dtype), llama.cpp batched `llama_decode`: swept over n_seq in {1, 2, 4, 8, 16, 32} x (library defaults; flash attention on with split or unified KV) on a quarter of the work, then its best configuration timed in full. Every system timed 3 times: median [min–max]; ratio targets use kvfence's worst run against the peer's best. |
 | [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512}: 3 runs per point, each the median of 15 steps; median [min–max], target on the worst run |
+| [memory](memory.md) | each `--weights` mode (auto, bf16, int8, int4) in a fresh process: RSS after loading the default GGUF, peak RSS after the engine's start and one 128-token stream, the packed copies' size, that stream's decode tok/s; 3 processes per mode, median [min–max] |
 | [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward; 3 interleaved runs each, median [min–max] |
 | [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity; the whole plan 3 times, median [min–max] |
 | [online_http](online_http.md) | the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, 3 interleaved rounds (median [min–max]); output tok/s unconstrained vs JSON-schema-constrained |
@@ -105,6 +107,20 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
         ]
     # NOTE: a section is shown only from results that carry runs (median [min–max]); an
     # older single-run results file is left out rather than shown without its spread.
+    memory = results.get("memory")
+    if memory and "figures" in memory:
+        parts += [
+            "## Memory per weights mode (median [min–max] of fresh processes)",
+            md_table(
+                ("--weights", "RSS after load MB", "peak RSS MB", "packed copies MB",
+                 "decode tok/s (1 stream)"),
+                [
+                    (mode, *(_spread(f[k]) for k in ("rss_after_load_mb", "peak_rss_mb",
+                                                      "packed_mb", "decode_tok_s")))
+                    for mode, f in memory["figures"].items()
+                ],
+            ),
+        ]
     overhead = results.get("overhead")
     if overhead and _has_runs(overhead.get("points", [{}])[0].get("engine_step_ms")):
         parts += [

@@ -187,3 +187,20 @@ def test_summary_leaves_out_single_run_results_instead_of_showing_them_without_s
     text = summary_markdown(old)
     assert "Online serving" not in text and "Continuous batching" not in text
     assert "Machine: cpu" in text
+
+
+def test_memory_figures_are_per_mode_spreads_and_render_in_the_summary() -> None:
+    from bench import memory
+
+    def row(rss: float, tok_s: float) -> dict[str, float]:
+        return {"rss_after_load_mb": rss, "peak_rss_mb": rss + 100, "packed_mb": 97.0,
+                "decode_tok_s": tok_s}
+
+    figures = memory.aggregate({"auto": [row(500, 40), row(520, 45), row(510, 50)]})
+    assert figures["auto"]["rss_after_load_mb"].runs == (500.0, 520.0, 510.0)
+    assert figures["auto"]["decode_tok_s"].median == 45.0
+    machine = {"cpu_model": "cpu", "usable_cores": 2, "threads": 2, "cpu_flags": {}, "versions": {}}
+    text = summary_markdown(
+        {"memory": _roundtrip({"machine": machine, "targets": [], "figures": figures})}
+    )
+    assert "| auto | 510 [500–520] | 610 [600–620] | 97 [97–97] | 45 [40–50] |" in text
