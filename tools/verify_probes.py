@@ -58,8 +58,9 @@ def _once(body: str, flag: str) -> str:
             f"            setattr({_BUILTINS}, {flag!r}, 1)\n            {body}\n")
 
 
-PREFIX_OFF = edit(MANAGER, "if self._caching(table):\n            self._self_match",
-                  "if False:\n            self._self_match")
+PREFIX_OFF = edit(MANAGER, "if self._caching(table):\n            started = time.perf_counter()\n"
+                  "            self._self_match",
+                  "if False:\n            started = time.perf_counter()\n            self._self_match")
 DROP_TOKEN = edit(RESPONSES, CHUNK, CHUNK.replace("token_ids=event.token_ids,",
                                                   "token_ids=event.token_ids[1:],"))
 FENCE_COUNTER = edit(MANAGER, "fence_violations=self.allocator.violations,",
