@@ -41,8 +41,9 @@ def _pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     return ids, mask
 
 
-def generate_batch(model: Any, batch: Sequence[Work]) -> int:
-    """Greedy-generate one static batch; returns the number of generated positions per row."""
+def generate_batch(model: Any, batch: Sequence[Work], outputs: list[list[int]] | None = None) -> int:
+    """Greedy-generate one static batch; returns the number of generated positions per row.
+    ``outputs`` (when given) receives each row's first max_tokens generated ids."""
     pad_id = model.generation_config.pad_token_id
     pad_id = 0 if pad_id is None else int(pad_id)
     ids, mask = _pad_left([w.prompt_ids for w in batch], pad_id)
@@ -59,16 +60,25 @@ def generate_batch(model: Any, batch: Sequence[Work]) -> int:
     generated = int(out.shape[1] - ids.shape[1])
     if generated != new:
         raise RuntimeError(f"transformers generated {generated} tokens, expected {new}")
+    if outputs is not None:
+        tail = out[:, ids.shape[1] :].tolist()
+        outputs.extend(row[: w.max_tokens] for row, w in zip(tail, batch, strict=True))
     return generated
 
 
-def run_static(model: Any, work: Sequence[Work], batch_size: int) -> Throughput:
+def run_static(
+    model: Any, work: Sequence[Work], batch_size: int, outputs: list[list[int]] | None = None
+) -> Throughput:
+    """Time static batches of ``batch_size``; ``outputs`` receives each request's ids."""
     padded = 0
+    got: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(work), batch_size):
         batch = work[i : i + batch_size]
-        padded += generate_batch(model, batch) * len(batch)
+        padded += generate_batch(model, batch, got) * len(batch)
     wall = time.perf_counter() - start
+    if outputs is not None:
+        outputs[:] = got
     useful = sum(w.max_tokens for w in work)
     return throughput(
         f"transformers generate b={batch_size}",

@@ -178,7 +178,7 @@ async def run_engine(
         )
         async for event in await engine.submit(request):
             if isinstance(event, Delta):
-                trace.on_chunk(time.perf_counter(), len(event.token_ids))
+                trace.on_chunk(time.perf_counter(), len(event.token_ids), event.token_ids)
             elif isinstance(event, Admitted):
                 trace.cached_tokens = event.cached_tokens
             elif isinstance(event, Finished):
@@ -222,7 +222,7 @@ async def run_grpc(
         )
         async for event in stream:
             if isinstance(event, Chunk):
-                trace.on_chunk(time.perf_counter(), len(event.token_ids))
+                trace.on_chunk(time.perf_counter(), len(event.token_ids), event.token_ids)
             elif isinstance(event, Started):
                 trace.cached_tokens = event.cached_prompt_tokens
             elif isinstance(event, WireFinished):

@@ -168,10 +168,15 @@ class LlamaCppRunner:
         return outputs
 
 
-def run_llamacpp(runner: LlamaCppRunner, work: Sequence[Work]) -> Throughput:
+def run_llamacpp(
+    runner: LlamaCppRunner, work: Sequence[Work], outputs: list[list[int]] | None = None
+) -> Throughput:
+    """Time ``runner`` on ``work``; ``outputs`` (when given) receives each request's ids."""
     start = time.perf_counter()
-    runner.generate(work)
+    got = runner.generate(work)
     wall = time.perf_counter() - start
+    if outputs is not None:
+        outputs[:] = got
     return throughput(
         f"llama.cpp {runner.config}",
         work,

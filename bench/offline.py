@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from bench import greedy_check
 from bench.common import (
     Target,
     Throughput,
@@ -47,6 +48,7 @@ REPEATS = 3
 ENGINE = "kvfence engine"
 FAIR = "kvfence engine, served step budget"
 FAIR2 = "kvfence engine, served step budget, 2 tenants"
+SAMPLED = 4  # requests per system rerun alone as its greedy reference (greedy_check)
 SERVED = EngineSizing()  # the server's defaults: --max-step-ms and --decode-stretch
 TENANT = "bench"
 
@@ -95,8 +97,17 @@ def _attempt_rounds(
             print(f"[{SUITE}]   {r.output_tok_s:.1f} output tok/s ({r.wall_s:.1f}s)", flush=True)
 
 
+Outputs = dict[str, list[list[int]]]  # system -> every request's ids from its last timed run
+
+
 def _kvfence_runs(
-    loaded: Any, work: list[Work], warm: list[Work], runs: list[Throughput], errors: dict[str, str]
+    loaded: Any,
+    work: list[Work],
+    warm: list[Work],
+    runs: list[Throughput],
+    errors: dict[str, str],
+    outputs: Outputs,
+    checks: list[greedy_check.Agreement],
 ) -> None:
     from bench.kvfence_runner import (
         Sizing,
@@ -117,6 +128,7 @@ def _kvfence_runs(
                 run_engine(engine, work, tenants, bypass_prefix_cache=True)
             )
         check_complete(work, traces)
+        outputs[name] = [t.token_ids for t in traces]
         note = "engine API, all requests submitted at once"
         if len(tenants) > 1:
             note += f", alternating between {len(tenants)} tenants of weight 1"
@@ -127,6 +139,7 @@ def _kvfence_runs(
             await run_grpc(target, keys, warm, (TENANT,), bypass_prefix_cache=True)
             wall, traces = await run_grpc(target, keys, work, (TENANT,), bypass_prefix_cache=True)
         check_complete(work, traces)
+        outputs["kvfence gRPC"] = [t.token_ids for t in traces]
         return throughput("kvfence gRPC", work, wall, "AsyncClient, all requests concurrent")
 
     # The fair-compute step budget as served (issue 12): what it costs offline throughput,
@@ -142,6 +155,42 @@ def _kvfence_runs(
         runs,
         errors,
     )
+    indices = greedy_check.sample(work, SAMPLED)
+
+    def alone() -> list[list[int]]:  # the engine with one request at a time
+        refs = []
+        with started_engine(loaded, Sizing()) as engine:
+            for i in indices:
+                _, traces = asyncio.run(
+                    run_engine(engine, [work[i]], (TENANT,), bypass_prefix_cache=True)
+                )
+                refs.append(traces[0].token_ids)
+        return refs
+
+    _check(alone, [n for n in (ENGINE, FAIR, FAIR2, "kvfence gRPC") if n in outputs],
+           work, indices, outputs, checks, errors)
+
+
+def _check(
+    reference: Callable[[], list[list[int]]],
+    systems: list[str],
+    work: list[Work],
+    indices: list[int],
+    outputs: Outputs,
+    checks: list[greedy_check.Agreement],
+    errors: dict[str, str],
+) -> None:
+    """Compare each of ``systems``' kept outputs with one reference run of the sample."""
+    if not systems:
+        return
+    print(f"[{SUITE}] greedy reference for {', '.join(systems)} ...", flush=True)
+    try:
+        refs = reference()
+        for name in systems:
+            checks.append(greedy_check.agreement(name, work, indices, outputs[name], refs))
+    except Exception as err:
+        errors[f"greedy check {systems[0]}"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
 
 
 def _peer_runs(
@@ -152,20 +201,32 @@ def _peer_runs(
     runs: list[Throughput],
     errors: dict[str, str],
     sweep: dict[str, float],
+    outputs: Outputs,
+    checks: list[greedy_check.Agreement],
 ) -> None:
     from bench.hf_peer import generate_batch, load_hf_model, run_static
     from bench.llamacpp_peer import LlamaCppRunner, run_llamacpp
 
     gguf = default_model_file()
+    indices = greedy_check.sample(work, SAMPLED)
     try:
         model = load_hf_model(gguf, dtype)
         generate_batch(model, warm)
         for b in HF_BATCHES:
 
             def static(b: int = b, m: Any = model) -> Throughput:
-                return run_static(m, work, b)
+                return run_static(m, work, b, outputs.setdefault(f"transformers b={b}", []))
 
             _attempt(f"transformers b={b}", static, runs, errors)
+
+        def alone(m: Any = model) -> list[list[int]]:  # one unpadded row per generate()
+            refs: list[list[int]] = []
+            for i in indices:
+                generate_batch(m, [work[i]], refs)
+            return refs
+
+        names = [f"transformers b={b}" for b in HF_BATCHES]
+        _check(alone, [n for n in names if outputs.get(n)], work, indices, outputs, checks, errors)
         del model
     except Exception as err:
         errors["transformers"] = f"{type(err).__name__}: {err}"
@@ -178,11 +239,21 @@ def _peer_runs(
         runner = LlamaCppRunner(gguf, best[0], threads, kv_unified=best[1], flash_attn=best[2])
         try:
             runner.generate(warm)
-            return run_llamacpp(runner, work)
+            return run_llamacpp(runner, work, outputs.setdefault("llama.cpp best", []))
         finally:
             runner.close()
 
     _attempt("llama.cpp best", llama, runs, errors)
+
+    def alone() -> list[list[int]]:  # the same configuration, one request per generate()
+        runner = LlamaCppRunner(gguf, best[0], threads, kv_unified=best[1], flash_attn=best[2])
+        try:
+            return [runner.generate([work[i]])[0] for i in indices]
+        finally:
+            runner.close()
+
+    if outputs.get("llama.cpp best"):
+        _check(alone, ["llama.cpp best"], work, indices, outputs, checks, errors)
 
 
 LlamaConfig = tuple[int, bool, bool | None]  # n_seq, kv_unified, flash_attn (None = default)
@@ -255,6 +326,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     runs: list[Throughput] = []
     errors: dict[str, str] = {}
     sweep: dict[str, float] = {}
+    outputs: Outputs = {}
+    checks: list[greedy_check.Agreement] = []
     dtype = torch.float32
     sizing: dict[str, Any] = {}
     try:
@@ -263,12 +336,12 @@ def run(quick: bool = False) -> dict[str, Any]:
         sizing = asdict(Sizing())
         loaded = load_kvfence(gguf)
         dtype = loaded.dtype
-        _kvfence_runs(loaded, work, warm, runs, errors)
+        _kvfence_runs(loaded, work, warm, runs, errors, outputs, checks)
         del loaded
     except ImportError as err:
         errors["kvfence"] = f"ImportError: {err}"
-    _peer_runs(dtype, work, warm, threads, runs, errors, sweep)
-    return report(runs, errors, quick, threads, dtype, work, sizing, sweep)
+    _peer_runs(dtype, work, warm, threads, runs, errors, sweep, outputs, checks)
+    return report(runs, errors, quick, threads, dtype, work, sizing, sweep, checks)
 
 
 def report(
@@ -280,8 +353,10 @@ def report(
     work: list[Work],
     sizing: dict[str, Any],
     sweep: dict[str, float] | None = None,
+    checks: list[greedy_check.Agreement] | None = None,
 ) -> dict[str, Any]:
     out = results_dir(quick)
+    checks = checks or []
     sweep = sweep or {}
     groups = _by_system(runs)
     kv, grpc = _rates(runs, ENGINE), _rates(runs, "kvfence gRPC")
@@ -321,6 +396,9 @@ def report(
                     0.95,
                 )
             )
+    check_target = greedy_check.target(checks)
+    if check_target is not None:
+        targets.append(check_target)
     systems = {
         name: {
             "output_tok_s": _spread([r.output_tok_s for r in group]),
@@ -368,6 +446,7 @@ def report(
                 rows,
             ),
             targets_table(targets),
+            *([checks_table(checks)] if checks else []),
             *([sweep_table(sweep, len(work))] if sweep else []),
             f"![throughput]({plot})",
             *(f"**error** {name}: {msg}" for name, msg in errors.items()),
@@ -383,6 +462,7 @@ def report(
         "systems": systems,
         "ratios_kvfence_over": ratios,
         "llama_cpp_sweep": sweep,
+        "greedy_check": [a.as_dict() for a in checks],
         "targets": targets,
         "errors": errors,
     }
@@ -401,5 +481,16 @@ def sweep_table(sweep: dict[str, float], n: int) -> str:
                 ("llama.cpp configuration", "output tok/s", "chosen"),
                 [(c, v, "best" if i == 0 else "") for i, (c, v) in enumerate(ranked)],
             ),
+        ]
+    )
+
+
+def checks_table(checks: list[greedy_check.Agreement]) -> str:
+    """Each system's batched tokens against its own one-request greedy run."""
+    return "\n\n".join(
+        [
+            f"Greedy check: {checks[0].sampled} sampled requests per system rerun one at a time on "
+            "the same system; tokens equal before the first difference, per request:",
+            md_table(greedy_check.TABLE_HEAD, greedy_check.table_rows(checks)),
         ]
     )

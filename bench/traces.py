@@ -22,11 +22,13 @@ class RequestTrace:
     cached_tokens: int = 0
     end: float = 0.0
     finish_reason: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the generated ids, where the front gives them
 
-    def on_chunk(self, now: float, num_tokens: int) -> None:
+    def on_chunk(self, now: float, num_tokens: int, ids: Sequence[int] = ()) -> None:
         if num_tokens:
             self.chunk_times.append(now)
             self.output_tokens += num_tokens
+            self.token_ids.extend(ids)
 
     @property
     def ttft(self) -> float:
