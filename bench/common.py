@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -131,6 +132,26 @@ def set_torch_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """(server cores, load-generator cores): the first half of this process's cores and the
+    rest, so no load generator takes CPU from the server it measures. The online suites that
+    compare fronts need it: the clients differ in CPU per token (GuideLLM and the ``openai``
+    SDK spend several times the gRPC client's), and on shared cores that difference would be
+    charged to the front being driven."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return set(cores), set(cores)
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process onto ``cpus`` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that ended
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def default_model_file() -> Path:

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -54,8 +55,11 @@ async def _run(s: Mapping[str, Any]) -> tuple[float, list[RequestTrace]]:
     return await run_http(s["address"], s["keys"], work, tenants, **load, **http)
 
 
-async def in_own_process(s: Mapping[str, Any], scratch: Path) -> tuple[float, list[RequestTrace]]:
-    """Run ``s`` in a child process while this process's loop (the server) keeps serving."""
+async def in_own_process(
+    s: Mapping[str, Any], scratch: Path, cpus: set[int] | None = None
+) -> tuple[float, list[RequestTrace]]:
+    """Run ``s`` in a child process while this process's loop (the server) keeps serving;
+    ``cpus``: the cores the child may use (set before it imports anything)."""
     spec_file, out_file = scratch / "spec.json", scratch / "out.json"
     spec_file.write_text(json.dumps(s))
     out_file.unlink(missing_ok=True)
@@ -63,6 +67,8 @@ async def in_own_process(s: Mapping[str, Any], scratch: Path) -> tuple[float, li
         sys.executable, "-m", "bench.front_load", str(spec_file), str(out_file),
         stderr=asyncio.subprocess.PIPE,
     )
+    if cpus is not None:
+        os.sched_setaffinity(child.pid, cpus)
     _, err = await child.communicate()
     if child.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-1:]
