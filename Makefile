@@ -58,7 +58,7 @@ mutants: $(STAMP) model
 	$(PY) -m tools.mutants --markdown bench/results/mutants.md
 
 bench: $(STAMP) model
-	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(PIP) install -q -e ".[bench]"
+	CMAKE_ARGS="$${CMAKE_ARGS:-$$($(PY) -m bench.llamacpp_flags)}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
 
 # Scale-out: 3 replicas + HAProxy (deploy/haproxy/haproxy.cfg) + Redis on 127.0.0.1.
