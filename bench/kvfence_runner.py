@@ -57,6 +57,7 @@ class Sizing:
     # the served default (EngineSizing) is a 100 ms target with decode_stretch 2.
     max_step_ms: float = 0.0
     decode_stretch: float = 2.0
+    compile: str = "off"  # --compile (service/engine/compiled.py)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -65,6 +66,7 @@ class Sizing:
             max_model_len=self.max_model_len,
             max_step_ms=self.max_step_ms,
             decode_stretch=self.decode_stretch,
+            compile=self.compile,
         )
 
     def cache_config(self) -> CacheConfig:
@@ -79,6 +81,7 @@ class Sizing:
             scrub_policy=self.scrub_policy,
             prefix_ttl_s=self.prefix_ttl_s,
             sampler_seed=0,
+            compile=self.compile,
         )
 
 

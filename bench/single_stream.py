@@ -18,6 +18,7 @@ every parallel op of the engine's step pay a futex wake-up).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ from service.model.threads import on_fresh_thread
 SUITE = "single_stream"
 PROMPT_TOKENS = 32
 GRPC, INPROC, LLAMA = "kvfence gRPC (auto)", "kvfence in-process (auto)", "llama.cpp n_seq=1"
+GRPC_C, INPROC_C = "kvfence gRPC (auto, --compile on)", "kvfence in-process (auto, --compile on)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +153,15 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
     dtype = str(auto.dtype).removeprefix("torch.")
     samples: dict[str, list[Sample]] = {}
 
-    async def inproc(loaded: Any, w: Work) -> Sample:
-        with started_engine(loaded, sizing) as engine:
+    compiled = dataclasses.replace(sizing, compile="on")
+
+    async def inproc(loaded: Any, w: Work, size: Sizing = sizing) -> Sample:
+        with started_engine(loaded, size) as engine:
             _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
         return _trace_sample(traces, w.max_tokens)
 
-    async def grpc(w: Work) -> Sample:
-        async with grpc_server(auto, ["bench"], sizing) as (target, keys, _):
+    async def grpc(w: Work, size: Sizing = sizing) -> Sample:
+        async with grpc_server(auto, ["bench"], size) as (target, keys, _):
             _, traces = await run_grpc(target, keys, [w], ["bench"], bypass_prefix_cache=True)
         return _trace_sample(traces, w.max_tokens)
 
@@ -165,6 +169,8 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         INPROC: lambda w: inproc(auto, w),
         "kvfence in-process (bf16)": lambda w: inproc(dense, w),
         GRPC: grpc,
+        INPROC_C: lambda w: inproc(auto, w, compiled),
+        GRPC_C: lambda w: grpc(w, compiled),
         LLAMA: _llama_system(path, threads),
         "transformers generate": _hf_system(path, auto.dtype),
     }
@@ -194,18 +200,18 @@ def run(quick: bool = False) -> dict[str, Any]:
         tok_s = spread([s.decode_tok_s for s in got])
         figures[name] = {"ttft_ms": ttft, "decode_tok_s": tok_s, "runs": [vars_of(s) for s in got]}
         rows.append((name, fmt(ttft), fmt(tok_s)))
-    grpc, inproc, llama = samples[GRPC], samples[INPROC], samples[LLAMA]
-    vs_llama = [g.decode_tok_s / ll.decode_tok_s for g, ll in zip(grpc, llama, strict=True)]
-    overhead = [i.decode_tok_s / g.decode_tok_s for g, i in zip(grpc, inproc, strict=True)]
-    targets = [
-        Target("single-stream gRPC decode vs llama.cpp tg128 (worst run)", min(vs_llama), 1.0),
-        Target(
-            "gRPC per-token time / in-process (worst run)",
-            max(overhead),
-            1.15,
-            higher_is_better=False,
-        ),
-    ]
+    llama = samples[LLAMA]
+    targets = []
+    for label, g_name, i_name in (("", GRPC, INPROC), (" --compile on", GRPC_C, INPROC_C)):
+        grpc, inproc = samples[g_name], samples[i_name]
+        vs_llama = [g.decode_tok_s / ll.decode_tok_s for g, ll in zip(grpc, llama, strict=True)]
+        overhead = [i.decode_tok_s / g.decode_tok_s for g, i in zip(grpc, inproc, strict=True)]
+        targets += [
+            Target(f"single-stream gRPC{label} decode vs llama.cpp tg128 (worst run)",
+                   min(vs_llama), 1.0),
+            Target(f"gRPC{label} per-token time / in-process (worst run)", max(overhead), 1.15,
+                   higher_is_better=False),
+        ]
     names = list(figures)
     plot = bar_plot(
         out,
@@ -218,7 +224,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     md = "\n\n".join(
         [
             f"# Single-stream decode{' (quick)' if quick else ''}",
-            f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(grpc)} interleaved "
+            f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(llama)} interleaved "
             f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. "
             "Figures: median [min–max]; targets judged on the worst run.",
             md_table(("system", "TTFT ms", "decode tok/s"), rows),

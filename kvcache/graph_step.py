@@ -95,6 +95,37 @@ class GraphDecodeAttention:
         return self._kernel(q, kv_layer)
 
 
+class FusedGraphDecodeKernel(GraphDecodeKernel, Protocol):
+    """A graph kernel that writes the step's K/V rows and attends in one opaque call."""
+
+    def write_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` at ``rows`` of layer ``layer`` of the whole pool tensor ``kv``,
+        then attend ``q`` over the static pages."""
+        ...
+
+
+class FusedDecodeAttention(GraphDecodeAttention):
+    """:class:`GraphDecodeAttention` for a compiled step: the KV write and the attention
+    are the kernel's one call (``write_attend``), so the compiler never traces KV memory."""
+
+    def __init__(self, pool: PagePool, kernel: FusedGraphDecodeKernel) -> None:
+        super().__init__(pool, kernel)
+        self._fused = kernel
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return self._fused.write_attend(q, k, v, self._pool.kv, layer, self._rows)
+
+
 def scratch_metadata(batch_size: int, page_size: int, device: torch.device) -> AttentionMetadata:
     """A decode batch whose every row writes and reads slot 0 of page 0: what the graphs are
     warmed up and captured on, before any page is handed out (see :meth:`release_scratch`)."""

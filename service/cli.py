@@ -75,6 +75,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--weights", "auto",
          "decode weights: auto keeps the file's 4/8-bit blocks on CPU; bf16, int4, int8",
          choices=["auto", "bf16", "int4", "int8"])
+    _add(p, "--compile", "off",
+         "torch.compile small decode batches at start (CPU, bf16, a C++ compiler): "
+         "auto where it can run, on (fail the start where it cannot), off",
+         choices=["auto", "on", "off"])
     _add(p, "--scrub-policy", "reassign", "when KV pages are zeroed",
          choices=["reassign", "always", "off"])
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
@@ -250,8 +254,9 @@ def _is_user_error(err: Exception) -> bool:
     if isinstance(err, UsageError | TenantsFileError | FileNotFoundError):
         return True
     names = {cls.__name__ for cls in type(err).__mro__}
-    # ConfigError (service.config) and ModelLoadError (service.model) without importing torch.
-    return bool(names & {"ConfigError", "ModelLoadError"})
+    # ConfigError (service.config), ModelLoadError (service.model) and CompileUnavailable
+    # (service.engine.compiled) without importing torch.
+    return bool(names & {"ConfigError", "ModelLoadError", "CompileUnavailable"})
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class EngineSizing:
     dtype: str = "auto"
     device: str = "cpu"
     weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
+    compile: str = "off"  # --compile: auto | on | off (service/engine/compiled.py)
     scrub_policy: Literal["reassign", "always", "off"] = "reassign"
     prefix_ttl_s: float = 600.0
     warmup: bool = True
@@ -153,6 +154,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         dtype=args.dtype,
         device=args.device,
         weights=args.weights,
+        compile=args.compile,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,
         max_step_ms=args.max_step_ms,
@@ -189,6 +191,7 @@ def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
         max_num_batched_tokens=sizing.max_num_batched_tokens,
         max_model_len=sizing.max_model_len or model_len,
         warmup=sizing.warmup,
+        compile=sizing.compile,
         max_step_ms=sizing.max_step_ms,
         decode_stretch=sizing.decode_stretch,
         long_prefill_threshold=sizing.prefill_chunk,

@@ -27,7 +27,7 @@ from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.grammar import GrammarMatcher
 from service.engine.invariants import validate_request
 from service.engine.request import SeqState, SeqStatus
-from service.engine.runner import ForwardModel, ModelRunner, build_inputs
+from service.engine.runner import ForwardModel, GraphReplay, ModelRunner, build_inputs
 from service.engine.sampler import Sampler, SampleResult, SampleRow
 from service.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from service.engine.stop import StopMatcher
@@ -80,6 +80,7 @@ class EngineCore:
         self._clock = clock
         self._policies: dict[str, TenantSchedPolicy] = {}
         self._scheduler = Scheduler(config, cache, self.policy, clock, config.drr_quantum)
+        self.pool = cache.pool
         self._runner = ModelRunner(model, device)
         self._sampler = Sampler(device, sampler_seed)
         self._seqs: dict[str, SeqState] = {}
@@ -107,6 +108,11 @@ class EngineCore:
         )
         tokens = TokenSource(tokenizer, mc.vocab_size, mc.eos_token_ids)
         return cls(model, tokens, cache, config, clock, model.device, sampler_seed)
+
+    def use_graphs(self, graphs: GraphReplay) -> None:
+        """Serve decode-only steps through ``graphs`` (``DecodeGraphs``: compiled or
+        captured forwards, built while no page is in use); other steps stay eager."""
+        self._runner = ModelRunner(self._runner.model, self._runner.device, graphs)
 
     # ---- commands ------------------------------------------------------------------------
     def set_tenant_policy(

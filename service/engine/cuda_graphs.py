@@ -110,7 +110,10 @@ class DecodeGraphs:
         kernel_for: Callable[[int], GraphDecodeKernel],
         buckets: Sequence[int],
         recorder: Recorder,
+        attention: Callable[[PagePool, Any], GraphDecodeAttention] = GraphDecodeAttention,
     ) -> None:
+        """``attention(pool, kernel)`` is the AttentionFn each bucket's forward calls:
+        :class:`GraphDecodeAttention`, or ``FusedDecodeAttention`` for a compiled step."""
         if not buckets:
             raise ValueError("need at least one bucket")
         self.buckets = tuple(sorted(set(buckets)))
@@ -118,13 +121,13 @@ class DecodeGraphs:
         self.replays = 0  # decode steps served by a graph (for tests and stats)
         # NOTE: largest first, so smaller graphs reuse the memory pool's blocks.
         for size in reversed(self.buckets):
-            self._graphs[size] = self._record(model, pool, kernel_for(size), recorder)
+            attn = attention(pool, kernel_for(size))
+            self._graphs[size] = self._record(model, pool, attn, recorder)
 
     @staticmethod
     def _record(
-        model: ForwardModel, pool: PagePool, kernel: GraphDecodeKernel, recorder: Recorder
+        model: ForwardModel, pool: PagePool, attn: GraphDecodeAttention, recorder: Recorder
     ) -> _Graph:
-        attn = GraphDecodeAttention(pool, kernel)
         size = attn.batch_size
         ids = torch.zeros(size, dtype=torch.long, device=pool.device)
         positions = torch.zeros(size, dtype=torch.long, device=pool.device)

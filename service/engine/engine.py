@@ -27,7 +27,9 @@ import torch
 from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
 from kvcache.stats import TenantUsage
+from service.engine import compiled
 from service.engine.core import EngineCore, check_policy
+from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.tokens import TokenizerLike
 from service.engine.types import (
     EngineConfig,
@@ -68,6 +70,8 @@ class Engine:
         sampler_seed: int | None = None,
     ) -> None:
         self._core = EngineCore.for_model(model, tokenizer, cache, config, clock, sampler_seed)
+        self._model = model
+        self.compiled: DecodeGraphs | None = None  # set on start where --compile applies
         self.config = self._core.config  # max_model_len capped to the model
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
@@ -105,14 +109,16 @@ class Engine:
         self, ready: concurrent.futures.Future[None], progress: WarmupProgress | None
     ) -> None:
         torch.set_num_threads(self._num_threads)
-        if self.config.warmup:
-            try:
-                with torch.inference_mode():
+        try:
+            with torch.inference_mode():
+                # Compiled on this thread, before any request holds a page (see compiled.py).
+                self.compiled = compiled.attach(self._core, self._model, self.config.compile)
+                if self.config.warmup:
                     run_warmup(self._core, progress)
-            except BaseException as err:
-                ready.set_exception(err)
-                return
-            self._counters = self._core.counters()
+        except BaseException as err:
+            ready.set_exception(err)
+            return
+        self._counters = self._core.counters()
         ready.set_result(None)
         self._loop()
 

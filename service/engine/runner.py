@@ -71,7 +71,7 @@ class ModelRunner:
     def __init__(
         self, model: ForwardModel, device: torch.device, graphs: GraphReplay | None = None
     ) -> None:
-        self._model = model
+        self.model = model
         self.device = device
         self._graphs = graphs
 
@@ -82,4 +82,4 @@ class ModelRunner:
             logits = self._graphs.run(inputs, attn)
             if logits is not None:
                 return logits
-        return self._model(inputs.input_ids, inputs.positions, attn, inputs.logits_indices)
+        return self.model(inputs.input_ids, inputs.positions, attn, inputs.logits_indices)

@@ -119,6 +119,9 @@ class EngineConfig:
     within that multiple of what it is alone.
     ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
     interleaves tenants more finely; costs are prompt + max_tokens).
+    ``compile`` (``--compile``): ``on`` runs small decode batches through a ``torch.compile``
+    forward built at start (service/engine/compiled.py) and fails the start where it cannot,
+    ``auto`` does so where it can, ``off`` never.
     """
 
     max_num_seqs: int = 64
@@ -129,6 +132,7 @@ class EngineConfig:
     decode_stretch: float = 2.0
     drr_quantum: int = 128
     warmup: bool = True
+    compile: str = "off"  # auto | on | off
     warmup_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     evict_interval_s: float = 1.0
     idle_wait_s: float = 0.05

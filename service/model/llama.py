@@ -95,6 +95,11 @@ class LlamaModel(torch.nn.Module):
         self._small_head = self._dense_head if small_head is None else small_head
 
     @property
+    def max_packed_rows(self) -> int:
+        """The largest batch (in tokens) the packed decode weights serve; 0 without them."""
+        return self._max_packed_rows
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 

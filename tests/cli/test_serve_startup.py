@@ -98,3 +98,11 @@ def test_empty_tenants_file_is_refused(tmp_path: Path) -> None:
     assert (code, lines) == (2, [
         f"kvfence: error: --tenants {empty}: no tenants in it, so every call would be refused; "
         f"`kvfence tenants add NAME --file {empty}` creates a tenant and prints its key"])
+
+
+def test_compile_on_where_it_cannot_run_says_why(tenants: Path) -> None:
+    code, lines, _ = _serve("--port", str(free_port()), "--tenants", str(tenants),
+                            "--dtype", "float32", "--compile", "on")
+    assert code == 2
+    assert lines[-1] == ("kvfence: error: --compile on: the compiled decode path cannot run: "
+                         "it needs bf16 compute (dtype is float32)")

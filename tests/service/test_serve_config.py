@@ -48,7 +48,7 @@ EVERY_FLAG = [
     "--grace-seconds", "3", "--reflection", "--log-content", "--log-format", "json",
     "--kv-memory", "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "99",
     "--max-model-len", "300", "--page-size", "8", "--dtype", "float16", "--device", "cuda:1",
-    "--weights", "int8", "--scrub-policy", "always", "--prefix-ttl", "5",
+    "--weights", "int8", "--compile", "on", "--scrub-policy", "always", "--prefix-ttl", "5",
     "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
     "--decode-stretch", "1.5", "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
@@ -90,6 +90,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             dtype="float16",
             device="cuda:1",
             weights="int8",
+            compile="on",
             scrub_policy="always",
             prefix_ttl_s=5.0,
             max_step_ms=40.0,
@@ -104,6 +105,11 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
 def test_decode_stretch_reaches_the_engine_config() -> None:
     assert engine_config(EngineSizing(decode_stretch=1.5), model_len=2048).decode_stretch == 1.5
     assert engine_config(EngineSizing(), model_len=2048).decode_stretch == 2.0
+
+
+def test_compile_reaches_the_engine_config_and_is_off_by_default() -> None:
+    assert engine_config(EngineSizing(compile="auto"), model_len=2048).compile == "auto"
+    assert engine_config(EngineSizing(), model_len=2048).compile == "off"
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
