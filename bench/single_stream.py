@@ -2,8 +2,10 @@
 
 Each run sends one greedy request (a 32-token random prompt, then 128 tokens with ignore_eos,
 llama-bench's tg128) to every system in turn: kvfence in process (``--weights auto`` and
-``bf16``), kvfence over gRPC (``auto``), llama.cpp with one sequence, and transformers
-``generate()`` (dense weights in kvfence's dtype). TTFT is request start to the first token;
+``bf16``), kvfence over gRPC (``auto``), both again with ``--compile on`` (each start
+compiles; inductor's cache makes all but the first quick, and start-up is not in the
+figures), llama.cpp with one sequence, and transformers ``generate()`` (dense weights in
+kvfence's dtype). The targets are reported for the default and for ``--compile on``. TTFT is request start to the first token;
 decode tok/s is (tokens - 1) over the time from the first token to the last. Runs are
 interleaved (run r of every system, then run r + 1) so machine load drifts hit all alike;
 each figure is the median of the runs with min and max, and a target passes only if it
