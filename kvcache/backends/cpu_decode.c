@@ -215,3 +215,22 @@ void kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indpt
         }
     }
 }
+
+/* The compiled step's one call per layer: store k, v [B, Hkv, D] (bf16, contiguous) at the
+ * flat slots rows[b] (K) and rows[batch + b] (V) of one layer, whose layer_rows slots run
+ * [page, K|V, offset] (kvcache.metadata.kv_rows), then attend as kvf_decode_bf16. Every row
+ * is checked against the layer first: on one outside it nothing is written and -1 returned. */
+int kvf_write_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *kv,
+                          const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
+                          const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
+                          int hq, int hkv, int dim, int page_size, float scale) {
+    const int64_t row = (int64_t)hkv * dim;
+    for (int i = 0; i < 2 * batch; ++i)
+        if (rows[i] < 0 || rows[i] >= layer_rows) return -1;
+    for (int b = 0; b < batch; ++b) {
+        memcpy(kv + rows[b] * row, k + b * row, (size_t)row * sizeof(uint16_t));
+        memcpy(kv + rows[batch + b] * row, v + b * row, (size_t)row * sizeof(uint16_t));
+    }
+    kvf_decode_bf16(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
+    return 0;
+}

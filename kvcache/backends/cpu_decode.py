@@ -44,6 +44,15 @@ class DecodeKernel:
         self._fn = lib.kvf_decode_bf16
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_float]
+        self._fused = lib.kvf_write_decode_bf16
+        self._fused.restype = ctypes.c_int
+        self._fused.argtypes = (
+            [ctypes.c_void_p] * 5
+            + [ctypes.c_int64]
+            + [ctypes.c_void_p] * 4
+            + [ctypes.c_int] * 5
+            + [ctypes.c_float]
+        )
         group, dim, page = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         lib.kvf_limits(ctypes.byref(group), ctypes.byref(dim), ctypes.byref(page))
         self.max_group, self.max_dim, self.max_page = group.value, dim.value, page.value
@@ -97,6 +106,72 @@ class DecodeKernel:
             page_size,
             dim**-0.5,
         )
+        return out
+
+
+    def write_run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        rows: torch.Tensor,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` ``[B, Hkv, D]`` at ``rows`` ``[2, B]`` (K rows, then V rows, as
+        :func:`kvcache.metadata.kv_rows` computes them) of layer ``layer`` of the pool tensor
+        ``kv`` ``[L, pages, 2, page_size, Hkv, D]``, then :meth:`run` on that layer, in one C
+        call (the compiled step's per-layer work; a Python write and call cost ~30 us a layer).
+        The C code checks every row against the layer and writes nothing if one is outside.
+        The metadata's dtypes and sizes are :meth:`run`'s; the graph that calls this fixed them."""
+        layers, _, two, page_size, hkv, dim = kv.shape
+        batch, hq, q_dim = q.shape
+        if (
+            kv.dtype != torch.bfloat16
+            or not kv.is_contiguous()
+            or not 0 <= layer < layers
+            or q.dtype != torch.bfloat16
+            or k.dtype != torch.bfloat16
+            or v.dtype != torch.bfloat16
+            or q_dim != dim
+            or k.shape != (batch, hkv, dim)
+            or v.shape != (batch, hkv, dim)
+            or rows.dtype != torch.int64
+            or rows.shape != (2, batch)
+            or not rows.is_contiguous()
+            or indptr.numel() != batch + 1
+            or lens.numel() != batch
+        ):
+            raise ValueError("shape or dtype the CPU decode kernel does not take")
+        for t in (indptr, indices, lens):
+            if t.dtype != torch.int32 or not t.is_contiguous():
+                raise ValueError("page metadata must be contiguous int32")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        layer_rows = kv.shape[1] * two * page_size
+        status = self._fused(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            kv.data_ptr() + layer * kv.stride(0) * kv.element_size(),
+            rows.data_ptr(),
+            layer_rows,
+            indptr.data_ptr(),
+            indices.data_ptr(),
+            lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            hq,
+            hkv,
+            dim,
+            page_size,
+            dim**-0.5,
+        )
+        if status != 0:
+            raise IndexError("a KV row outside the layer; nothing was written")
         return out
 
 

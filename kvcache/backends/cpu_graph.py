@@ -4,8 +4,10 @@ The CPU sibling of :mod:`kvcache.backends.torch_graph`: a compiled decode forwar
 shapes and reads its per-step inputs from buffers that :meth:`CpuGraphDecode.update`
 refills before each call, from a fenced step's metadata. The attention itself stays the
 paged kernel of :mod:`kvcache.backends.cpu_decode`, reached through one opaque custom op
-(``kvfence::paged_decode``) that writes the step's K/V rows and attends, so the compiler
-fuses everything around it and never traces KV memory:
+(``kvfence::paged_decode``) that writes the step's K/V rows and attends in one C call
+(``DecodeKernel.write_run``: the rows are :func:`kvcache.metadata.kv_rows`' from the fenced
+step, checked against the layer in C), so the compiler fuses everything around it and never
+traces KV memory:
 
 - the op takes the whole pool tensor and a layer index, not a layer view: the pool is an
   inference tensor, and a view of one cannot be taken inside a traced graph;
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.backends import cpu_decode
-from kvcache.metadata import AttentionMetadata, write_kv_rows
+from kvcache.metadata import AttentionMetadata
 
 
 @torch.library.custom_op("kvfence::paged_decode", mutates_args=())
@@ -49,9 +51,7 @@ def paged_decode(
     kernel = cpu_decode.kernel()
     if kernel is None:
         raise RuntimeError("the CPU decode kernel is not available")
-    kv_layer = kv[layer]
-    write_kv_rows(kv_layer, k, v, rows)
-    return kernel.run(q, kv_layer, indptr, indices, lens)
+    return kernel.write_run(q, k, v, kv, layer, rows, indptr, indices, lens)
 
 
 @paged_decode.register_fake

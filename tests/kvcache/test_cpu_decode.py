@@ -133,3 +133,39 @@ def test_loading_the_kernel_keeps_subnormal_numbers() -> None:
     if shutil.which("cc") is None:
         pytest.skip("needs a C compiler")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_fused_write_and_attend_equals_the_write_then_the_kernel() -> None:
+    """``write_run`` (the compiled step's one call a layer) stores K/V where
+    ``write_kv_rows`` does, touches no other row or layer, and attends like ``run``; a row
+    outside the layer is refused before anything is written."""
+    from kvcache.metadata import kv_rows, write_kv_rows
+
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    torch.manual_seed(1)
+    pool = torch.randn(3, 12, 2, PAGE, HKV, DIM).bfloat16()
+    pages, lens = [[4, 9], [2]], [20, 7]  # each sequence's new token is its last key
+    slots = torch.tensor([9 * PAGE + 3, 2 * PAGE + 6])
+    rows = kv_rows(slots, PAGE)
+    q = torch.randn(2, HKV * GROUP, DIM).bfloat16()
+    k = torch.randn(2, HKV, DIM).bfloat16()
+    v = torch.randn(2, HKV, DIM).bfloat16()
+    meta = _metadata(pages, lens)
+    want_pool = pool.clone()
+    write_kv_rows(want_pool[1], k, v, rows)
+    want = kernel.run(q, want_pool[1], *meta)
+    got = kernel.write_run(q, k, v, pool, 1, rows, *meta)
+    assert torch.equal(pool, want_pool)
+    assert torch.equal(got, want)
+    before = pool.clone()
+    outside = rows.clone()
+    outside[1, 1] = 12 * 2 * PAGE  # one past the layer's last row
+    with pytest.raises(IndexError, match="nothing was written"):
+        kernel.write_run(q, k * 2, v * 2, pool, 1, outside, *meta)
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.write_run(q, k, v, pool, 3, rows, *meta)
+    with pytest.raises(ValueError, match="int32"):
+        kernel.write_run(q, k, v, pool, 1, rows, meta[0].long(), meta[1], meta[2])
+    assert torch.equal(pool, before)

@@ -84,4 +84,11 @@ MUTANTS = (
         edit("kvcache/backends/cpu_decode.c", "const int n = lens[b];", "const int n = lens[b] + 1;"),
         tests="tests/kvcache/test_cpu_decode.py::test_kernel_builds_and_matches_float32_attention",
     ),
+    mutant(
+        "fused-write-unchecked",
+        "the compiled step's C KV write stores only rows inside the layer it was given",
+        edit("kvcache/backends/cpu_decode.c", "if (rows[i] < 0 || rows[i] >= layer_rows) return -1;",
+             "if (rows[i] < 0) return -1;"),
+        tests="tests/kvcache/test_cpu_decode.py::test_fused_write_and_attend_equals_the_write_then_the_kernel",
+    ),
 )
