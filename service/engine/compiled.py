@@ -7,8 +7,10 @@ and calls the GEMVs and the attention directly.
 NOTE: measured on a 2-core Xeon (AVX512-BF16, AMX), SmolLM2-135M Q4_1 ``--weights auto``,
 one stream at ~130 tokens of context: engine step 11.8 ms eager, 10.3 ms compiled. On a
 2-core Xeon with AMX-INT8 and AVX512-FP16, ~50 tokens of context: 8.8 ms eager, 7.3 ms
-compiled with a Python wrapper and the KV write as two index_copy_ calls a layer, 6.6 ms
-with inductor's C++ wrapper and the write inside the attention's C call.
+compiled with the KV write as two index_copy_ calls a layer, 6.8 ms with the write inside
+the attention's C call. Inductor's C++ wrapper (``cpp_wrapper``) took another 0.2 ms off
+(6.6 ms) but more than doubled the first start's compile (~150 s against ~55 s for three
+buckets), so it is not used.
 
 How it is wired (the same static-buffer design as CUDA graphs, service/engine/cuda_graphs.py):
 
@@ -21,8 +23,6 @@ How it is wired (the same static-buffer design as CUDA graphs, service/engine/cu
 - ``emulate_precision_casts``: inductor rounds every intermediate to bf16 where eager torch
   does, so the compiled step computes what the eager one does (without it, fused bf16 ops
   kept float32 intermediates and greedy outputs drifted from the eager engine's);
-- ``cpp_wrapper``: inductor emits the graph's calling code in C++ as well, so the ~120
-  GEMV calls and the fused loops of a step are not driven from Python (~0.2 ms a step);
 - replays call the compiled graph directly, without dynamo (see :func:`compile_recorder`).
 
 ``auto`` compiles where it can: CPU, bf16 compute, a C++ compiler (``$CXX``, else ``g++``
@@ -117,7 +117,7 @@ def compile_recorder(forward: Forward) -> tuple[Callable[[], None], torch.Tensor
         return compiled_graph
 
     traced = torch.compile(forward, backend=backend, fullgraph=True, dynamic=False)
-    with torch._inductor.config.patch(emulate_precision_casts=True, cpp_wrapper=True):
+    with torch._inductor.config.patch(emulate_precision_casts=True):
         out = traced().clone()
     # Replays never go through dynamo again, so its cache entry for ``forward``'s code is
     # dropped: every bucket of every engine shares that code object, and kept entries would
