@@ -178,12 +178,17 @@ class DecodeKernel:
 def kernel() -> DecodeKernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
-    if os.environ.get("KVFENCE_CPU_KERNEL", "auto").lower() in ("off", "0", "false", "no"):
+    if switched_off():
         return None
     with _lock:
         if "kernel" not in _loaded:
             _loaded["kernel"] = _load()
         return _loaded["kernel"]
+
+
+def switched_off() -> bool:
+    """``KVFENCE_CPU_KERNEL=off`` switches every native CPU kernel off (the torch paths run)."""
+    return os.environ.get("KVFENCE_CPU_KERNEL", "auto").lower() in ("off", "0", "false", "no")
 
 
 def _cache_dir() -> Path:
@@ -209,11 +214,13 @@ def _cpu_flags() -> str:
 _FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 
 
-def compile_kernel(compiler: str, target: Path, march: str = "native") -> None:
-    """Build ``cpu_decode.c`` into ``target``; ``march`` picks the instruction set (the
-    AVX512-BF16 path where it has it, plain C loops elsewhere)."""
+def compile_kernel(
+    compiler: str, target: Path, march: str = "native", source: Path = _SOURCE
+) -> None:
+    """Build ``source`` (``cpu_decode.c``) into ``target``; ``march`` picks the instruction
+    set (the SIMD path where it has it, plain C loops elsewhere)."""
     subprocess.run(
-        [compiler, *_FLAGS, f"-march={march}", str(_SOURCE), "-o", str(target), "-lm"],
+        [compiler, *_FLAGS, f"-march={march}", str(source), "-o", str(target), "-lm"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -221,27 +228,34 @@ def compile_kernel(compiler: str, target: Path, march: str = "native") -> None:
     )
 
 
-def _load() -> DecodeKernel | None:
+def load_library(source: Path, stem: str) -> ctypes.CDLL | None:
+    """Build the C file ``source`` with the system compiler (once, cached on disk under a key
+    of its text, the compiler, the flags and the CPU's) and load it; None, logged, where it
+    cannot be built. Shared by every native kernel kvfence compiles on first use."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("cpu_decode_kernel_unavailable", reason="no C compiler")
+        log.info("native_kernel_unavailable", kernel=stem, reason="no C compiler")
         return None
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
         ).stdout
-        source = _SOURCE.read_bytes()
         built_by = "\n".join([version, *_FLAGS, _cpu_flags()]).encode()
-        key = hashlib.sha256(source + built_by).hexdigest()[:16]
-        target = _cache_dir() / f"cpu_decode-{key}.so"
+        key = hashlib.sha256(source.read_bytes() + built_by).hexdigest()[:16]
+        target = _cache_dir() / f"{stem}-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                compile_kernel(compiler, built)
+                compile_kernel(compiler, built, source=source)
                 os.replace(built, target)  # atomic: a concurrent build loads either copy
-        return DecodeKernel(ctypes.CDLL(str(target)))
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or str(err)
-        log.warning("cpu_decode_kernel_unavailable", reason=str(detail).strip()[:300])
+        log.warning("native_kernel_unavailable", kernel=stem, reason=str(detail).strip()[:300])
         return None
+
+
+def _load() -> DecodeKernel | None:
+    lib = load_library(_SOURCE, "cpu_decode")
+    return None if lib is None else DecodeKernel(lib)

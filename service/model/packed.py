@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from service.model import native_gemv
 from service.model.config import ModelConfig
 from service.model.quant import Int4Codes, Int4Linear, Int8Linear, concat_rows, quantize_int4
 
@@ -49,12 +50,16 @@ class PackedLinears:
 
 
 def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
-    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, else ``bf16``."""
+    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, and in float32 where
+    the float32 4-bit kernel (:mod:`service.model.native_gemv`) builds; else ``bf16``."""
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
     if mode == "auto":
-        return "file" if on_cpu and dtype in _FAST_DTYPES else "bf16"
+        fast = dtype in _FAST_DTYPES or (
+            dtype == torch.float32 and native_gemv.kernel() is not None
+        )
+        return "file" if on_cpu and fast else "bf16"
     if mode in ("int4", "int8") and not on_cpu:
         raise ValueError(f"--weights {mode} runs on CPU kernels only (device is {device})")
     return mode
@@ -79,15 +84,22 @@ def build_packed(
         "down": [mlp + "down_proj.weight"],
     }
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    # float32 decode reads 4-bit blocks through kvfence's own kernel (torch's is for bf16).
+    kernel = native_gemv.kernel() if dtype == torch.float32 else None
+
+    def pack4(w: Int4Codes) -> Linear:
+        if kernel is not None:
+            return native_gemv.Q4Linear.pack(w, kernel)
+        return Int4Linear.pack(w, dtype)
 
     def one(fused: str, names: list[str]) -> Linear | None:
         if mode == "int8":
             return Int8Linear.quantize(dense(fused), dtype)
         file_codes = [codes(n) for n in names]
         if all(c is not None for c in file_codes) and len({c.repeat for c in file_codes if c}) == 1:
-            return Int4Linear.pack(concat_rows([c for c in file_codes if c is not None]), dtype)
+            return pack4(concat_rows([c for c in file_codes if c is not None]))
         if mode == "int4":
-            return Int4Linear.pack(quantize_int4(dense(fused)), dtype)
+            return pack4(quantize_int4(dense(fused)))
         return None  # "file": this weight is stored wider than any kernel; it stays dense
 
     def layers(kind: str) -> tuple[Linear | None, ...]:

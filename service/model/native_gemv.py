@@ -1,0 +1,154 @@
+"""The 4-bit GEMV for float32 activations (``q4_gemv.c``), compiled on first use.
+
+torch's ``_weight_int4pack_mm_for_cpu`` is fast only with bf16/fp16 activations; CPUs
+without AVX512-BF16 compute in float32, where that kernel is slower than the dense matmul,
+so ``--weights auto`` used to fall back to dense float32 there and read ~6x the bytes a
+token. This kernel reads the 4-bit blocks (GGUF Q4_1 layout: fp16 scale and minimum, 16
+bytes of nibbles) with float32 math (AVX2 + FMA where the CPU has them, plain C elsewhere).
+NOTE: measured on a 2-core AMD EPYC (AVX2, no AVX-512), one thread, M=1: SmolLM2-135M's
+576x49152 output projection took 64 ms through torch's int4 kernel in float32 and 10 ms
+dense; see the README's "Where the time goes" for this kernel's figures.
+
+It is built like the decode-attention kernel (:func:`kvcache.backends.cpu_decode.load_library`:
+system compiler, cached under ``$KVFENCE_HOME/kernels``, OpenMP on torch's libgomp) and is
+off with ``KVFENCE_CPU_KERNEL=off`` or without a compiler; :func:`kernel` then answers None
+and the packs stay on torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcache.backends.cpu_decode import load_library, switched_off
+from service.model.quant import GROUP, Int4Codes
+
+_SOURCE = Path(__file__).with_name("q4_gemv.c")
+BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+Q8_BLOCK_BYTES = 34  # fp16 d, 32 int8
+_lock = threading.Lock()
+_loaded: dict[str, Q4Kernel | None] = {}
+
+
+class Q4Kernel:
+    """The loaded kernel. :meth:`matmul` checks shapes; the C code trusts them."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.kvf_q4_gemv
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._fn8 = lib.kvf_q8_gemv
+        self._fn8.restype = ctypes.c_int
+        self._fn8.argtypes = self._fn.argtypes
+        self.max_rows = int(lib.kvf_q4_max_rows())
+        self.simd = bool(lib.kvf_q4_simd())
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, q8: bool = False) -> torch.Tensor:
+        """``x @ w.T`` for ``x`` ``[M, K]`` float32 (M <= :attr:`max_rows`) and ``blocks``
+        ``[N, K / 32 * 20]`` uint8 (:func:`to_blocks`), or ``[N, K / 32 * 34]`` with ``q8``
+        (:func:`q8_blocks`)."""
+        m, k = x.shape
+        n, row_bytes = blocks.shape
+        block_bytes = Q8_BLOCK_BYTES if q8 else BLOCK_BYTES
+        if (
+            x.dtype != torch.float32
+            or blocks.dtype != torch.uint8
+            or not blocks.is_contiguous()
+            or not 0 <= m <= self.max_rows
+            or k % GROUP != 0
+            or row_bytes != k // GROUP * block_bytes
+        ):
+            raise ValueError("shape or dtype the 4-bit GEMV kernel does not take")
+        out = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:  # a step that needs no logits
+            return out
+        x = x.contiguous()
+        fn = self._fn8 if q8 else self._fn
+        if fn(x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr()) != 0:
+            raise ValueError("the 4-bit GEMV kernel refused its shapes")
+        return out
+
+
+def kernel() -> Q4Kernel | None:
+    """The compiled kernel, built once per process (and cached on disk); None where it
+    cannot be built or is switched off."""
+    if switched_off():
+        return None
+    with _lock:
+        if "kernel" not in _loaded:
+            lib = load_library(_SOURCE, "q4_gemv")
+            _loaded["kernel"] = None if lib is None else Q4Kernel(lib)
+        return _loaded["kernel"]
+
+
+def to_blocks(w: Int4Codes) -> torch.Tensor:
+    """``w``'s codes as ``[N, K / 32 * 20]`` bytes of Q4_1 blocks: ``w = d * q + m`` with
+    ``d`` = scale and ``m`` = zero - 8 * scale, both stored in fp16. Codes from a GGUF's Q4_0,
+    Q4_1 or Q8_0 blocks round-trip exactly (their scales and minimums are fp16 already);
+    codes quantized from a wider tensor take fp16 scales, as GGUF's own Q4_1 does."""
+    n, kr = w.codes.shape
+    groups = kr // GROUP
+    codes = w.codes.to(torch.uint8).view(n, groups, GROUP)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # ggml: j low, j + 16 high
+    scale = w.scale.double()
+    minimum = w.zero.double() - 8 * scale
+    d = scale.to(torch.float16).view(torch.uint8).view(n, groups, 2)
+    m = minimum.to(torch.float16).view(torch.uint8).view(n, groups, 2)
+    return torch.cat([d, m, nibbles], dim=-1).reshape(n, groups * BLOCK_BYTES).contiguous()
+
+
+def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
+    """Q8_0 blocks (``[N, K / 32 * 34]``: fp16 ``d``, 32 int8) for codes that
+    :func:`service.model.quant.from_q8_0` split into two 4-bit halves, or None for any other
+    codes. Reading the int8 directly does half the work of the two halves."""
+    if w.repeat != 2:
+        return None
+    n, kr = w.codes.shape
+    k, groups = kr // 2, kr // 2 // GROUP
+    hi_scale, d = w.scale[:, :groups], w.scale[:, groups:]
+    hi_zero, lo_zero = w.zero[:, :groups], w.zero[:, groups:]
+    if not (
+        torch.equal(hi_scale, 16 * d) and not hi_zero.any() and torch.equal(lo_zero, 8 * d)
+    ):
+        return None
+    q = 16 * w.codes[:, :k] + w.codes[:, k:] - 128  # u = q + 128 = 16 * hi + lo
+    d16 = d.to(torch.float16)
+    if not torch.equal(d16.float(), d):
+        return None
+    qs = q.to(torch.int8).view(torch.uint8).view(n, groups, GROUP)
+    head = d16.view(torch.uint8).view(n, groups, 2)
+    return torch.cat([head, qs], dim=-1).reshape(n, groups * Q8_BLOCK_BYTES).contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class Q4Linear:
+    """``x @ w.T`` for float32 ``x`` of at most ``kernel.max_rows`` rows, from 4-bit blocks
+    (or the file's Q8_0 blocks, which :mod:`service.model.quant` hands over as two halves)."""
+
+    blocks: torch.Tensor  # [N, K * repeat / 32 * 20] uint8, or [N, K / 32 * 34] with q8
+    repeat: int
+    kernel: Q4Kernel
+    q8: bool = False
+
+    @classmethod
+    def pack(cls, w: Int4Codes, kernel: Q4Kernel) -> Q4Linear:
+        q8 = q8_blocks(w)
+        if q8 is not None:
+            return cls(q8, 1, kernel, q8=True)
+        return cls(to_blocks(w), w.repeat, kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.repeat > 1:
+            x = x.repeat(1, self.repeat)
+        return self.kernel.matmul(x, self.blocks, self.q8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes

@@ -1,0 +1,170 @@
+"""The float32 4-bit GEMV (service/model/q4_gemv.c): built from source on first use, it
+computes ``x @ w.T`` from GGUF blocks as a float32 matmul on the dequantized weights does,
+and ``--weights auto`` uses it in float32 where it builds."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvcache.backends import cpu_decode
+from kvcache.dense import DenseAttention
+from service.model import load_model, native_gemv
+from service.model.packed import resolve_weights
+from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0, quantize_int4
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("KVFENCE_HOME", str(tmp_path))
+    monkeypatch.setattr(native_gemv, "_loaded", {})
+    yield
+
+
+def _kernel() -> native_gemv.Q4Kernel:
+    kernel = native_gemv.kernel()
+    assert kernel is not None, "a C compiler is here: the kernel must build"
+    return kernel
+
+
+def _portable(tmp_path: Path) -> native_gemv.Q4Kernel:
+    """The plain C loops (no AVX2), as a CPU without them runs."""
+    target = tmp_path / "portable.so"
+    cpu_decode.compile_kernel(
+        str(shutil.which("cc")), target, march="x86-64", source=native_gemv._SOURCE
+    )
+    kernel = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
+    assert not kernel.simd
+    return kernel
+
+
+def _ggml(kind: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    g = k // 32
+    d = rng.uniform(0.001, 0.05, (n, g)).astype(np.float16)[..., None].view(np.uint8)
+    if kind == GGMLQuantizationType.Q8_0:
+        qs = rng.integers(-128, 128, (n, g, 32)).astype(np.int8).view(np.uint8)
+        return np.concatenate([d, qs], axis=-1).reshape(n, -1)
+    qs = rng.integers(0, 256, (n, g, 16)).astype(np.uint8)
+    if kind == GGMLQuantizationType.Q4_0:
+        return np.concatenate([d, qs], axis=-1).reshape(n, -1)
+    m = rng.uniform(-0.3, 0.1, (n, g)).astype(np.float16)[..., None].view(np.uint8)
+    return np.concatenate([d, m, qs], axis=-1).reshape(n, -1)
+
+
+UNPACK = {
+    GGMLQuantizationType.Q4_0: from_q4_0,
+    GGMLQuantizationType.Q4_1: from_q4_1,
+    GGMLQuantizationType.Q8_0: from_q8_0,
+}
+
+
+def _check(kernel: native_gemv.Q4Kernel, codes: Int4Codes, reference: torch.Tensor) -> None:
+    lin = native_gemv.Q4Linear.pack(codes, kernel)
+    n, k = reference.shape
+    # The identity reads every weight back out exactly: any slip in the nibble order, the
+    # minimum (zero - 8 * scale) or the Q8_0 split shows as a difference.
+    for start in range(0, k, kernel.max_rows):
+        rows = min(kernel.max_rows, k - start)
+        eye = torch.eye(k)[start : start + rows]
+        assert torch.equal(lin(eye), reference[:, start : start + rows].T)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(n + k))
+    exact = x.double() @ reference.double().T
+    for m in (1, 2, 3, 4):
+        got = lin(x[:m]).double()
+        # float32 products and sums in another order: a few ulps of the row's magnitude.
+        bound = 1e-5 * float((x[:m].abs().double() @ reference.abs().double().T).max())
+        assert (got - exact[:m]).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("kind", list(UNPACK), ids=lambda k: k.name)
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_kernel_reproduces_the_files_weights(
+    kind: GGMLQuantizationType, portable: bool, tmp_path: Path
+) -> None:
+    n, k = 37, 96  # an odd number of output rows, 3 blocks a row
+    data = _ggml(kind, n, k, int(kind))
+    reference = torch.from_numpy(dequantize(data, kind).reshape(n, k).astype(np.float32))
+    kernel = _portable(tmp_path) if portable else _kernel()
+    _check(kernel, UNPACK[kind](data, n), reference)
+
+
+def test_codes_quantized_from_dense_weights_take_fp16_scales() -> None:
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    codes = quantize_int4(w)
+    lin = native_gemv.Q4Linear.pack(codes, _kernel())
+    back = lin(torch.eye(128)[:8]).T
+    # scale and minimum round to fp16 (relative 2^-11): far inside int4's own error.
+    want = codes.dequantize()[:, :8]
+    assert (back - want).abs().max().item() <= 2**-9 * want.abs().max().item()
+    assert (back - w[:, :8]).abs().max().item() < 0.2 * w.abs().max().item()
+
+
+def test_kernel_refuses_what_it_does_not_take() -> None:
+    kernel = _kernel()
+    blocks = native_gemv.to_blocks(quantize_int4(torch.randn(8, 64)))
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.matmul(torch.randn(1, 64, dtype=torch.bfloat16), blocks)
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.matmul(torch.randn(kernel.max_rows + 1, 64), blocks)
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.matmul(torch.randn(1, 96), blocks)  # K does not match the blocks
+
+
+def test_switched_off_or_no_compiler_keeps_float32_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_weights("auto", torch.float32, "cpu") == "file"
+    monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
+    assert native_gemv.kernel() is None
+    assert resolve_weights("auto", torch.float32, "cpu") == "bf16"
+    monkeypatch.delenv("KVFENCE_CPU_KERNEL")
+    monkeypatch.setattr(native_gemv, "_loaded", {})
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert native_gemv.kernel() is None
+
+
+def test_float32_auto_decodes_through_the_kernel_like_the_dense_model(
+    default_model_path: Path,
+) -> None:
+    dense = load_model(default_model_path, dtype="float32", weights="bf16", progress=False)
+    auto = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    assert auto.weights == "file" and auto.model.packed is not None
+    assert isinstance(auto.model.packed.lm_head, native_gemv.Q4Linear)
+    ids = torch.tensor([1, 4093, 30, 2260])
+    n = len(ids)
+    assert n <= auto.model.packed.max_rows
+
+    def logits(m: torch.nn.Module) -> torch.Tensor:
+        out: torch.Tensor = m(ids, torch.arange(n), DenseAttention(30))
+        return out
+
+    a, b = logits(auto.model), logits(dense.model)
+    # Same weights (the file's, exactly), float32 both ways: only the summation order differs.
+    assert (a - b).abs().max().item() < 1e-3 * b.abs().max().item()
+    assert torch.equal(a.argmax(dim=-1), b.argmax(dim=-1))
+
+
+def test_q8_0_codes_are_read_as_int8_blocks() -> None:
+    n, k = 21, 64
+    data = _ggml(GGMLQuantizationType.Q8_0, n, k, 11)
+    lin = native_gemv.Q4Linear.pack(from_q8_0(data, n), _kernel())
+    assert lin.q8 and lin.repeat == 1
+    assert lin.blocks.shape == (n, k // 32 * native_gemv.Q8_BLOCK_BYTES)
+    # other two-half codes are not Q8_0: they keep the 4-bit path
+    other = from_q8_0(data, n)
+    other = Int4Codes(other.codes, other.scale * 1.5, other.zero, other.repeat)
+    assert native_gemv.q8_blocks(other) is None
+
+
+def test_no_rows_give_no_rows() -> None:
+    lin = native_gemv.Q4Linear.pack(quantize_int4(torch.randn(8, 64)), _kernel())
+    assert lin(torch.empty(0, 64)).shape == (0, 8)
