@@ -48,6 +48,7 @@ class Q4Kernel:
         self._fn8.restype = ctypes.c_int
         self._fn8.argtypes = self._fn.argtypes
         self.max_rows = int(lib.kvf_q4_max_rows())
+        self.max_k = int(lib.kvf_q4_max_k())
         self.simd = bool(lib.kvf_q4_simd())
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, q8: bool = False) -> torch.Tensor:
@@ -62,6 +63,7 @@ class Q4Kernel:
             or blocks.dtype != torch.uint8
             or not blocks.is_contiguous()
             or not 0 <= m <= self.max_rows
+            or k > self.max_k
             or k % GROUP != 0
             or row_bytes != k // GROUP * block_bytes
         ):
@@ -88,26 +90,31 @@ def kernel() -> Q4Kernel | None:
         return _loaded["kernel"]
 
 
+def _rows(*parts: torch.Tensor) -> torch.Tensor:
+    """Each part ``[N, ...]`` flattened to bytes per row, side by side: ``[N, row bytes]``."""
+    n = parts[0].shape[0]
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(n, -1) for p in parts], 1)
+
+
 def to_blocks(w: Int4Codes) -> torch.Tensor:
-    """``w``'s codes as ``[N, K / 32 * 20]`` bytes of Q4_1 blocks: ``w = d * q + m`` with
-    ``d`` = scale and ``m`` = zero - 8 * scale, both stored in fp16. Codes from a GGUF's Q4_0,
-    Q4_1 or Q8_0 blocks round-trip exactly (their scales and minimums are fp16 already);
-    codes quantized from a wider tensor take fp16 scales, as GGUF's own Q4_1 does."""
+    """``w``'s codes in the kernel's 4-bit row layout, ``[N, K / 32 * 20]`` bytes: the blocks'
+    nibbles, then their fp16 scales ``d`` (= scale), then their fp16 minimums ``m`` (= zero -
+    8 * scale), for ``w = d * q + m``. Codes from a GGUF's Q4_0, Q4_1 or Q8_0 blocks
+    round-trip exactly (their scales and minimums are fp16 already); codes quantized from a
+    wider tensor take fp16 scales, as GGUF's own Q4_1 does."""
     n, kr = w.codes.shape
     groups = kr // GROUP
     codes = w.codes.to(torch.uint8).view(n, groups, GROUP)
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # ggml: j low, j + 16 high
     scale = w.scale.double()
     minimum = w.zero.double() - 8 * scale
-    d = scale.to(torch.float16).view(torch.uint8).view(n, groups, 2)
-    m = minimum.to(torch.float16).view(torch.uint8).view(n, groups, 2)
-    return torch.cat([d, m, nibbles], dim=-1).reshape(n, groups * BLOCK_BYTES).contiguous()
+    return _rows(nibbles, scale.to(torch.float16), minimum.to(torch.float16))
 
 
 def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
-    """Q8_0 blocks (``[N, K / 32 * 34]``: fp16 ``d``, 32 int8) for codes that
-    :func:`service.model.quant.from_q8_0` split into two 4-bit halves, or None for any other
-    codes. Reading the int8 directly does half the work of the two halves."""
+    """The kernel's 8-bit row layout (``[N, K / 32 * 34]``: the blocks' int8 codes, then their
+    fp16 scales) for codes that :func:`service.model.quant.from_q8_0` split into two 4-bit
+    halves, or None for any other codes. Reading the int8 directly does half the work."""
     if w.repeat != 2:
         return None
     n, kr = w.codes.shape
@@ -118,13 +125,11 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
         torch.equal(hi_scale, 16 * d) and not hi_zero.any() and torch.equal(lo_zero, 8 * d)
     ):
         return None
-    q = 16 * w.codes[:, :k] + w.codes[:, k:] - 128  # u = q + 128 = 16 * hi + lo
     d16 = d.to(torch.float16)
     if not torch.equal(d16.float(), d):
         return None
-    qs = q.to(torch.int8).view(torch.uint8).view(n, groups, GROUP)
-    head = d16.view(torch.uint8).view(n, groups, 2)
-    return torch.cat([head, qs], dim=-1).reshape(n, groups * Q8_BLOCK_BYTES).contiguous()
+    q = 16 * w.codes[:, :k] + w.codes[:, k:] - 128  # u = q + 128 = 16 * hi + lo
+    return _rows(q.to(torch.int8), d16)
 
 
 @dataclass(frozen=True, slots=True)

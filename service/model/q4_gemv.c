@@ -1,31 +1,39 @@
-/* 4-bit GEMV for float32 activations on CPU: out[m, n] = sum_k x[m, k] * w[n, k] for a few
- * rows m (decode batches), reading the weights as GGUF Q4_1 blocks.
+/* 4-bit and 8-bit GEMV for float32 activations on CPU: out[m, n] = sum_k x[m, k] * w[n, k]
+ * for a few rows m (decode batches), reading the weights as GGUF blocks of 32.
  *
  * Built by service/model/native_gemv.py with the system C compiler and loaded through ctypes
  * (the GIL is released for the call). OpenMP resolves to the libgomp torch already loaded,
  * so the kernel shares the calling thread's worker pool.
  *
  * Why: torch's _weight_int4pack_mm_for_cpu is fast for bf16 activations only; with float32
- * (CPUs without AVX512-BF16, where kvfence computes in float32) it ran 15-19x slower than
- * the dense float32 matmul it was meant to beat, so such hosts read ~540 MB of float32
- * weights a token instead of ~85 MB of 4-bit blocks.
+ * (CPUs without AVX512-BF16, where kvfence computes in float32) it ran 6-19x slower than the
+ * dense float32 matmul it was meant to beat, so such hosts read ~540 MB of float32 weights a
+ * token instead of ~85 MB of blocks.
  *
- * Layout (kvf_q4_gemv): row n is K / 32 blocks of 20 bytes, each {fp16 d, fp16 m, 16 bytes of nibbles};
- * byte j of a block holds element j in its low nibble and element j + 16 in its high one
- * (ggml's Q4_1), and the block's weights are w = d * q + m. So
- *   sum_k x_k w_k = sum_blocks (d * sum_j q_j x_j + m * sum_j x_j)
- * and the x sums are taken once per call. The products are float32, exact for the codes;
- * only the summation order differs from a dense float32 matmul. kvf_q8_gemv reads GGUF Q8_0
- * blocks ({fp16 d, 32 int8 q}, w = d * q) the same way.
+ * Layout of one output row n (G = k / 32 blocks):
+ *   kvf_q4_gemv: G x 16 bytes of nibbles, then G fp16 scales d, then G fp16 minimums m;
+ *                byte j of a block holds element j (low nibble) and j + 16 (high), as ggml's
+ *                Q4_0/Q4_1 do, and w = d * q + m.
+ *   kvf_q8_gemv: G x 32 int8 q, then G fp16 scales d; w = d * q (ggml's Q8_0).
+ * Then sum_k x_k w_k = sum_blocks (d * sum_j q_j x_j + m * sum_j x_j). The x sums are exact
+ * float32, taken once per call. For sum_j q_j x_j the SIMD path rounds each block of x to
+ * int16 with its own scale s = max|x| / 32767 (relative error <= 2^-16 of the block's largest
+ * value, 128x finer than rounding x to bf16) and multiplies in exact integer arithmetic
+ * (vpmaddwd): |sum| <= 32 * 128 * 32767 < 2^31. The plain C path multiplies in float32.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 32
-#define BLOCK_BYTES 20
-#define Q8_BLOCK_BYTES 34
 #define MAX_ROWS 8
+#define INT16_STEPS 32767.0f
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVF_EVEN_ODD 1
+#endif
+#define MAX_GROUPS 2048 /* k <= 65536: the SIMD path keeps a row's scales on the stack */
+#define MAX_STACK_GROUPS (MAX_GROUPS + 8)
 
 static inline float fp16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -33,8 +41,7 @@ static inline float fp16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
     if (exp == 0) {
         if (mant == 0) { v.u = sign; return v.f; }
-        /* subnormal half: normalize */
-        int e = -1;
+        int e = -1; /* subnormal half: normalize */
         do { mant <<= 1; ++e; } while ((mant & 0x400u) == 0);
         v.u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ffu) << 13);
         return v.f;
@@ -44,9 +51,66 @@ static inline float fp16_to_f32(uint16_t h) {
     return v.f;
 }
 
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return fp16_to_f32(h);
+}
+
+
 int kvf_q4_max_rows(void) { return MAX_ROWS; }
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* Per-call work on x shared by every output row: block sums, and (SIMD) int16 blocks. */
+typedef struct {
+    float *sum;     /* [rows, G padded to 8] exact float32 block sums (padding 0) */
+    float *scale;   /* [rows, G padded to 8] int16 step of each block (padding 0) */
+    int16_t *q;     /* [rows, k] x / step, rounded */
+} prepared_x;
+
+static int prepare(const float *x, int rows, int k, prepared_x *p) {
+    const int groups = k / BLOCK, padded = (groups + 7) & ~7;
+    p->sum = (float *)calloc((size_t)rows * padded, sizeof(float));
+    p->scale = (float *)calloc((size_t)rows * padded, sizeof(float));
+    p->q = (int16_t *)malloc(sizeof(int16_t) * (size_t)rows * k);
+    if (p->sum == NULL || p->scale == NULL || p->q == NULL) return -1;
+    for (int r = 0; r < rows; ++r)
+        for (int g = 0; g < groups; ++g) {
+            const float *xp = x + (size_t)r * k + (size_t)g * BLOCK;
+            int16_t *qp = p->q + (size_t)r * k + (size_t)g * BLOCK;
+            float s = 0.0f, top = 0.0f;
+            for (int j = 0; j < BLOCK; ++j) {
+                s += xp[j];
+                top = fmaxf(top, fabsf(xp[j]));
+            }
+            if (!isfinite(s) || !isfinite(top)) { /* NaN/inf in x: the output is NaN */
+                p->sum[(size_t)r * padded + g] = NAN;
+                p->scale[(size_t)r * padded + g] = 0.0f;
+                memset(qp, 0, sizeof(int16_t) * BLOCK);
+                continue;
+            }
+            const float step = top / INT16_STEPS;
+            const float inv = top > 0.0f ? INT16_STEPS / top : 0.0f;
+            for (int j = 0; j < BLOCK; ++j) {
+#ifdef KVF_EVEN_ODD
+                const int at = (j % 2) * 16 + j / 2; /* evens, then odds (see rows_q4) */
+#else
+                const int at = j;
+#endif
+                qp[at] = (int16_t)lrintf(xp[j] * inv);
+            }
+            p->sum[(size_t)r * padded + g] = s;
+            p->scale[(size_t)r * padded + g] = step;
+        }
+    return 0;
+}
+
+static void release(prepared_x *p) {
+    free(p->sum);
+    free(p->scale);
+    free(p->q);
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVF_SIMD 1
 
@@ -57,133 +121,158 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    return fp16_to_f32(h);
-#endif
+/* 8 fp16 values from src (n < 8 of them: the rest read as 0) as floats. */
+static inline __m256 halves8(const uint8_t *src, int n) {
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    uint8_t tmp[16] = {0};
+    memcpy(tmp, src, (size_t)n * 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
 }
 
-/* One output column n for rows 0..rows-1; called with a constant ``rows`` so that the
- * compiler unrolls the row loop and keeps every accumulator in a register. */
-static inline __attribute__((always_inline)) void row_dot_n(
-    const float *x, const float *xsum, const int rows, int k, int groups,
-    const uint8_t *wrow, float *out, int n, int n_total) {
-    __m256 acc[MAX_ROWS];
-    float macc[MAX_ROWS];
-    for (int r = 0; r < rows; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
-    const __m128i low = _mm_set1_epi8(0x0f);
-    for (int g = 0; g < groups; ++g) {
-        const uint8_t *blk = wrow + (size_t)g * BLOCK_BYTES;
-        const __m256 d = _mm256_set1_ps(half_at(blk));
-        const float m = half_at(blk + 2);
-        const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 4));
-        const __m128i lo = _mm_and_si128(q, low);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        const __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        const __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        for (int r = 0; r < rows; ++r) {
-            const float *xp = x + (size_t)r * k + (size_t)g * BLOCK;
-            __m256 t0 = _mm256_mul_ps(f0, _mm256_loadu_ps(xp));
-            __m256 t1 = _mm256_mul_ps(f1, _mm256_loadu_ps(xp + 8));
-            t0 = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xp + 16), t0);
-            t1 = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xp + 24), t1);
-            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc[r]);
-            macc[r] += m * xsum[(size_t)r * groups + g];
+/* The SIMD path keeps each block of x as 16 even-indexed then 16 odd-indexed int16 values
+ * (elements 0, 2, ..., 30, then 1, 3, ..., 31), the order in which the weights unpack
+ * without crossing 128-bit lanes:
+ * - 4-bit: the block's 16 bytes go to both lanes; shifting the upper lane right by 4 moves
+ *   elements 16..31 where 0..15 were, and each 16-bit word then holds an even element in
+ *   bits 0-3 and the next odd one in bits 8-11 (two masks and a shift).
+ * - 8-bit: each word's low byte is an even element and its high byte the next odd one. */
+static inline void scales8(const uint8_t *dh, const float *xs, int groups, float *step) {
+    for (int g0 = 0; g0 < groups; g0 += 8) {
+        const int cnt = groups - g0 < 8 ? groups - g0 : 8;
+        _mm256_storeu_ps(step + g0, _mm256_mul_ps(halves8(dh + 2 * g0, cnt), _mm256_loadu_ps(xs + g0)));
+    }
+}
+
+/* W weight rows (n .. n + W - 1) together: they share each x load and keep W independent
+ * accumulator chains in flight. */
+static inline __attribute__((always_inline)) void rows_q4(
+    const prepared_x *p, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
+    float *out, int n, int n_total, const int W) {
+    const int padded = (groups + 7) & ~7;
+    const __m256i nibble = _mm256_set1_epi16(0x000f);
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    float step[2][MAX_STACK_GROUPS];
+    for (int r = 0; r < rows; ++r) {
+        const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
+        const int16_t *xq = p->q + (size_t)r * k;
+        __m256 acc[2], macc[2];
+        for (int i = 0; i < W; ++i) {
+            const uint8_t *dh = w + (size_t)(n + i) * row_bytes + (size_t)groups * 16;
+            scales8(dh, xs, groups, step[i]);
+            macc[i] = _mm256_setzero_ps();
+            for (int g0 = 0; g0 < groups; g0 += 8)  /* minimums times the exact x sums */
+                macc[i] = _mm256_fmadd_ps(halves8(dh + 2 * (groups + g0), groups - g0),
+                                          _mm256_loadu_ps(xsum + g0), macc[i]);
+            acc[i] = _mm256_setzero_ps();
         }
-    }
-    for (int r = 0; r < rows; ++r) out[(size_t)r * n_total + n] = hsum8(acc[r]) + macc[r];
-}
-
-/* Q8_0 blocks: {fp16 d, 32 int8 q}, w = d * q. */
-static inline __attribute__((always_inline)) void row_dot8_n(
-    const float *x, const int rows, int k, int groups, const uint8_t *wrow, float *out, int n,
-    int n_total) {
-    __m256 acc[MAX_ROWS];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; ++g) {
-        const uint8_t *blk = wrow + (size_t)g * Q8_BLOCK_BYTES;
-        const __m256 d = _mm256_set1_ps(half_at(blk));
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));
-        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
-        const __m256 f2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
-        const __m256 f3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
-        for (int r = 0; r < rows; ++r) {
-            const float *xp = x + (size_t)r * k + (size_t)g * BLOCK;
-            __m256 t0 = _mm256_mul_ps(f0, _mm256_loadu_ps(xp));
-            __m256 t1 = _mm256_mul_ps(f1, _mm256_loadu_ps(xp + 8));
-            t0 = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xp + 16), t0);
-            t1 = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xp + 24), t1);
-            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc[r]);
+        for (int g = 0; g < groups; ++g) {
+            const int16_t *xp = xq + (size_t)g * BLOCK;
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)xp);
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(xp + 16));
+            for (int i = 0; i < W; ++i) {
+                const uint8_t *nib = w + (size_t)(n + i) * row_bytes + (size_t)g * 16;
+                _mm_prefetch((const char *)(nib + 2 * row_bytes), _MM_HINT_T0);
+                const __m256i q = _mm256_srlv_epi32(
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)nib)), shift);
+                const __m256i even = _mm256_and_si256(q, nibble);
+                const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(q, 8), nibble);
+                const __m256i s =
+                    _mm256_add_epi32(_mm256_madd_epi16(even, xe), _mm256_madd_epi16(odd, xo));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i] + g),
+                                         acc[i]);
+            }
         }
-    }
-    for (int r = 0; r < rows; ++r) out[(size_t)r * n_total + n] = hsum8(acc[r]);
-}
-
-static void row_dot8(const float *x, int rows, int k, int groups, const uint8_t *wrow,
-                     float *out, int n, int n_total) {
-    switch (rows) {
-    case 1: row_dot8_n(x, 1, k, groups, wrow, out, n, n_total); break;
-    case 2: row_dot8_n(x, 2, k, groups, wrow, out, n, n_total); break;
-    case 3: row_dot8_n(x, 3, k, groups, wrow, out, n, n_total); break;
-    case 4: row_dot8_n(x, 4, k, groups, wrow, out, n, n_total); break;
-    default: row_dot8_n(x, rows, k, groups, wrow, out, n, n_total); break;
+        for (int i = 0; i < W; ++i)
+            out[(size_t)r * n_total + n + i] = hsum8(_mm256_add_ps(acc[i], macc[i]));
     }
 }
 
-static void row_dot(const float *x, const float *xsum, int rows, int k, int groups,
-                    const uint8_t *wrow, float *out, int n, int n_total) {
-    switch (rows) {
-    case 1: row_dot_n(x, xsum, 1, k, groups, wrow, out, n, n_total); break;
-    case 2: row_dot_n(x, xsum, 2, k, groups, wrow, out, n, n_total); break;
-    case 3: row_dot_n(x, xsum, 3, k, groups, wrow, out, n, n_total); break;
-    case 4: row_dot_n(x, xsum, 4, k, groups, wrow, out, n, n_total); break;
-    default: row_dot_n(x, xsum, rows, k, groups, wrow, out, n, n_total); break;
+/* Q8_0 rows: the same without minimums. A NaN/inf block of x has step 0 and sum NaN, and
+ * 0 * NaN carries the NaN into the row's output as float math would. */
+static inline __attribute__((always_inline)) void rows_q8(
+    const prepared_x *p, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
+    float *out, int n, int n_total, const int W) {
+    const int padded = (groups + 7) & ~7;
+    float step[2][MAX_STACK_GROUPS];
+    for (int r = 0; r < rows; ++r) {
+        const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
+        const int16_t *xq = p->q + (size_t)r * k;
+        __m256 acc[2], nan_carry = _mm256_setzero_ps();
+        for (int g0 = 0; g0 < groups; g0 += 8)
+            nan_carry = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), nan_carry);
+        for (int i = 0; i < W; ++i) {
+            scales8(w + (size_t)(n + i) * row_bytes + (size_t)groups * BLOCK, xs, groups, step[i]);
+            acc[i] = _mm256_setzero_ps();
+        }
+        for (int g = 0; g < groups; ++g) {
+            const int16_t *xp = xq + (size_t)g * BLOCK;
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)xp);
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(xp + 16));
+            for (int i = 0; i < W; ++i) {
+                const uint8_t *at = w + (size_t)(n + i) * row_bytes + (size_t)g * BLOCK;
+                _mm_prefetch((const char *)(at + 2 * row_bytes), _MM_HINT_T0);
+                const __m256i b = _mm256_loadu_si256((const __m256i *)at);
+                const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+                const __m256i odd = _mm256_srai_epi16(b, 8);
+                const __m256i s =
+                    _mm256_add_epi32(_mm256_madd_epi16(even, xe), _mm256_madd_epi16(odd, xo));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i] + g),
+                                         acc[i]);
+            }
+        }
+        for (int i = 0; i < W; ++i)
+            out[(size_t)r * n_total + n + i] = hsum8(_mm256_add_ps(acc[i], nan_carry));
     }
+}
+
+/* Output rows n (and n + 1 when pair) of the weights at w. */
+static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
+                   size_t row_bytes, float *out, int n, int n_total, int pair) {
+    if (pair) rows_q4(p, rows, k, groups, w, row_bytes, out, n, n_total, 2);
+    else rows_q4(p, rows, k, groups, w, row_bytes, out, n, n_total, 1);
+}
+
+static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
+                   size_t row_bytes, float *out, int n, int n_total, int pair) {
+    if (pair) rows_q8(p, rows, k, groups, w, row_bytes, out, n, n_total, 2);
+    else rows_q8(p, rows, k, groups, w, row_bytes, out, n, n_total, 1);
 }
 #else
-static inline void row_dot(const float *x, const float *xsum, int rows, int k, int groups,
-                           const uint8_t *wrow, float *out, int n, int n_total) {
+
+static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8_t *wrow,
+                   float *out, int n, int n_total, const float *x) {
+    const uint8_t *nib = wrow, *dh = wrow + (size_t)groups * 16, *mh = dh + (size_t)groups * 2;
     for (int r = 0; r < rows; ++r) {
         const float *xr = x + (size_t)r * k;
         float total = 0.0f;
         for (int g = 0; g < groups; ++g) {
-            const uint8_t *blk = wrow + (size_t)g * BLOCK_BYTES;
-            uint16_t dh, mh;
-            memcpy(&dh, blk, 2);
-            memcpy(&mh, blk + 2, 2);
+            const uint8_t *blk = nib + (size_t)g * 16;
             const float *xp = xr + (size_t)g * BLOCK;
             float dot = 0.0f;
             for (int j = 0; j < 16; ++j) {
-                dot += (float)(blk[4 + j] & 0x0f) * xp[j];
-                dot += (float)(blk[4 + j] >> 4) * xp[j + 16];
+                dot += (float)(blk[j] & 0x0f) * xp[j];
+                dot += (float)(blk[j] >> 4) * xp[j + 16];
             }
-            total += fp16_to_f32(dh) * dot + fp16_to_f32(mh) * xsum[(size_t)r * groups + g];
+            total += half_at(dh + 2 * g) * dot +
+                     half_at(mh + 2 * g) * p->sum[(size_t)r * ((groups + 7) & ~7) + g];
         }
         out[(size_t)r * n_total + n] = total;
     }
 }
 
-static void row_dot8(const float *x, int rows, int k, int groups, const uint8_t *wrow,
-                     float *out, int n, int n_total) {
+static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8_t *wrow,
+                   float *out, int n, int n_total, const float *x) {
+    const uint8_t *qs = wrow, *dh = wrow + (size_t)groups * BLOCK;
+    (void)p;
     for (int r = 0; r < rows; ++r) {
         const float *xr = x + (size_t)r * k;
         float total = 0.0f;
         for (int g = 0; g < groups; ++g) {
-            const uint8_t *blk = wrow + (size_t)g * Q8_BLOCK_BYTES;
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
+            const uint8_t *b = qs + (size_t)g * BLOCK;
             const float *xp = xr + (size_t)g * BLOCK;
             float dot = 0.0f;
-            for (int j = 0; j < BLOCK; ++j) dot += (float)(int8_t)blk[2 + j] * xp[j];
-            total += fp16_to_f32(dh) * dot;
+            for (int j = 0; j < BLOCK; ++j) dot += (float)(int8_t)b[j] * xp[j];
+            total += half_at(dh + 2 * g) * dot;
         }
         out[(size_t)r * n_total + n] = total;
     }
@@ -198,35 +287,45 @@ int kvf_q4_simd(void) {
 #endif
 }
 
-/* x [rows, k] float32, w [n_total, k / 32] blocks, out [rows, n_total] float32.
+int kvf_q4_max_k(void) { return MAX_GROUPS * BLOCK; }
+
+/* x [rows, k] float32, w [n_total, row bytes] (layout above), out [rows, n_total] float32.
  * Returns 0, or -1 when the shapes are outside what the kernel takes (nothing written). */
-int kvf_q4_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out) {
-    if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || n_total < 1) return -1;
+static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
+                int q8) {
+    if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || k / BLOCK > MAX_GROUPS ||
+        n_total < 1)
+        return -1;
     const int groups = k / BLOCK;
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)rows * groups);
-    if (xsum == NULL) return -1;
-    for (int r = 0; r < rows; ++r)
-        for (int g = 0; g < groups; ++g) {
-            const float *xp = x + (size_t)r * k + (size_t)g * BLOCK;
-            float s = 0.0f;
-            for (int j = 0; j < BLOCK; ++j) s += xp[j];
-            xsum[(size_t)r * groups + g] = s;
-        }
-    const size_t row_bytes = (size_t)groups * BLOCK_BYTES;
+    const size_t row_bytes = (size_t)groups * (q8 ? 34 : 20);
+    prepared_x p;
+    if (prepare(x, rows, k, &p) != 0) {
+        release(&p);
+        return -1;
+    }
+#ifdef KVF_SIMD
+    const int pairs = (n_total + 1) / 2;
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < n_total; ++n)
-        row_dot(x, xsum, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
-    free(xsum);
+    for (int i = 0; i < pairs; ++i) {
+        const int n = 2 * i, pair = n + 1 < n_total;
+        if (q8) row_q8(&p, rows, k, groups, w, row_bytes, out, n, n_total, pair);
+        else row_q4(&p, rows, k, groups, w, row_bytes, out, n, n_total, pair);
+    }
+#else
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < n_total; ++n) {
+        if (q8) row_q8(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total, x);
+        else row_q4(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total, x);
+    }
+#endif
+    release(&p);
     return 0;
 }
 
-/* The same for Q8_0 blocks ({fp16 d, 32 int8 q}, w = d * q): w [n_total, k / 32 * 34]. */
+int kvf_q4_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out) {
+    return gemv(x, rows, k, w, n_total, out, 0);
+}
+
 int kvf_q8_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out) {
-    if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || n_total < 1) return -1;
-    const int groups = k / BLOCK;
-    const size_t row_bytes = (size_t)groups * Q8_BLOCK_BYTES;
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < n_total; ++n)
-        row_dot8(x, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
-    return 0;
+    return gemv(x, rows, k, w, n_total, out, 1);
 }
