@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvcache.attention import AttentionFn
 from service.model.config import ModelConfig
+from service.model.native_gemv import Q4Linear
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import cos_sin_table, inv_freq
 
@@ -93,6 +94,7 @@ class LlamaModel(torch.nn.Module):
         self._dense_head = _dense(self.lm_head, prepack)
         small_head = None if self.packed is None else self.packed.lm_head
         self._small_head = self._dense_head if small_head is None else small_head
+        self._normed_small_head = _normed(small_head, self.final_norm, config.rms_norm_eps)
 
     @property
     def max_packed_rows(self) -> int:
@@ -140,8 +142,10 @@ class LlamaModel(torch.nn.Module):
         layers = self._small_layers if small else self._dense_layers
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(layers):
-            h = F.rms_norm(x, hidden, layer.attn_norm, eps)
-            qkv = layer.qkv(h)
+            if layer.normed_qkv is not None:
+                qkv = layer.normed_qkv(x)  # the norm runs inside the GEMV call
+            else:
+                qkv = layer.qkv(F.rms_norm(x, hidden, layer.attn_norm, eps))
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             # q and k heads are normalized and rotated together as one [T, Hq+Hkv, D] block.
@@ -156,12 +160,19 @@ class LlamaModel(torch.nn.Module):
             out = attn(i, q, k, v)
             # The residual stream ``x`` is this forward's own tensor: add in place (no new buffer).
             x.add_(layer.o(out.reshape(t, c.q_size)))
-            h = F.rms_norm(x, hidden, layer.mlp_norm, eps)
-            gate_up = layer.gate_up(h)
-            gate, up = gate_up.chunk(2, dim=-1)
-            x.add_(layer.down(F.silu(gate).mul_(up)))
+            if layer.normed_gate_up is not None:
+                gate_up = layer.normed_gate_up(x)
+            else:
+                gate_up = layer.gate_up(F.rms_norm(x, hidden, layer.mlp_norm, eps))
+            if layer.gated_down is not None:
+                x.add_(layer.gated_down(gate_up))  # silu(gate) * up inside the GEMV call
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                x.add_(layer.down(F.silu(gate).mul_(up)))
         if logits_indices is not None:
             x = x[logits_indices]
+        if x.shape[0] <= self._max_packed_rows and self._normed_small_head is not None:
+            return self._normed_small_head(x)
         x = F.rms_norm(x, hidden, self.final_norm, eps)
         head = self._small_head if x.shape[0] <= self._max_packed_rows else self._dense_head
         return head(x).float()
@@ -179,6 +190,11 @@ class _Layer:
     mlp_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    # Fused forms where the packed kernel takes them (float32 4-bit/8-bit GEMV): the input
+    # RMSNorm, or the SiLU gate, runs inside the same native call as the projection.
+    normed_qkv: Linear | None = None
+    normed_gate_up: Linear | None = None
+    gated_down: Linear | None = None
 
 
 # Any batch size works with a packed weight; the hint only picks oneDNN's blocking.
@@ -228,6 +244,8 @@ def _layers(
     def pick(dense: torch.Tensor, small: Linear | None) -> Linear:
         return _dense(dense, prepack) if small is None else small
 
+    eps = model.config.rms_norm_eps
+
     return tuple(
         _Layer(
             attn_norm=model.attn_norm[i],
@@ -238,6 +256,23 @@ def _layers(
             mlp_norm=model.mlp_norm[i],
             gate_up=pick(model.gate_up[i], gate_up[i]),
             down=pick(model.down[i], down[i]),
+            normed_qkv=_normed(qkv[i], model.attn_norm[i], eps),
+            normed_gate_up=_normed(gate_up[i], model.mlp_norm[i], eps),
+            gated_down=_gated(down[i]),
         )
         for i in range(model.config.num_layers)
     )
+
+
+def _normed(lin: Linear | None, gamma: torch.Tensor, eps: float) -> Linear | None:
+    """``lin(F.rms_norm(x, ..., gamma, eps))`` as one native call where ``lin`` fuses it."""
+    if isinstance(lin, Q4Linear) and lin.fuses and gamma.dtype == torch.float32:
+        return functools.partial(lin.normed, gamma=gamma.detach(), eps=eps)
+    return None
+
+
+def _gated(lin: Linear | None) -> Linear | None:
+    """``lin(F.silu(gate) * up)`` of ``[gate | up]`` as one native call where ``lin`` fuses it."""
+    if isinstance(lin, Q4Linear) and lin.fuses:
+        return lin.gated
+    return None

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,52 +29,64 @@ from kvcache.backends.cpu_decode import load_library, switched_off
 from service.model.quant import GROUP, Int4Codes
 
 _SOURCE = Path(__file__).with_name("q4_gemv.c")
-BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
-Q8_BLOCK_BYTES = 34  # fp16 d, 32 int8
 _lock = threading.Lock()
 _loaded: dict[str, Q4Kernel | None] = {}
 
 
 class Q4Kernel:
-    """The loaded kernel. :meth:`matmul` checks shapes; the C code trusts them."""
+    """The loaded kernel. :meth:`matmul` checks what the C code trusts."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.kvf_q4_gemv
+        self.fn = self._fn = lib.kvf_gemv
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
         ]
-        self._fn8 = lib.kvf_q8_gemv
-        self._fn8.restype = ctypes.c_int
-        self._fn8.argtypes = self._fn.argtypes
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
         self.simd = bool(lib.kvf_q4_simd())
 
-    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, q8: bool = False) -> torch.Tensor:
-        """``x @ w.T`` for ``x`` ``[M, K]`` float32 (M <= :attr:`max_rows`) and ``blocks``
-        ``[N, K / 32 * 20]`` uint8 (:func:`to_blocks`), or ``[N, K / 32 * 34]`` with ``q8``
-        (:func:`q8_blocks`)."""
-        m, k = x.shape
-        n, row_bytes = blocks.shape
-        block_bytes = Q8_BLOCK_BYTES if q8 else BLOCK_BYTES
+    def matmul(
+        self,
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        q8: bool = False,
+        *,
+        gated: bool = False,
+        gamma: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> torch.Tensor:
+        """``v @ w.T`` for ``blocks`` ``[N, K / 32 * 20]`` uint8 (:func:`to_blocks`), or
+        ``[N, K / 32 * 34]`` with ``q8`` (:func:`q8_blocks`). ``v`` is ``x`` ``[M, K]``
+        float32 (M <= :attr:`max_rows`), or with ``gated`` ``silu(x[:, :K]) * x[:, K:]`` for
+        ``x`` ``[M, 2K]``; with ``gamma`` ``[K]`` it is then ``F.rms_norm(v, (K,), gamma,
+        eps)``. The activation and the norm run inside the call, on the way to the GEMV."""
+        m, width = x.shape
+        k = width // 2 if gated else width
+        n, row_bytes_ = blocks.shape
         if (
             x.dtype != torch.float32
             or blocks.dtype != torch.uint8
             or not blocks.is_contiguous()
             or not 0 <= m <= self.max_rows
-            or k > self.max_k
+            or (gated and width % 2 != 0)
+            or not GROUP <= k <= self.max_k
             or k % GROUP != 0
-            or row_bytes != k // GROUP * block_bytes
+            or row_bytes_ != row_bytes(k, q8)
+            or (gamma is not None and (gamma.dtype != torch.float32 or gamma.shape != (k,)))
         ):
             raise ValueError("shape or dtype the 4-bit GEMV kernel does not take")
         out = torch.empty(m, n, dtype=torch.float32)
         if m == 0:  # a step that needs no logits
             return out
         x = x.contiguous()
-        fn = self._fn8 if q8 else self._fn
-        if fn(x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr()) != 0:
+        norm = 0 if gamma is None else gamma.contiguous().data_ptr()
+        status = self._fn(
+            x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), int(q8), int(gated),
+            norm, eps,
+        )
+        if status != 0:
             raise ValueError("the 4-bit GEMV kernel refused its shapes")
         return out
 
@@ -96,6 +109,20 @@ def _rows(*parts: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.contiguous().view(torch.uint8).reshape(n, -1) for p in parts], 1)
 
 
+def _padded(scales: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` fp16 scales padded with zeros to a multiple of 8 columns (the kernel
+    converts them 8 at a time)."""
+    pad = -scales.shape[1] % 8
+    return torch.nn.functional.pad(scales, (0, pad)) if pad else scales
+
+
+def row_bytes(k: int, q8: bool) -> int:
+    """Bytes of one output row of the kernel's layout for an input of ``k``."""
+    groups = k // GROUP
+    padded = groups + (-groups % 8)
+    return groups * 32 + 2 * padded if q8 else groups * 16 + 4 * padded
+
+
 def to_blocks(w: Int4Codes) -> torch.Tensor:
     """``w``'s codes in the kernel's 4-bit row layout, ``[N, K / 32 * 20]`` bytes: the blocks'
     nibbles, then their fp16 scales ``d`` (= scale), then their fp16 minimums ``m`` (= zero -
@@ -108,7 +135,7 @@ def to_blocks(w: Int4Codes) -> torch.Tensor:
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # ggml: j low, j + 16 high
     scale = w.scale.double()
     minimum = w.zero.double() - 8 * scale
-    return _rows(nibbles, scale.to(torch.float16), minimum.to(torch.float16))
+    return _rows(nibbles, _padded(scale.to(torch.float16)), _padded(minimum.to(torch.float16)))
 
 
 def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
@@ -117,7 +144,7 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
     halves, or None for any other codes. Reading the int8 directly does half the work."""
     if w.repeat != 2:
         return None
-    n, kr = w.codes.shape
+    kr = w.codes.shape[1]
     k, groups = kr // 2, kr // 2 // GROUP
     hi_scale, d = w.scale[:, :groups], w.scale[:, groups:]
     hi_zero, lo_zero = w.zero[:, :groups], w.zero[:, groups:]
@@ -129,7 +156,7 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
     if not torch.equal(d16.float(), d):
         return None
     q = 16 * w.codes[:, :k] + w.codes[:, k:] - 128  # u = q + 128 = 16 * hi + lo
-    return _rows(q.to(torch.int8), d16)
+    return _rows(q.to(torch.int8), _padded(d16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,22 +164,58 @@ class Q4Linear:
     """``x @ w.T`` for float32 ``x`` of at most ``kernel.max_rows`` rows, from 4-bit blocks
     (or the file's Q8_0 blocks, which :mod:`service.model.quant` hands over as two halves)."""
 
-    blocks: torch.Tensor  # [N, K * repeat / 32 * 20] uint8, or [N, K / 32 * 34] with q8
+    blocks: torch.Tensor  # [N, row_bytes(k, q8)] uint8
     repeat: int
     kernel: Q4Kernel
     q8: bool = False
+    k: int = 0  # the kernel's input width (K * repeat, or K for q8)
+    # (C function, blocks pointer, k, q8) for the per-call fast path, set in __post_init__
+    _fast: tuple[Any, int, int, int] = field(init=False, repr=False, compare=False)
 
     @classmethod
     def pack(cls, w: Int4Codes, kernel: Q4Kernel) -> Q4Linear:
         q8 = q8_blocks(w)
         if q8 is not None:
-            return cls(q8, 1, kernel, q8=True)
-        return cls(to_blocks(w), w.repeat, kernel)
+            return cls(q8, 1, kernel, q8=True, k=w.codes.shape[1] // 2)
+        return cls(to_blocks(w), w.repeat, kernel, k=w.codes.shape[1])
+
+    def __post_init__(self) -> None:
+        # The blocks are checked once here, so a call checks only its input (below).
+        self.kernel.matmul(torch.zeros(1, self.k), self.blocks, self.q8)
+        fast = (self.kernel.fn, self.blocks.data_ptr(), self.k, int(self.q8))
+        object.__setattr__(self, "_fast", fast)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.repeat > 1:
             x = x.repeat(1, self.repeat)
+        fn, blocks, k, q8 = self._fast
+        m = x.shape[0]
+        # NOTE: ~120 calls a decode step: the common case skips matmul's full check.
+        if (
+            x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[1] == k
+            and 0 < m <= self.kernel.max_rows
+            and x.is_contiguous()
+        ):
+            out = torch.empty(m, self.blocks.shape[0])
+            if fn(x.data_ptr(), m, k, blocks, out.shape[1], out.data_ptr(), q8, 0, None, 0.0):
+                raise ValueError("the 4-bit GEMV kernel refused its shapes")
+            return out
         return self.kernel.matmul(x, self.blocks, self.q8)
+
+    @property
+    def fuses(self) -> bool:
+        """Whether :meth:`normed` and :meth:`gated` run in the kernel (one input copy)."""
+        return self.repeat == 1
+
+    def normed(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+        """``self(F.rms_norm(x, (K,), gamma, eps))`` in one kernel call."""
+        return self.kernel.matmul(x, self.blocks, self.q8, gamma=gamma, eps=eps)
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(F.silu(gate) * up)`` for ``x = [gate | up]`` in one kernel call."""
+        return self.kernel.matmul(x, self.blocks, self.q8, gated=True)
 
     @property
     def nbytes(self) -> int:

@@ -10,11 +10,12 @@
  * dense float32 matmul it was meant to beat, so such hosts read ~540 MB of float32 weights a
  * token instead of ~85 MB of blocks.
  *
- * Layout of one output row n (G = k / 32 blocks):
- *   kvf_q4_gemv: G x 16 bytes of nibbles, then G fp16 scales d, then G fp16 minimums m;
- *                byte j of a block holds element j (low nibble) and j + 16 (high), as ggml's
- *                Q4_0/Q4_1 do, and w = d * q + m.
- *   kvf_q8_gemv: G x 32 int8 q, then G fp16 scales d; w = d * q (ggml's Q8_0).
+ * Layout of one output row n (G = k / 32 blocks; the scale arrays hold G rounded up to a
+ * multiple of 8, the padding 0, so they convert 8 at a time):
+ *   4-bit: G x 16 bytes of nibbles, then G fp16 scales d, then G fp16 minimums m; byte j
+ *          of a block holds element j (low nibble) and j + 16 (high), as ggml's Q4_0/Q4_1
+ *          do, and w = d * q + m.
+ *   8-bit (q8): G x 32 int8 q, then G fp16 scales d; w = d * q (ggml's Q8_0).
  * Then sum_k x_k w_k = sum_blocks (d * sum_j q_j x_j + m * sum_j x_j). The x sums are exact
  * float32, taken once per call. For sum_j q_j x_j the SIMD path rounds each block of x to
  * int16 with its own scale s = max|x| / 32767 (relative error <= 2^-16 of the block's largest
@@ -60,22 +61,59 @@ static inline float half_at(const uint8_t *p) {
 
 int kvf_q4_max_rows(void) { return MAX_ROWS; }
 
-/* Per-call work on x shared by every output row: block sums, and (SIMD) int16 blocks. */
+/* Per-call work on x shared by every output row: the input itself (after the fused
+ * activation and norm, if any), its block sums, and (SIMD) its int16 blocks. */
 typedef struct {
+    float *x;       /* [rows, k] the GEMV's input */
     float *sum;     /* [rows, G padded to 8] exact float32 block sums (padding 0) */
     float *scale;   /* [rows, G padded to 8] int16 step of each block (padding 0) */
     int16_t *q;     /* [rows, k] x / step, rounded */
 } prepared_x;
 
-static int prepare(const float *x, int rows, int k, prepared_x *p) {
+/* The input row v [k] from x: with ``gated``, x has 2k columns [gate | up] and
+ * v = silu(gate) * up; with ``gamma``, v is then RMS-normalized and scaled by gamma
+ * (v * gamma / sqrt(mean(v^2) + eps)), as F.rms_norm computes it. */
+static void input_row(const float *x, int k, int gated, const float *gamma, float eps,
+                      float *v) {
+    if (gated) {
+        for (int j = 0; j < k; ++j) v[j] = x[j] / (1.0f + expf(-x[j])) * x[k + j];
+    } else {
+        memcpy(v, x, sizeof(float) * (size_t)k);
+    }
+    if (gamma != NULL) {
+        float ss = 0.0f;
+        for (int j = 0; j < k; ++j) ss += v[j] * v[j];
+        const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+        for (int j = 0; j < k; ++j) v[j] = v[j] * inv * gamma[j];
+    }
+}
+
+/* Scratch for prepare(), per calling thread, grown on demand and kept (a decode step makes
+ * ~120 calls; malloc and free each time cost more than the smallest GEMVs). */
+static __thread void *scratch = NULL;
+static __thread size_t scratch_bytes = 0;
+
+static int prepare(const float *x, int rows, int k, int gated, const float *gamma, float eps,
+                   prepared_x *p) {
     const int groups = k / BLOCK, padded = (groups + 7) & ~7;
-    p->sum = (float *)calloc((size_t)rows * padded, sizeof(float));
-    p->scale = (float *)calloc((size_t)rows * padded, sizeof(float));
-    p->q = (int16_t *)malloc(sizeof(int16_t) * (size_t)rows * k);
-    if (p->sum == NULL || p->scale == NULL || p->q == NULL) return -1;
-    for (int r = 0; r < rows; ++r)
+    const size_t fx = sizeof(float) * (size_t)rows * k, fs = sizeof(float) * (size_t)rows * padded;
+    const size_t need = fx + 2 * fs + sizeof(int16_t) * (size_t)rows * k;
+    if (need > scratch_bytes) {
+        free(scratch);
+        scratch = malloc(need);
+        scratch_bytes = scratch == NULL ? 0 : need;
+        if (scratch == NULL) return -1;
+    }
+    p->x = (float *)scratch;
+    p->sum = (float *)((char *)scratch + fx);
+    p->scale = (float *)((char *)scratch + fx + fs);
+    p->q = (int16_t *)((char *)scratch + fx + 2 * fs);
+    memset(p->sum, 0, 2 * fs); /* the padding reads as 0 */
+    for (int r = 0; r < rows; ++r) {
+        input_row(x + (size_t)r * k * (gated ? 2 : 1), k, gated, gamma, eps,
+                  p->x + (size_t)r * k);
         for (int g = 0; g < groups; ++g) {
-            const float *xp = x + (size_t)r * k + (size_t)g * BLOCK;
+            const float *xp = p->x + (size_t)r * k + (size_t)g * BLOCK;
             int16_t *qp = p->q + (size_t)r * k + (size_t)g * BLOCK;
             float s = 0.0f, top = 0.0f;
             for (int j = 0; j < BLOCK; ++j) {
@@ -101,13 +139,8 @@ static int prepare(const float *x, int rows, int k, prepared_x *p) {
             p->sum[(size_t)r * padded + g] = s;
             p->scale[(size_t)r * padded + g] = step;
         }
+    }
     return 0;
-}
-
-static void release(prepared_x *p) {
-    free(p->sum);
-    free(p->scale);
-    free(p->q);
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -121,12 +154,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 8 fp16 values from src (n < 8 of them: the rest read as 0) as floats. */
-static inline __m256 halves8(const uint8_t *src, int n) {
-    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-    uint8_t tmp[16] = {0};
-    memcpy(tmp, src, (size_t)n * 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
+/* 8 fp16 values from src as floats (the scale arrays are padded to a multiple of 8). */
+static inline __m256 halves8(const uint8_t *src) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
 }
 
 /* The SIMD path keeps each block of x as 16 even-indexed then 16 odd-indexed int16 values
@@ -137,10 +167,8 @@ static inline __m256 halves8(const uint8_t *src, int n) {
  *   bits 0-3 and the next odd one in bits 8-11 (two masks and a shift).
  * - 8-bit: each word's low byte is an even element and its high byte the next odd one. */
 static inline void scales8(const uint8_t *dh, const float *xs, int groups, float *step) {
-    for (int g0 = 0; g0 < groups; g0 += 8) {
-        const int cnt = groups - g0 < 8 ? groups - g0 : 8;
-        _mm256_storeu_ps(step + g0, _mm256_mul_ps(halves8(dh + 2 * g0, cnt), _mm256_loadu_ps(xs + g0)));
-    }
+    for (int g0 = 0; g0 < groups; g0 += 8)
+        _mm256_storeu_ps(step + g0, _mm256_mul_ps(halves8(dh + 2 * g0), _mm256_loadu_ps(xs + g0)));
 }
 
 /* W weight rows (n .. n + W - 1) together: they share each x load and keep W independent
@@ -161,7 +189,7 @@ static inline __attribute__((always_inline)) void rows_q4(
             scales8(dh, xs, groups, step[i]);
             macc[i] = _mm256_setzero_ps();
             for (int g0 = 0; g0 < groups; g0 += 8)  /* minimums times the exact x sums */
-                macc[i] = _mm256_fmadd_ps(halves8(dh + 2 * (groups + g0), groups - g0),
+                macc[i] = _mm256_fmadd_ps(halves8(dh + 2 * (padded + g0)),
                                           _mm256_loadu_ps(xsum + g0), macc[i]);
             acc[i] = _mm256_setzero_ps();
         }
@@ -240,8 +268,10 @@ static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8
 #else
 
 static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8_t *wrow,
-                   float *out, int n, int n_total, const float *x) {
-    const uint8_t *nib = wrow, *dh = wrow + (size_t)groups * 16, *mh = dh + (size_t)groups * 2;
+                   float *out, int n, int n_total) {
+    const float *x = p->x;
+    const uint8_t *nib = wrow, *dh = wrow + (size_t)groups * 16;
+    const uint8_t *mh = dh + (size_t)((groups + 7) & ~7) * 2;
     for (int r = 0; r < rows; ++r) {
         const float *xr = x + (size_t)r * k;
         float total = 0.0f;
@@ -261,9 +291,9 @@ static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8
 }
 
 static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8_t *wrow,
-                   float *out, int n, int n_total, const float *x) {
+                   float *out, int n, int n_total) {
     const uint8_t *qs = wrow, *dh = wrow + (size_t)groups * BLOCK;
-    (void)p;
+    const float *x = p->x;
     for (int r = 0; r < rows; ++r) {
         const float *xr = x + (size_t)r * k;
         float total = 0.0f;
@@ -289,23 +319,25 @@ int kvf_q4_simd(void) {
 
 int kvf_q4_max_k(void) { return MAX_GROUPS * BLOCK; }
 
-/* x [rows, k] float32, w [n_total, row bytes] (layout above), out [rows, n_total] float32.
- * Returns 0, or -1 when the shapes are outside what the kernel takes (nothing written). */
-static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
-                int q8) {
+/* out [rows, n_total] = input @ w.T, float32. The input is x [rows, k] float32, or with
+ * ``gated`` x [rows, 2k] and input = silu(x[:, :k]) * x[:, k:]; with ``gamma`` [k] (else
+ * NULL) the input is then RMS-normalized (eps) and scaled by gamma. w [n_total, row bytes]
+ * (layout above). Returns 0, or -1 when the shapes are outside what the kernel takes
+ * (nothing written). */
+int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
+             int q8, int gated, const float *gamma, float eps) {
     if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || k / BLOCK > MAX_GROUPS ||
         n_total < 1)
         return -1;
     const int groups = k / BLOCK;
-    const size_t row_bytes = (size_t)groups * (q8 ? 34 : 20);
+    const size_t padded = (size_t)((groups + 7) & ~7);
+    const size_t row_bytes = q8 ? (size_t)groups * 32 + 2 * padded : (size_t)groups * 16 + 4 * padded;
     prepared_x p;
-    if (prepare(x, rows, k, &p) != 0) {
-        release(&p);
-        return -1;
-    }
+    if (prepare(x, rows, k, gated, gamma, eps, &p) != 0) return -1;
 #ifdef KVF_SIMD
     const int pairs = (n_total + 1) / 2;
-#pragma omp parallel for schedule(static)
+    /* below ~2,000 blocks the threads' start-up costs more than they save */
+#pragma omp parallel for schedule(static) if ((size_t)n_total * groups >= 2048)
     for (int i = 0; i < pairs; ++i) {
         const int n = 2 * i, pair = n + 1 < n_total;
         if (q8) row_q8(&p, rows, k, groups, w, row_bytes, out, n, n_total, pair);
@@ -314,18 +346,9 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
 #else
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_total; ++n) {
-        if (q8) row_q8(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total, x);
-        else row_q4(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total, x);
+        if (q8) row_q8(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
+        else row_q4(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
     }
 #endif
-    release(&p);
     return 0;
-}
-
-int kvf_q4_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out) {
-    return gemv(x, rows, k, w, n_total, out, 0);
-}
-
-int kvf_q8_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out) {
-    return gemv(x, rows, k, w, n_total, out, 1);
 }

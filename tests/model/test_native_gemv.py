@@ -73,7 +73,7 @@ def _bound(x: torch.Tensor, codes: Int4Codes, reference: torch.Tensor) -> torch.
     """The kernel's stated error per output: x rounded to int16 per block of 32 (at most half
     a step, max|x| / 32767, per element) times the block's sum of |d * q|, plus float32
     rounding of a few ulps of the row's magnitude. ``[M, N]``."""
-    n, k = reference.shape
+    n = reference.shape[0]
     xb = x.abs().double().view(x.shape[0], -1, 32)
     half_step = xb.amax(dim=-1) / 32767 / 2  # [M, G]
     q = codes.codes.double().view(n, -1, 32)
@@ -183,8 +183,8 @@ def test_q8_0_codes_are_read_as_int8_blocks() -> None:
     data = _ggml(GGMLQuantizationType.Q8_0, n, k, 11)
     lin = native_gemv.Q4Linear.pack(from_q8_0(data, n), _kernel())
     assert lin.q8 and lin.repeat == 1
-    assert lin.blocks.shape == (n, k // 32 * native_gemv.Q8_BLOCK_BYTES)
-    assert lin.nbytes == n * k // 32 * 34  # the file's own Q8_0 size
+    assert lin.blocks.shape == (n, native_gemv.row_bytes(k, q8=True))
+    assert lin.nbytes == n * (k + 2 * 8)  # int8 codes, then 2 scales padded to 8 fp16
     # other two-half codes are not Q8_0: they keep the 4-bit path
     other = from_q8_0(data, n)
     other = Int4Codes(other.codes, other.scale * 1.5, other.zero, other.repeat)
@@ -194,3 +194,25 @@ def test_q8_0_codes_are_read_as_int8_blocks() -> None:
 def test_no_rows_give_no_rows() -> None:
     lin = native_gemv.Q4Linear.pack(quantize_int4(torch.randn(8, 64)), _kernel())
     assert lin(torch.empty(0, 64)).shape == (0, 8)
+
+
+def test_fused_norm_and_gate_equal_the_torch_ops_then_the_kernel() -> None:
+    kernel = _kernel()
+    n, k = 40, 128
+    data = _ggml(GGMLQuantizationType.Q4_1, n, k, 9)
+    lin = native_gemv.Q4Linear.pack(from_q4_1(data, n), kernel)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, k, generator=gen) * 4
+    gamma = torch.rand(k, generator=gen) + 0.5
+    want = lin(torch.nn.functional.rms_norm(x, (k,), gamma, 1e-5))
+    got = lin.normed(x, gamma, 1e-5)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    gate_up = torch.randn(3, 2 * k, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = lin(torch.nn.functional.silu(gate) * up)
+    got = lin.gated(gate_up)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    with pytest.raises(ValueError, match="does not take"):
+        lin.normed(x, gamma[:-1], 1e-5)
+    with pytest.raises(ValueError, match="does not take"):
+        lin.gated(x)  # [3, 128] gated is K = 64: not this weight's K
