@@ -25,7 +25,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 import torch
@@ -35,6 +37,7 @@ log = structlog.get_logger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _lock = threading.Lock()
 _loaded: dict[str, DecodeKernel | None] = {}
+K = TypeVar("K")
 
 
 class DecodeKernel:
@@ -178,12 +181,7 @@ class DecodeKernel:
 def kernel() -> DecodeKernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
-    if switched_off():
-        return None
-    with _lock:
-        if "kernel" not in _loaded:
-            _loaded["kernel"] = _load()
-        return _loaded["kernel"]
+    return load_once(_loaded, _lock, _SOURCE, "cpu_decode", DecodeKernel)
 
 
 def switched_off() -> bool:
@@ -256,6 +254,19 @@ def load_library(source: Path, stem: str) -> ctypes.CDLL | None:
         return None
 
 
-def _load() -> DecodeKernel | None:
-    lib = load_library(_SOURCE, "cpu_decode")
-    return None if lib is None else DecodeKernel(lib)
+def load_once(
+    cache: dict[str, K | None],
+    lock: threading.Lock,
+    source: Path,
+    stem: str,
+    wrap: Callable[[ctypes.CDLL], K],
+) -> K | None:
+    """``wrap`` of the library built from ``source``, built and loaded once per process and
+    kept in ``cache``; None where it cannot be built or native kernels are switched off."""
+    if switched_off():
+        return None
+    with lock:
+        if "kernel" not in cache:
+            lib = load_library(source, stem)
+            cache["kernel"] = None if lib is None else wrap(lib)
+        return cache["kernel"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvcache.backends.cpu_decode import load_library, switched_off
+from kvcache.backends.cpu_decode import load_once
 from service.model.quant import GROUP, Int4Codes
 
 _SOURCE = Path(__file__).with_name("q4_gemv.c")
@@ -94,13 +94,7 @@ class Q4Kernel:
 def kernel() -> Q4Kernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
-    if switched_off():
-        return None
-    with _lock:
-        if "kernel" not in _loaded:
-            lib = load_library(_SOURCE, "q4_gemv")
-            _loaded["kernel"] = None if lib is None else Q4Kernel(lib)
-        return _loaded["kernel"]
+    return load_once(_loaded, _lock, _SOURCE, "q4_gemv", Q4Kernel)
 
 
 def _rows(*parts: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@
  * int16 with its own scale s = max|x| / 32767 (relative error <= 2^-16 of the block's largest
  * value, 128x finer than rounding x to bf16) and multiplies in exact integer arithmetic
  * (vpmaddwd): |sum| <= 32 * 128 * 32767 < 2^31. The plain C path multiplies in float32.
+ * NOTE: measured on SmolLM2-135M against transformers in float32 (make parity): decode
+ * logits within 0.01, greedy tokens identical. A second int16 part for the remainder
+ * (2^-31, float32 parity) made the B=1 forward ~35% slower on a 2-core AVX2 EPYC.
  */
 #include <math.h>
 #include <stdint.h>

@@ -154,6 +154,10 @@ def test_float32_auto_decodes_through_the_kernel_like_the_dense_model(
     auto = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
     assert auto.weights == "file" and auto.model.packed is not None
     assert isinstance(auto.model.packed.lm_head, native_gemv.Q4Linear)
+    # the norms and the SiLU gate run inside the kernel calls on this path
+    layer = auto.model._small_layers[0]
+    assert layer.normed_qkv is not None and layer.normed_gate_up is not None
+    assert layer.gated_down is not None and auto.model._normed_small_head is not None
     ids = torch.tensor([1, 4093, 30, 2260])
     n = len(ids)
     assert n <= auto.model.packed.max_rows
