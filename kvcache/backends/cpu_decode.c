@@ -1,4 +1,4 @@
-/* Paged decode attention for bf16 KV on CPU: one query token per sequence, read straight
+/* Paged decode attention for bf16 (or float32) KV on CPU: one query token per sequence, read straight
  * from the pool's pages (no gathered copy), float32 math, online softmax.
  *
  * Built by kvcache/backends/cpu_decode.py with the system C compiler and loaded through
@@ -132,88 +132,133 @@ static void job_avx512(const uint16_t *q, const uint16_t *kv, int first, int las
 }
 #endif
 
+/* One (sequence, KV head) job in plain C loops (vectorized by the compiler), for bf16 or
+ * float32 (f32) q, kv and out; element offsets are the same for both. */
+static void job_portable(const void *q_, const void *kv_, int first, int last,
+                         const int32_t *indices, int n, void *out_, int group, int dim,
+                         int64_t row, int64_t half, int page_size, float scale, int f32) {
+    float qf[MAX_GROUP][MAX_DIM];
+    float acc[MAX_GROUP][MAX_DIM];
+    float s[MAX_GROUP][MAX_PAGE];
+    float kf[MAX_DIM];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        if (f32) {
+            const float *src = (const float *)q_ + (int64_t)g * dim;
+            for (int d = 0; d < dim; ++d) qf[g][d] = src[d] * scale;
+        } else {
+            const uint16_t *src = (const uint16_t *)q_ + (int64_t)g * dim;
+            for (int d = 0; d < dim; ++d) qf[g][d] = bf16_to_f32(src[d]) * scale;
+        }
+        memset(acc[g], 0, sizeof(float) * (size_t)dim);
+        m[g] = -1e30f;
+        l[g] = 0.0f;
+    }
+    for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
+        const int count = n - start < page_size ? n - start : page_size;
+        const int64_t k_page = (int64_t)indices[p] * 2 * half; /* element offsets */
+        const int64_t v_page = k_page + half;
+        for (int o = 0; o < count; ++o) {
+            const int64_t k_row = k_page + o * row;
+            if (f32) {
+                memcpy(kf, (const float *)kv_ + k_row, sizeof(float) * (size_t)dim);
+            } else {
+                const uint16_t *src = (const uint16_t *)kv_ + k_row;
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) kf[d] = bf16_to_f32(src[d]);
+            }
+            for (int g = 0; g < group; ++g) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < dim; ++d) dot += qf[g][d] * kf[d];
+                s[g][o] = dot;
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            float top = m[g];
+#pragma omp simd reduction(max : top)
+            for (int o = 0; o < count; ++o) top = s[g][o] > top ? s[g][o] : top;
+            const float rescale = expf(m[g] - top); /* 0 on the first page */
+            float sum = l[g] * rescale;
+#pragma omp simd reduction(+ : sum)
+            for (int o = 0; o < count; ++o) {
+                s[g][o] = expf(s[g][o] - top);
+                sum += s[g][o];
+            }
+            if (rescale != 1.0f) {
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) acc[g][d] *= rescale;
+            }
+            m[g] = top;
+            l[g] = sum;
+        }
+        for (int o = 0; o < count; ++o) {
+            const int64_t v_row = v_page + o * row;
+            if (f32) {
+                memcpy(kf, (const float *)kv_ + v_row, sizeof(float) * (size_t)dim);
+            } else {
+                const uint16_t *src = (const uint16_t *)kv_ + v_row;
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) kf[d] = bf16_to_f32(src[d]);
+            }
+            for (int g = 0; g < group; ++g) {
+                const float w = s[g][o];
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) acc[g][d] += w * kf[d];
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        if (f32) {
+            float *dst = (float *)out_ + (int64_t)g * dim;
+            for (int d = 0; d < dim; ++d) dst[d] = acc[g][d] * inv;
+        } else {
+            uint16_t *dst = (uint16_t *)out_ + (int64_t)g * dim;
+            for (int d = 0; d < dim; ++d) dst[d] = f32_to_bf16(acc[g][d] * inv);
+        }
+    }
+}
+
+/* Every (sequence, KV head) job of a step, bf16 or float32 (f32). */
+static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
+                        const int32_t *indices, const int32_t *lens, void *out, int batch,
+                        int hq, int hkv, int dim, int page_size, float scale, int f32) {
+    const int group = hq / hkv;
+    const int64_t row = (int64_t)hkv * dim;          /* one slot: all heads */
+    const int64_t half = (int64_t)page_size * row;   /* K or V of one page */
+    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int job = 0; job < batch * hkv; ++job) {
+        const int b = job / hkv, h = job % hkv;
+        const int n = lens[b];
+        const size_t at = (size_t)(((int64_t)b * hq + h * group) * dim) * elem;
+        const char *qb = (const char *)q + at, *kvb = (const char *)kv + (size_t)(h * dim) * elem;
+        char *ob = (char *)out + at;
+#ifdef KVF_AVX512
+        if (!f32 && dim % 32 == 0) {
+            job_avx512((const uint16_t *)qb, (const uint16_t *)kvb, indptr[b], indptr[b + 1],
+                       indices, n, (uint16_t *)ob, group, dim, row, half, page_size, scale);
+            continue;
+        }
+#endif
+        job_portable(qb, kvb, indptr[b], indptr[b + 1], indices, n, ob, group, dim, row, half,
+                     page_size, scale, f32);
+    }
+}
+
 /* q, out: [B, Hq, D] bf16 (contiguous). kv: one layer of the pool. */
 void kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
                      const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
                      int hq, int hkv, int dim, int page_size, float scale) {
-    const int group = hq / hkv;
-    const int64_t row = (int64_t)hkv * dim;          /* one slot: all heads */
-    const int64_t half = (int64_t)page_size * row;   /* K or V of one page */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int job = 0; job < batch * hkv; ++job) {
-        const int b = job / hkv, h = job % hkv;
-#ifdef KVF_AVX512
-        if (dim % 32 == 0) {
-            job_avx512(q + ((int64_t)b * hq + h * group) * dim, kv + h * dim, indptr[b],
-                       indptr[b + 1], indices, lens[b], out + ((int64_t)b * hq + h * group) * dim,
-                       group, dim, row, half, page_size, scale);
-            continue;
-        }
-#endif
-        float qf[MAX_GROUP][MAX_DIM];
-        float acc[MAX_GROUP][MAX_DIM];
-        float s[MAX_GROUP][MAX_PAGE];
-        float kf[MAX_DIM];
-        float m[MAX_GROUP], l[MAX_GROUP];
-        for (int g = 0; g < group; ++g) {
-            const uint16_t *src = q + ((int64_t)b * hq + h * group + g) * dim;
-            for (int d = 0; d < dim; ++d) qf[g][d] = bf16_to_f32(src[d]) * scale;
-            memset(acc[g], 0, sizeof(float) * (size_t)dim);
-            m[g] = -1e30f;
-            l[g] = 0.0f;
-        }
-        const int n = lens[b];
-        for (int p = indptr[b], start = 0; p < indptr[b + 1] && start < n;
-             ++p, start += page_size) {
-            const int count = n - start < page_size ? n - start : page_size;
-            const uint16_t *k_page = kv + (int64_t)indices[p] * 2 * half + h * dim;
-            const uint16_t *v_page = k_page + half;
-            for (int o = 0; o < count; ++o) {
-                const uint16_t *k_row = k_page + o * row;
-#pragma omp simd
-                for (int d = 0; d < dim; ++d) kf[d] = bf16_to_f32(k_row[d]);
-                for (int g = 0; g < group; ++g) {
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int d = 0; d < dim; ++d) dot += qf[g][d] * kf[d];
-                    s[g][o] = dot;
-                }
-            }
-            for (int g = 0; g < group; ++g) {
-                float top = m[g];
-#pragma omp simd reduction(max : top)
-                for (int o = 0; o < count; ++o) top = s[g][o] > top ? s[g][o] : top;
-                const float rescale = expf(m[g] - top); /* 0 on the first page */
-                float sum = l[g] * rescale;
-#pragma omp simd reduction(+ : sum)
-                for (int o = 0; o < count; ++o) {
-                    s[g][o] = expf(s[g][o] - top);
-                    sum += s[g][o];
-                }
-                if (rescale != 1.0f) {
-#pragma omp simd
-                    for (int d = 0; d < dim; ++d) acc[g][d] *= rescale;
-                }
-                m[g] = top;
-                l[g] = sum;
-            }
-            for (int o = 0; o < count; ++o) {
-                const uint16_t *v_row = v_page + o * row;
-#pragma omp simd
-                for (int d = 0; d < dim; ++d) kf[d] = bf16_to_f32(v_row[d]);
-                for (int g = 0; g < group; ++g) {
-                    const float w = s[g][o];
-#pragma omp simd
-                    for (int d = 0; d < dim; ++d) acc[g][d] += w * kf[d];
-                }
-            }
-        }
-        for (int g = 0; g < group; ++g) {
-            uint16_t *dst = out + ((int64_t)b * hq + h * group + g) * dim;
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-            for (int d = 0; d < dim; ++d) dst[d] = f32_to_bf16(acc[g][d] * inv);
-        }
-    }
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0);
+}
+
+/* The same for float32 q, kv and out (the float32 engine's decode rows). */
+void kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
+                    const int32_t *indices, const int32_t *lens, float *out, int batch, int hq,
+                    int hkv, int dim, int page_size, float scale) {
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1);
 }
 
 /* The compiled step's one call per layer: store k, v [B, Hkv, D] (bf16, contiguous) at the

@@ -1,4 +1,4 @@
-"""A paged decode-attention kernel for bf16 KV on CPU, compiled on first use.
+"""A paged decode-attention kernel for bf16 (and float32) KV on CPU, compiled on first use.
 
 torch has no paged attention on CPU, so the torch backend gathers each decode row's K/V out
 of the pool before two batched matmuls: the gather writes a copy as large as what it reads,
@@ -47,6 +47,9 @@ class DecodeKernel:
         self._fn = lib.kvf_decode_bf16
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_float]
+        self._fn32 = lib.kvf_decode_f32
+        self._fn32.restype = None
+        self._fn32.argtypes = self._fn.argtypes
         self._fused = lib.kvf_write_decode_bf16
         self._fused.restype = ctypes.c_int
         self._fused.argtypes = (
@@ -64,7 +67,7 @@ class DecodeKernel:
         """Whether a layer of this shape and dtype can run here."""
         _, two, page_size, hkv, dim = kv_layer.shape
         return (
-            kv_layer.dtype == torch.bfloat16
+            kv_layer.dtype in (torch.bfloat16, torch.float32)
             and kv_layer.device.type == "cpu"
             and kv_layer.is_contiguous()
             and two == 2
@@ -86,7 +89,7 @@ class DecodeKernel:
         first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]``."""
         batch, hq, dim = q.shape
         _, _, page_size, hkv, kv_dim = kv_layer.shape
-        if not self.supports(hq, kv_layer) or kv_dim != dim or q.dtype != torch.bfloat16:
+        if not self.supports(hq, kv_layer) or kv_dim != dim or q.dtype != kv_layer.dtype:
             raise ValueError("shape or dtype the CPU decode kernel does not take")
         for t in (indptr, indices, lens):
             if t.dtype != torch.int32 or not t.is_contiguous():
@@ -95,7 +98,7 @@ class DecodeKernel:
             raise ValueError("one indptr span and one length per sequence")
         q = q.contiguous()
         out = torch.empty_like(q)
-        self._fn(
+        (self._fn32 if q.dtype == torch.float32 else self._fn)(
             q.data_ptr(),
             kv_layer.data_ptr(),
             indptr.data_ptr(),

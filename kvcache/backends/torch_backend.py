@@ -12,9 +12,11 @@ slot) and the padding is masked out, so no sequence ever reads a page outside it
   and the softmax in float32.
 - float32 decode and all prefill chunks gather whole pages and run SDPA (``enable_gqa``) on
   a strided view; prefill uses a causal mask aligned to the chunk's start position.
-- on CPU, bf16 decode rows skip the gather: where the C kernel of
+- on CPU, bf16 and float32 decode rows skip the gather: where the C kernel of
   :mod:`kvcache.backends.cpu_decode` could be built, it reads each row's own pages in place
-  (one call for each run of consecutive decode rows).
+  (one call for each run of consecutive decode rows). NOTE: measured on a 2-core AVX2 EPYC,
+  float32, SmolLM2-135M at B=1: the gather, SDPA and their views took ~2.5 ms of a ~20 ms
+  decode step.
 
 Softmax scale ``head_dim ** -0.5``.
 """
@@ -84,7 +86,7 @@ class TorchStep:
         meta = self._meta
         self._num_kv_heads = kv_layer.shape[-2]
         self._matmul_decode = q.dtype in _MATMUL_DECODE
-        if q.dtype == torch.bfloat16 and self._device.type == "cpu":
+        if q.dtype in (torch.bfloat16, torch.float32) and self._device.type == "cpu":
             kernel = cpu_decode.kernel()
             if kernel is not None and kernel.supports(q.shape[1], kv_layer):
                 self._kernel = kernel

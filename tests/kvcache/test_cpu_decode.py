@@ -59,8 +59,9 @@ def _portable(tmp_path: Path) -> cpu_decode.DecodeKernel:
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 @pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
 def test_kernel_builds_and_matches_float32_attention(
-    build: str, fresh: Path, tmp_path: Path
+    build: str, dtype: torch.dtype, fresh: Path, tmp_path: Path
 ) -> None:
     if build == "native":
         kernel = cpu_decode.kernel()
@@ -71,7 +72,7 @@ def test_kernel_builds_and_matches_float32_attention(
             pytest.skip("the portable build is checked on x86-64")
         kernel = _portable(tmp_path)
     torch.manual_seed(0)
-    layer = torch.randn(40, 2, PAGE, HKV, DIM).bfloat16()
+    layer = torch.randn(40, 2, PAGE, HKV, DIM).to(dtype)
     # Lengths on and off page boundaries, one key, and scattered, out-of-order pages.
     lens = [1, 16, 17, 100, 250]
     order = torch.randperm(40).tolist()
@@ -80,10 +81,12 @@ def test_kernel_builds_and_matches_float32_attention(
         count = -(-n // PAGE)
         pages.append(order[used : used + count])
         used += count
-    q = torch.randn(len(lens), HKV * GROUP, DIM).bfloat16()
+    q = torch.randn(len(lens), HKV * GROUP, DIM).to(dtype)
     out = kernel.run(q, layer, *_metadata(pages, lens))
+    assert out.dtype == dtype
     want = _reference(q, layer, pages, lens)
-    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding, or float32 sums
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
     # Pages nobody named can hold anything: poison them all.
     named = {x for p in pages for x in p}
     for page in set(range(40)) - named:
@@ -105,7 +108,8 @@ def test_kernel_refuses_what_it_cannot_take(fresh: Path) -> None:
         kernel.run(q, layer, good[0].long(), good[1], good[2])
     with pytest.raises(ValueError, match="one length per sequence"):
         kernel.run(q, layer, *_metadata([[0], [1]], [3, 3]))
-    assert not kernel.supports(HKV * GROUP, layer.float())
+    assert not kernel.supports(HKV * GROUP, layer.half())
+    assert kernel.supports(HKV * GROUP, layer.float())
 
 
 def test_no_compiler_means_the_torch_path(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
