@@ -18,8 +18,14 @@ from gguf.quants import dequantize
 from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
 from service.model import load_model, native_gemv
-from service.model.packed import resolve_weights
-from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0, quantize_int4
+from service.model.quant import (
+    Int4Codes,
+    Int4Linear,
+    from_q4_0,
+    from_q4_1,
+    from_q8_0,
+    quantize_int4,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -136,23 +142,28 @@ def test_kernel_refuses_what_it_does_not_take() -> None:
         kernel.matmul(torch.randn(1, 96), blocks)  # K does not match the blocks
 
 
-def test_switched_off_or_no_compiler_keeps_float32_dense(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert resolve_weights("auto", torch.float32, "cpu") == "file"
+def test_switched_off_or_no_compiler_keeps_torchs_kernel(
+    monkeypatch: pytest.MonkeyPatch, default_model_path: Path
+) -> None:
+    assert isinstance(native_gemv.kernel(), native_gemv.Q4Kernel)
     monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
     assert native_gemv.kernel() is None
-    assert resolve_weights("auto", torch.float32, "cpu") == "bf16"
+    off = load_model(default_model_path, dtype="float32", weights="int4", progress=False)
+    assert off.model.packed is not None
+    assert isinstance(off.model.packed.lm_head, Int4Linear)  # torch's int4 kernel
+    assert off.model._small_layers[0].normed_qkv is None  # nothing fused on that path
     monkeypatch.delenv("KVFENCE_CPU_KERNEL")
     monkeypatch.setattr(native_gemv, "_loaded", {})
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert native_gemv.kernel() is None
 
 
-def test_float32_auto_decodes_through_the_kernel_like_the_dense_model(
+def test_float32_int4_decodes_through_the_kernel_like_the_dense_model(
     default_model_path: Path,
 ) -> None:
     dense = load_model(default_model_path, dtype="float32", weights="bf16", progress=False)
-    auto = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
-    assert auto.weights == "file" and auto.model.packed is not None
+    auto = load_model(default_model_path, dtype="float32", weights="int4", progress=False)
+    assert auto.weights == "int4" and auto.model.packed is not None
     assert isinstance(auto.model.packed.lm_head, native_gemv.Q4Linear)
     # the norms and the SiLU gate run inside the kernel calls on this path
     layer = auto.model._small_layers[0]

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvcache.dense import DenseAttention
-from service.model import load_model, native_gemv
+from service.model import load_model
 from service.model.gguf_loader import read_gguf
 from service.model.packed import resolve_weights
 from service.model.quant import (
@@ -107,9 +107,7 @@ def test_default_model_codes_match_its_dequantized_tensors(default_model_path: P
 
 def test_auto_resolves_to_the_files_blocks_only_where_a_fast_kernel_exists() -> None:
     assert resolve_weights("auto", torch.bfloat16, "cpu") == "file"
-    # float32 keeps the blocks only through kvfence's own kernel (tests/model/test_native_gemv.py)
-    float32 = "file" if native_gemv.kernel() is not None else "bf16"
-    assert resolve_weights("auto", torch.float32, "cpu") == float32
+    assert resolve_weights("auto", torch.float32, "cpu") == "bf16"
     assert resolve_weights("auto", torch.bfloat16, "cuda") == "bf16"
     assert resolve_weights("int4", torch.float32, "cpu") == "int4"
     with pytest.raises(ValueError, match="int8"):
