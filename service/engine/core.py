@@ -79,7 +79,11 @@ class EngineCore:
         self.tokens = tokens
         self._clock = clock
         self._policies: dict[str, TenantSchedPolicy] = {}
-        self._scheduler = Scheduler(config, cache, self.policy, clock, config.drr_quantum)
+        # Models with packed decode weights (LlamaModel.max_packed_rows) cost two regimes.
+        packed_rows = int(getattr(model, "max_packed_rows", 0))
+        self._scheduler = Scheduler(
+            config, cache, self.policy, clock, config.drr_quantum, packed_rows
+        )
         self.pool = cache.pool
         self._runner = ModelRunner(model, device)
         self._sampler = Sampler(device, sampler_seed)

@@ -98,6 +98,7 @@ class Scheduler:
         policy: Callable[[str], TenantSchedPolicy],
         clock: Callable[[], float],
         drr_quantum: int = 128,
+        packed_rows: int = 0,
     ) -> None:
         self._config = config
         self._cache = cache
@@ -109,7 +110,7 @@ class Scheduler:
         self._admit_counter = itertools.count(1)
         self.num_preemptions = 0
         self.counter = TokenCounter(lambda t: policy(t).weight)
-        self.cost = StepCostModel()
+        self.cost = StepCostModel(packed_rows)  # packed_rows: the model's max_packed_rows
         self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
         self._last_active: dict[str, float] = {}  # tenant -> when it last had work (_room)
         # tenant -> admit_order of its last decode row that ran beside the guard

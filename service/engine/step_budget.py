@@ -2,9 +2,13 @@
 
 A step is its decode rows plus its prefill chunks, and the two cost differently:
 
-- the decode-only part, ``base_s + per_row_s * rows + per_row_key_s * keys``, is fitted on
-  decode-only steps. On CPU one row costs about as much as several (the weights are read
-  once either way), so it cannot be extrapolated from prefill steps;
+- the decode-only part, ``base_s + per_row_s * rows + per_row_key_s * keys`` (plus
+  ``dense_s`` once rows exceed ``packed_rows``), is fitted on decode-only steps. On CPU one
+  row costs about as much as several (the weights are read once either way), so it cannot
+  be extrapolated from prefill steps. Where the model serves batches of up to
+  ``packed_rows`` tokens from packed 4-bit weights and larger ones from dense weights, the
+  step's cost jumps at that size (on a 2-core AVX2 CPU in float32, 4 rows took ~26 ms and
+  the dense step above ~100 ms), which no line through both regimes predicts;
 - each prefill chunk adds ``per_chunk_s + per_token_s * tokens + per_key_s * keys``, fitted
   on what steps with chunks took beyond their decode-only part. The key term matters: on
   CPU a 16-token chunk at position 1,500 costs several times what it costs at position 0,
@@ -49,10 +53,13 @@ class StepCost:
     per_chunk_s: float
     per_token_s: float
     per_key_s: float
+    dense_s: float = 0.0  # what a decode step above ``packed_rows`` rows adds (dense weights)
+    packed_rows: int = 0  # the largest batch the packed weights serve; 0: no packed regime
 
     def decode_seconds(self, rows: int, keys: int) -> float:
         """Predicted wall time of a step of ``rows`` decode rows reading ``keys`` keys."""
-        return self.base_s + self.per_row_s * rows + self.per_row_key_s * keys
+        dense = self.dense_s if _dense(rows, self.packed_rows) else 0.0
+        return self.base_s + self.per_row_s * rows + self.per_row_key_s * keys + dense
 
     def chunk_seconds(self, context: int, tokens: int) -> float:
         """What a chunk of ``tokens`` after ``context`` computed tokens adds to a step."""
@@ -115,11 +122,25 @@ class LeastSquares:
         return full
 
 
+def _dense(rows: int, packed_rows: int) -> bool:
+    """Whether a batch of ``rows`` tokens runs on the dense weights past the packed ones."""
+    return packed_rows > 0 and rows > packed_rows
+
+
+# Feature subsets the decode fit tries, most complete first: (1, rows, keys, dense).
+_DECODE_TRIES = ((0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 1, 2), (0, 1), (0,))
+
+
 @dataclass(slots=True)
 class StepCostModel:
-    """Fits ``StepCost`` from observed steps."""
+    """Fits ``StepCost`` from observed steps. ``packed_rows`` is the model's
+    ``max_packed_rows`` (0 where every batch runs on the same weights).
+    NOTE: before any decode step above ``packed_rows`` rows is seen, the dense term is
+    unknown and the fit is the packed line alone; the first such step teaches it."""
 
-    decode: LeastSquares = field(default_factory=lambda: LeastSquares(3))  # 1, rows, keys
+    packed_rows: int = 0
+    # 1, rows, keys, dense (rows > packed_rows)
+    decode: LeastSquares = field(default_factory=lambda: LeastSquares(4))
     chunks: LeastSquares = field(default_factory=lambda: LeastSquares(3))  # n, tokens, keys
 
     def observe(
@@ -130,7 +151,8 @@ class StepCostModel:
         if seconds <= 0 or (rows <= 0 and not chunks):
             return
         if not chunks:
-            self.decode.observe((1.0, rows, row_keys), seconds)
+            dense = 1.0 if _dense(rows, self.packed_rows) else 0.0
+            self.decode.observe((1.0, rows, row_keys, dense), seconds)
             return
         rest = seconds - self._decode_part(rows, row_keys)
         tokens = sum(t for _, t in chunks)
@@ -138,18 +160,23 @@ class StepCostModel:
         self.chunks.observe((len(chunks), tokens, keys), rest)
 
     def _decode_part(self, rows: int, keys: int) -> float:
+        """The decode rows' share of a step with chunks, at their own batch size: a chunk
+        that takes the step onto the dense weights is charged the jump."""
         if not self.decode.measured:
             return 0.0
-        base, per_row, per_key = self.decode.fit(((0, 1, 2), (0, 1), (0,)), 0)
-        return base + per_row * rows + per_key * keys
+        base, per_row, per_key, dense = self.decode.fit(_DECODE_TRIES, 0)
+        jump = dense if _dense(rows, self.packed_rows) else 0.0
+        return base + per_row * rows + per_key * keys + jump
 
     def fit(self) -> StepCost | None:
         """The fitted cost, or None before a step with prefill chunks was observed."""
         if not self.chunks.measured:
             return None
-        base, per_row, per_row_key = self.decode.fit(((0, 1, 2), (0, 1), (0,)), 0)
+        base, per_row, per_row_key, dense = self.decode.fit(_DECODE_TRIES, 0)
         per_chunk, per_token, per_key = self.chunks.fit(((0, 1, 2), (1, 2), (0, 1), (1,)), 1)
-        return StepCost(base, per_row, per_row_key, per_chunk, per_token, per_key)
+        return StepCost(
+            base, per_row, per_row_key, per_chunk, per_token, per_key, dense, self.packed_rows
+        )
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -267,7 +267,7 @@ def _layers(
 def _normed(lin: Linear | None, gamma: torch.Tensor, eps: float) -> Linear | None:
     """``lin(F.rms_norm(x, ..., gamma, eps))`` as one native call where ``lin`` fuses it."""
     if isinstance(lin, Q4Linear) and lin.fuses and gamma.dtype == torch.float32:
-        return functools.partial(lin.normed, gamma=gamma.detach(), eps=eps)
+        return lin.normed_by(gamma.detach().contiguous(), eps)
     return None
 
 

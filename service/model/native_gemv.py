@@ -18,7 +18,9 @@ and the packs stay on torch's kernels.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +39,9 @@ class Q4Kernel:
     """The loaded kernel. :meth:`matmul` checks what the C code trusts."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.fn = self._fn = lib.kvf_gemv
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [
+        self.fn = lib.kvf_gemv
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
         ]
@@ -82,7 +84,7 @@ class Q4Kernel:
             return out
         x = x.contiguous()
         norm = 0 if gamma is None else gamma.contiguous().data_ptr()
-        status = self._fn(
+        status = self.fn(
             x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), int(q8), int(gated),
             norm, eps,
         )
@@ -182,34 +184,55 @@ class Q4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.repeat > 1:
             x = x.repeat(1, self.repeat)
+        return self._run(x, False, None, 0, 0.0)
+
+    def _run(
+        self, x: torch.Tensor, gated: bool, gamma: torch.Tensor | None, norm: int, eps: float
+    ) -> torch.Tensor:
+        """One kernel call; ``norm`` is ``gamma``'s data pointer (0 without), checked by the
+        caller once. NOTE: ~120 calls a decode step: the common case skips matmul's checks."""
         fn, blocks, k, q8 = self._fast
         m = x.shape[0]
-        # NOTE: ~120 calls a decode step: the common case skips matmul's full check.
         if (
             x.dtype == torch.float32
             and x.dim() == 2
-            and x.shape[1] == k
+            and x.shape[1] == (2 * k if gated else k)
             and 0 < m <= self.kernel.max_rows
             and x.is_contiguous()
         ):
             out = torch.empty(m, self.blocks.shape[0])
-            if fn(x.data_ptr(), m, k, blocks, out.shape[1], out.data_ptr(), q8, 0, None, 0.0):
+            if fn(x.data_ptr(), m, k, blocks, out.shape[1], out.data_ptr(), q8, gated, norm, eps):
                 raise ValueError("the 4-bit GEMV kernel refused its shapes")
             return out
-        return self.kernel.matmul(x, self.blocks, self.q8)
+        return self.kernel.matmul(x, self.blocks, self.q8, gated=gated, gamma=gamma, eps=eps)
 
     @property
     def fuses(self) -> bool:
-        """Whether :meth:`normed` and :meth:`gated` run in the kernel (one input copy)."""
+        """Whether :meth:`normed_by` and :meth:`gated` run in the kernel (one input copy)."""
         return self.repeat == 1
+
+    def normed_by(self, gamma: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> self(F.rms_norm(x, (K,), gamma, eps))``, each call one kernel call."""
+        if not (
+            self.fuses
+            and gamma.dtype == torch.float32
+            and gamma.shape == (self.k,)
+            and gamma.is_contiguous()
+        ):
+            raise ValueError("a norm weight the 4-bit GEMV does not take (float32 [K] only)")
+        return functools.partial(
+            self._run, gated=False, gamma=gamma, norm=gamma.data_ptr(), eps=eps
+        )
 
     def normed(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """``self(F.rms_norm(x, (K,), gamma, eps))`` in one kernel call."""
-        return self.kernel.matmul(x, self.blocks, self.q8, gamma=gamma, eps=eps)
+        return self.normed_by(gamma, eps)(x)
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """``self(F.silu(gate) * up)`` for ``x = [gate | up]`` in one kernel call."""
-        return self.kernel.matmul(x, self.blocks, self.q8, gated=True)
+        if not self.fuses:
+            raise ValueError("the 4-bit GEMV fuses the gate only without repeated halves")
+        return self._run(x, True, None, 0, 0.0)
 
     @property
     def nbytes(self) -> int:

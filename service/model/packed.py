@@ -25,6 +25,10 @@ WEIGHTS_MODES: tuple[str, ...] = ("auto", "bf16", "int4", "int8")
 # NOTE: measured on a 2-core AVX512-BF16 CPU: at M <= 4 rows the packed GEMVs read 3-4x fewer
 # bytes and win 2-3x; from M = 8 on the dense bf16 matmul (AMX) is as fast or faster.
 MAX_PACKED_ROWS = 4
+# NOTE: kvfence's float32 GEMV (no bf16 compute) beats the dense float32 matmul for longer:
+# measured on a 2-core AVX2 EPYC, SmolLM2-135M forward at 16 tokens 49-61 ms against 94-109
+# dense, even at 24-32, dense ahead from ~48. Batches up to this many tokens use it.
+GEMV_MAX_PACKED_ROWS = 32
 # Packs run in these dtypes at speed; fp32 works (parity uses it) but is several times slower.
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -50,18 +54,20 @@ class PackedLinears:
 
 
 def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
-    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, else ``bf16``.
+    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, and in float32 where
+    kvfence's own GEMV (:mod:`service.model.native_gemv`) builds; else ``bf16`` (dense).
 
-    In float32, ``int4`` runs the file's blocks through kvfence's own GEMV
-    (:mod:`service.model.native_gemv`), 3.7x faster at one stream on an AVX2 EPYC.
-    NOTE: ``auto`` does not pick it in float32 yet: the scheduler's step-cost model is linear
-    in decode rows, and the GEMV's batches of up to 4 rows cost ~4x less than the dense steps
-    above them; with that cliff the decode guard let a tenant's 8 penalty rows stretch a
-    victim's inter-token gap to 0.089 s against make verify's bound of 0.071 s."""
+    NOTE: in float32 the GEMV ran single-stream decode 3.7x faster than the dense weights
+    on a 2-core AVX2 EPYC. ``auto`` picks it there now that the scheduler's step-cost model
+    knows the two regimes (``StepCostModel.packed_rows``): with one line through both, the
+    decode guard let a tenant's 8 penalty rows stretch a victim's inter-token gap to 0.089 s
+    against make verify's bound of 0.071 s."""
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
     if mode == "auto":
+        if on_cpu and dtype == torch.float32 and native_gemv.kernel() is not None:
+            return "file"
         return "file" if on_cpu and dtype in _FAST_DTYPES else "bf16"
     if mode in ("int4", "int8") and not on_cpu:
         raise ValueError(f"--weights {mode} runs on CPU kernels only (device is {device})")
@@ -89,6 +95,7 @@ def build_packed(
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     # float32 decode reads 4-bit blocks through kvfence's own kernel (torch's is for bf16).
     kernel = native_gemv.kernel() if dtype == torch.float32 else None
+    gemv_rows = 0 if kernel is None else min(GEMV_MAX_PACKED_ROWS, kernel.max_rows)
 
     def pack4(w: Int4Codes) -> Linear:
         if kernel is not None:
@@ -117,4 +124,5 @@ def build_packed(
         gate_up=layers("gate_up"),
         down=layers("down"),
         lm_head=one("lm_head", [head]),
+        max_rows=MAX_PACKED_ROWS if kernel is None or mode == "int8" else gemv_rows,
     )

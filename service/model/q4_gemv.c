@@ -31,13 +31,12 @@
 #include <string.h>
 
 #define BLOCK 32
-#define MAX_ROWS 8
+#define MAX_ROWS 64
 #define INT16_STEPS 32767.0f
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVF_EVEN_ODD 1
 #endif
-#define MAX_GROUPS 2048 /* k <= 65536: the SIMD path keeps a row's scales on the stack */
-#define MAX_STACK_GROUPS (MAX_GROUPS + 8)
+#define MAX_GROUPS 2048 /* k <= 65536: the SIMD path keeps a tile's scales on the stack */
 
 static inline float fp16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -133,7 +132,7 @@ static int prepare(const float *x, int rows, int k, int gated, const float *gamm
             const float inv = top > 0.0f ? INT16_STEPS / top : 0.0f;
             for (int j = 0; j < BLOCK; ++j) {
 #ifdef KVF_EVEN_ODD
-                const int at = (j % 2) * 16 + j / 2; /* evens, then odds (see rows_q4) */
+                const int at = (j % 2) * 16 + j / 2; /* evens, then odds (see tile_q4) */
 #else
                 const int at = j;
 #endif
@@ -169,31 +168,37 @@ static inline __m256 halves8(const uint8_t *src) {
  *   elements 16..31 where 0..15 were, and each 16-bit word then holds an even element in
  *   bits 0-3 and the next odd one in bits 8-11 (two masks and a shift).
  * - 8-bit: each word's low byte is an even element and its high byte the next odd one. */
+
 static inline void scales8(const uint8_t *dh, const float *xs, int groups, float *step) {
     for (int g0 = 0; g0 < groups; g0 += 8)
         _mm256_storeu_ps(step + g0, _mm256_mul_ps(halves8(dh + 2 * g0), _mm256_loadu_ps(xs + g0)));
 }
 
+/* sum_g a[g] * b[g] for fp16 a (padded to 8), as 8 partial sums. */
+static inline __m256 dot8(const uint8_t *a16, const float *b, int groups) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int g0 = 0; g0 < groups; g0 += 8)
+        acc = _mm256_fmadd_ps(halves8(a16 + 2 * g0), _mm256_loadu_ps(b + g0), acc);
+    return acc;
+}
+
 /* W weight rows (n .. n + W - 1) together: they share each x load and keep W independent
  * accumulator chains in flight. */
 static inline __attribute__((always_inline)) void rows_q4(
-    const prepared_x *p, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
+    const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
     float *out, int n, int n_total, const int W) {
     const int padded = (groups + 7) & ~7;
     const __m256i nibble = _mm256_set1_epi16(0x000f);
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-    float step[2][MAX_STACK_GROUPS];
-    for (int r = 0; r < rows; ++r) {
+    float step[2][MAX_GROUPS];
+    for (int r = r_begin; r < rows; ++r) {
         const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
         const int16_t *xq = p->q + (size_t)r * k;
         __m256 acc[2], macc[2];
         for (int i = 0; i < W; ++i) {
             const uint8_t *dh = w + (size_t)(n + i) * row_bytes + (size_t)groups * 16;
             scales8(dh, xs, groups, step[i]);
-            macc[i] = _mm256_setzero_ps();
-            for (int g0 = 0; g0 < groups; g0 += 8)  /* minimums times the exact x sums */
-                macc[i] = _mm256_fmadd_ps(halves8(dh + 2 * (padded + g0)),
-                                          _mm256_loadu_ps(xsum + g0), macc[i]);
+            macc[i] = dot8(dh + 2 * padded, xsum, groups); /* minimums times the exact x sums */
             acc[i] = _mm256_setzero_ps();
         }
         for (int g = 0; g < groups; ++g) {
@@ -221,11 +226,11 @@ static inline __attribute__((always_inline)) void rows_q4(
 /* Q8_0 rows: the same without minimums. A NaN/inf block of x has step 0 and sum NaN, and
  * 0 * NaN carries the NaN into the row's output as float math would. */
 static inline __attribute__((always_inline)) void rows_q8(
-    const prepared_x *p, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
+    const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
     float *out, int n, int n_total, const int W) {
     const int padded = (groups + 7) & ~7;
-    float step[2][MAX_STACK_GROUPS];
-    for (int r = 0; r < rows; ++r) {
+    float step[2][MAX_GROUPS];
+    for (int r = r_begin; r < rows; ++r) {
         const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
         const int16_t *xq = p->q + (size_t)r * k;
         __m256 acc[2], nan_carry = _mm256_setzero_ps();
@@ -256,17 +261,143 @@ static inline __attribute__((always_inline)) void rows_q8(
     }
 }
 
-/* Output rows n (and n + 1 when pair) of the weights at w. */
+/* For batches (prefill chunks, several decode rows) one pass over a pair of weight rows
+ * serves TILE rows of x: the tile's rows share the weights' unpacking.
+ * NOTE: measured on a 2-core AVX2 EPYC, 3072x576: M=8 516 -> 433 us, M=32 2,080 -> 1,820 us
+ * against the per-row loop (rows_q4), which stays for single rows: as a tile of one it ran
+ * ~10% slower (GCC kept the tile's accumulators on the stack). */
+#define TILE 4
+
+/* Rows r0 .. r0 + TILE - 1 of x against weight rows n .. n + W - 1 (4-bit). */
+static inline __attribute__((always_inline)) void tile_q4(
+    const prepared_x *p, int r0, int k, int groups, const uint8_t *w,
+    size_t row_bytes, float *out, int n, int n_total, const int W) {
+    const int padded = (groups + 7) & ~7;
+    float step[2][TILE][MAX_GROUPS]; /* weight scale times x step, per weight row, x row, block */
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < W; ++i)
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r)
+            scales8(w + (size_t)(n + i) * row_bytes + (size_t)groups * 16, p->scale + (size_t)(r0 + r) * padded,
+                   groups, step[i][r]);
+    const __m256i nibble = _mm256_set1_epi16(0x000f);
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    __m256 acc[2][TILE];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < W; ++i)
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        __m256i even[2], odd[2];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < W; ++i) {
+            const uint8_t *nib = w + (size_t)(n + i) * row_bytes + (size_t)g * 16;
+            _mm_prefetch((const char *)(nib + 2 * row_bytes), _MM_HINT_T0);
+            const __m256i q = _mm256_srlv_epi32(
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)nib)), shift);
+            even[i] = _mm256_and_si256(q, nibble);
+            odd[i] = _mm256_and_si256(_mm256_srli_epi16(q, 8), nibble);
+        }
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r) {
+            const int16_t *xp = p->q + (size_t)(r0 + r) * k + (size_t)g * BLOCK;
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)xp);
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(xp + 16));
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < W; ++i) {
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(even[i], xe),
+                                                   _mm256_madd_epi16(odd[i], xo));
+                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i][r] + g),
+                                            acc[i][r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < W; ++i) {
+        const uint8_t *mh = w + (size_t)(n + i) * row_bytes + (size_t)groups * 16 + 2 * padded;
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r) /* minimums times the exact x sums */
+            out[(size_t)(r0 + r) * n_total + n + i] = hsum8(_mm256_add_ps(
+                acc[i][r], dot8(mh, p->sum + (size_t)(r0 + r) * padded, groups)));
+    }
+}
+
+/* The same for 8-bit rows, without minimums. A NaN/inf block of x has step 0 and sum NaN,
+ * and 0 * NaN carries the NaN into the row's output as float math would. */
+static inline __attribute__((always_inline)) void tile_q8(
+    const prepared_x *p, int r0, int k, int groups, const uint8_t *w,
+    size_t row_bytes, float *out, int n, int n_total, const int W) {
+    const int padded = (groups + 7) & ~7;
+    float step[2][TILE][MAX_GROUPS]; /* weight scale times x step, per weight row, x row, block */
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < W; ++i)
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r)
+            scales8(w + (size_t)(n + i) * row_bytes + (size_t)groups * BLOCK, p->scale + (size_t)(r0 + r) * padded,
+                   groups, step[i][r]);
+    __m256 acc[2][TILE];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < W; ++i)
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        __m256i even[2], odd[2];
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < W; ++i) {
+            const uint8_t *at = w + (size_t)(n + i) * row_bytes + (size_t)g * BLOCK;
+            _mm_prefetch((const char *)(at + 2 * row_bytes), _MM_HINT_T0);
+            const __m256i b = _mm256_loadu_si256((const __m256i *)at);
+            even[i] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+            odd[i] = _mm256_srai_epi16(b, 8);
+        }
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < TILE; ++r) {
+            const int16_t *xp = p->q + (size_t)(r0 + r) * k + (size_t)g * BLOCK;
+            const __m256i xe = _mm256_loadu_si256((const __m256i *)xp);
+            const __m256i xo = _mm256_loadu_si256((const __m256i *)(xp + 16));
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < W; ++i) {
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(even[i], xe),
+                                                   _mm256_madd_epi16(odd[i], xo));
+                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i][r] + g),
+                                            acc[i][r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < TILE; ++r) {
+        const float *xsum = p->sum + (size_t)(r0 + r) * padded;
+        __m256 nan_carry = _mm256_setzero_ps();
+        for (int g0 = 0; g0 < groups; g0 += 8)
+            nan_carry = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), nan_carry);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < W; ++i)
+            out[(size_t)(r0 + r) * n_total + n + i] = hsum8(_mm256_add_ps(acc[i][r], nan_carry));
+    }
+}
+
+/* Output rows n (and n + 1 when pair) of the weights at w, for every row of x: whole tiles
+ * of TILE rows, then the rest one row at a time (the faster loop for a single row). */
 static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
                    size_t row_bytes, float *out, int n, int n_total, int pair) {
-    if (pair) rows_q4(p, rows, k, groups, w, row_bytes, out, n, n_total, 2);
-    else rows_q4(p, rows, k, groups, w, row_bytes, out, n, n_total, 1);
+    int r0 = 0;
+    for (; r0 + TILE <= rows; r0 += TILE) {
+        if (pair) tile_q4(p, r0, k, groups, w, row_bytes, out, n, n_total, 2);
+        else tile_q4(p, r0, k, groups, w, row_bytes, out, n, n_total, 1);
+    }
+    if (pair) rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2);
+    else rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1);
 }
 
 static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
                    size_t row_bytes, float *out, int n, int n_total, int pair) {
-    if (pair) rows_q8(p, rows, k, groups, w, row_bytes, out, n, n_total, 2);
-    else rows_q8(p, rows, k, groups, w, row_bytes, out, n, n_total, 1);
+    int r0 = 0;
+    for (; r0 + TILE <= rows; r0 += TILE) {
+        if (pair) tile_q8(p, r0, k, groups, w, row_bytes, out, n, n_total, 2);
+        else tile_q8(p, r0, k, groups, w, row_bytes, out, n, n_total, 1);
+    }
+    if (pair) rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2);
+    else rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1);
 }
 #else
 

@@ -83,3 +83,41 @@ def test_identical_steps_charge_their_time_per_token() -> None:
     assert cost is not None
     assert cost.chunk_seconds(0, 50) == pytest.approx(0.05)
     assert cost.per_token_s == pytest.approx(0.001)
+
+
+def _two_regimes(rows: int, keys: int) -> float:
+    """Packed weights serve up to 4 rows: 10 ms + 2 ms a row + 1 us a key; a bigger batch runs
+    on the dense weights and takes 60 ms more."""
+    return 0.010 + 0.002 * rows + 1e-6 * keys + (0.060 if rows > 4 else 0.0)
+
+
+def _teach_regimes(model: StepCostModel, shapes: tuple[tuple[int, int], ...]) -> None:
+    for _ in range(4):
+        for rows, keys in shapes:
+            model.observe(rows, keys, [], _two_regimes(rows, keys))
+        model.observe(1, 30, [(0, 64)], _two_regimes(1, 30) + 0.01)
+
+
+def test_the_jump_past_the_packed_rows_is_its_own_term() -> None:
+    shapes = ((1, 30), (2, 500), (4, 900), (3, 100), (8, 4000), (12, 3000), (6, 200))
+    model = StepCostModel(packed_rows=4)
+    _teach_regimes(model, shapes)
+    cost = model.fit()
+    assert cost is not None and cost.dense_s == pytest.approx(0.060, rel=1e-6)
+    for rows, keys in ((1, 100), (4, 2000), (5, 2000), (16, 5000)):
+        assert cost.decode_seconds(rows, keys) == pytest.approx(_two_regimes(rows, keys), rel=1e-6)
+    # One line through both regimes under-predicts the first dense step by a third: the
+    # decode guard would let rows in that stretch the step far past its bound.
+    flat = StepCostModel()
+    _teach_regimes(flat, shapes)
+    line = flat.fit()
+    assert line is not None
+    assert line.decode_seconds(5, 2000) < 0.8 * _two_regimes(5, 2000)
+
+
+def test_before_a_dense_step_is_seen_the_packed_line_stands() -> None:
+    model = StepCostModel(packed_rows=4)
+    _teach_regimes(model, ((1, 30), (2, 500), (4, 900), (3, 100)))
+    cost = model.fit()
+    assert cost is not None and cost.dense_s == 0.0
+    assert cost.decode_seconds(3, 400) == pytest.approx(_two_regimes(3, 400), rel=1e-6)

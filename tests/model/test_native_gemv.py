@@ -100,12 +100,14 @@ def _check(kernel: native_gemv.Q4Kernel, codes: Int4Codes, reference: torch.Tens
         eye = torch.eye(k)[start : start + rows]
         want = reference[:, start : start + rows].T
         assert (lin(eye) - want).abs().max().item() <= 1e-6 * reference.abs().max().item()
-    x = torch.randn(4, k, generator=torch.Generator().manual_seed(n + k))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(n + k))
     exact = x.double() @ reference.double().T
     bound = _bound(x, codes, reference)
-    for m in (1, 2, 3, 4):
-        got = lin(x[:m]).double()
-        assert ((got - exact[:m]).abs() <= bound[:m]).all()
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    for m in (1, 2, 3, 4, 5, 8, 9):  # batches of 4 rows share the weights' unpacking (tiles)
+        got = lin(x[:m])
+        assert ((got.double() - exact[:m]).abs() <= bound[:m]).all()
+        assert torch.equal(got, alone[:m])  # a row's result does not depend on its batch
 
 
 @pytest.mark.parametrize("kind", list(UNPACK), ids=lambda k: k.name)
