@@ -54,20 +54,21 @@ class PackedLinears:
 
 
 def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
-    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, and in float32 where
-    kvfence's own GEMV (:mod:`service.model.native_gemv`) builds; else ``bf16`` (dense).
+    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, else ``bf16``.
 
-    NOTE: in float32 the GEMV ran single-stream decode 3.7x faster than the dense weights
-    on a 2-core AVX2 EPYC. ``auto`` picks it there now that the scheduler's step-cost model
-    knows the two regimes (``StepCostModel.packed_rows``): with one line through both, the
-    decode guard let a tenant's 8 penalty rows stretch a victim's inter-token gap to 0.089 s
-    against make verify's bound of 0.071 s."""
+    In float32, ``int4`` runs the file's blocks through kvfence's own GEMV
+    (:mod:`service.model.native_gemv`), 3.7x faster at one stream on an AVX2 EPYC.
+    NOTE: ``auto`` does not pick it in float32: the scheduler's decode guard prices a
+    victim's rows from a step-cost fit that forgets a tenant's own short steps within ~50
+    steps of an attack, then extrapolates the attacker's rows to it. Against the GEMV's 13 ms
+    victim steps (make verify's gap bound: 2x that + 30 ms = 57 ms) the guard, priced from
+    the attacker's 40 ms rows at 3,000 keys, let prefill stretch the victim's steps to
+    70-140 ms (long-prefill flood, penalty rows). With dense float32 (~50 ms steps) the
+    same slack fits in the bound."""
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
     if mode == "auto":
-        if on_cpu and dtype == torch.float32 and native_gemv.kernel() is not None:
-            return "file"
         return "file" if on_cpu and dtype in _FAST_DTYPES else "bf16"
     if mode in ("int4", "int8") and not on_cpu:
         raise ValueError(f"--weights {mode} runs on CPU kernels only (device is {device})")
