@@ -58,13 +58,15 @@ def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
 
     In float32, ``int4`` runs the file's blocks through kvfence's own GEMV
     (:mod:`service.model.native_gemv`), 3.7x faster at one stream on an AVX2 EPYC.
-    NOTE: ``auto`` does not pick it in float32: the scheduler's decode guard prices a
-    victim's rows from a step-cost fit that forgets a tenant's own short steps within ~50
-    steps of an attack, then extrapolates the attacker's rows to it. Against the GEMV's 13 ms
-    victim steps (make verify's gap bound: 2x that + 30 ms = 57 ms) the guard, priced from
-    the attacker's 40 ms rows at 3,000 keys, let prefill stretch the victim's steps to
-    70-140 ms (long-prefill flood, penalty rows). With dense float32 (~50 ms steps) the
-    same slack fits in the bound."""
+    NOTE: ``auto`` does not pick it in float32. With it, make verify's long-prefill-flood and
+    penalty-rows checks failed on a 2-core EPYC (victim gap p50 0.069-0.143 s against a bound
+    of 2 x its 13-15 ms baseline + 30 ms = 0.057-0.059 s), for two reasons measured in the
+    step log: the scheduler's decode guard priced the victim's row from a step-cost fit that
+    had forgotten the victim's own steps (it decays per step) and extrapolated the
+    attacker's 40 ms rows at 3,000 keys to it; and pricing the row at what the victim's
+    steps took alone did not help, because those took 68 ms during the attack (the
+    attacker's request handling shares the 2 cores). Dense float32's ~50 ms steps leave the
+    same slack inside the bound."""
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
