@@ -132,7 +132,7 @@ static int prepare(const float *x, int rows, int k, int gated, const float *gamm
             const float inv = top > 0.0f ? INT16_STEPS / top : 0.0f;
             for (int j = 0; j < BLOCK; ++j) {
 #ifdef KVF_EVEN_ODD
-                const int at = (j % 2) * 16 + j / 2; /* evens, then odds (see tile_q4) */
+                const int at = (j % 2) * 16 + j / 2; /* evens, then odds (the SIMD order, below) */
 #else
                 const int at = j;
 #endif
@@ -268,18 +268,21 @@ static inline __attribute__((always_inline)) void rows_q8(
  * ~10% slower (GCC kept the tile's accumulators on the stack). */
 #define TILE 4
 
-/* Rows r0 .. r0 + TILE - 1 of x against weight rows n .. n + W - 1 (4-bit). */
-static inline __attribute__((always_inline)) void tile_q4(
-    const prepared_x *p, int r0, int k, int groups, const uint8_t *w,
-    size_t row_bytes, float *out, int n, int n_total, const int W) {
+/* Rows r0 .. r0 + TILE - 1 of x against weight rows n .. n + W - 1, 4-bit or (q8) 8-bit.
+ * For 8-bit rows a NaN/inf block of x has step 0 and sum NaN, and 0 * NaN carries the NaN
+ * into the row's output as float math would (4-bit rows carry it through the minimums). */
+static inline __attribute__((always_inline)) void tile(
+    const prepared_x *p, int r0, int k, int groups, const uint8_t *w, size_t row_bytes,
+    float *out, int n, int n_total, const int W, const int q8) {
     const int padded = (groups + 7) & ~7;
+    const size_t scales_at = (size_t)groups * (q8 ? BLOCK : 16);
     float step[2][TILE][MAX_GROUPS]; /* weight scale times x step, per weight row, x row, block */
     _Pragma("GCC unroll 8")
     for (int i = 0; i < W; ++i)
         _Pragma("GCC unroll 8")
         for (int r = 0; r < TILE; ++r)
-            scales8(w + (size_t)(n + i) * row_bytes + (size_t)groups * 16, p->scale + (size_t)(r0 + r) * padded,
-                   groups, step[i][r]);
+            scales8(w + (size_t)(n + i) * row_bytes + scales_at,
+                    p->scale + (size_t)(r0 + r) * padded, groups, step[i][r]);
     const __m256i nibble = _mm256_set1_epi16(0x000f);
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     __m256 acc[2][TILE];
@@ -291,12 +294,18 @@ static inline __attribute__((always_inline)) void tile_q4(
         __m256i even[2], odd[2];
         _Pragma("GCC unroll 8")
         for (int i = 0; i < W; ++i) {
-            const uint8_t *nib = w + (size_t)(n + i) * row_bytes + (size_t)g * 16;
-            _mm_prefetch((const char *)(nib + 2 * row_bytes), _MM_HINT_T0);
-            const __m256i q = _mm256_srlv_epi32(
-                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)nib)), shift);
-            even[i] = _mm256_and_si256(q, nibble);
-            odd[i] = _mm256_and_si256(_mm256_srli_epi16(q, 8), nibble);
+            const uint8_t *at = w + (size_t)(n + i) * row_bytes + (size_t)g * (q8 ? BLOCK : 16);
+            _mm_prefetch((const char *)(at + 2 * row_bytes), _MM_HINT_T0);
+            if (q8) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)at);
+                even[i] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+                odd[i] = _mm256_srai_epi16(b, 8);
+            } else {
+                const __m256i q = _mm256_srlv_epi32(
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)at)), shift);
+                even[i] = _mm256_and_si256(q, nibble);
+                odd[i] = _mm256_and_si256(_mm256_srli_epi16(q, 8), nibble);
+            }
         }
         _Pragma("GCC unroll 8")
         for (int r = 0; r < TILE; ++r) {
@@ -307,97 +316,43 @@ static inline __attribute__((always_inline)) void tile_q4(
             for (int i = 0; i < W; ++i) {
                 const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(even[i], xe),
                                                    _mm256_madd_epi16(odd[i], xo));
-                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i][r] + g),
-                                            acc[i][r]);
+                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                            _mm256_broadcast_ss(step[i][r] + g), acc[i][r]);
             }
         }
     }
     _Pragma("GCC unroll 8")
     for (int i = 0; i < W; ++i) {
-        const uint8_t *mh = w + (size_t)(n + i) * row_bytes + (size_t)groups * 16 + 2 * padded;
+        const uint8_t *mh = w + (size_t)(n + i) * row_bytes + scales_at + 2 * padded;
         _Pragma("GCC unroll 8")
-        for (int r = 0; r < TILE; ++r) /* minimums times the exact x sums */
-            out[(size_t)(r0 + r) * n_total + n + i] = hsum8(_mm256_add_ps(
-                acc[i][r], dot8(mh, p->sum + (size_t)(r0 + r) * padded, groups)));
+        for (int r = 0; r < TILE; ++r) { /* 4-bit: minimums times the exact x sums */
+            const float *xsum = p->sum + (size_t)(r0 + r) * padded;
+            __m256 extra = _mm256_setzero_ps();
+            if (q8)
+                for (int g0 = 0; g0 < groups; g0 += 8)
+                    extra = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), extra);
+            else
+                extra = dot8(mh, xsum, groups);
+            out[(size_t)(r0 + r) * n_total + n + i] = hsum8(_mm256_add_ps(acc[i][r], extra));
+        }
     }
 }
 
-/* The same for 8-bit rows, without minimums. A NaN/inf block of x has step 0 and sum NaN,
- * and 0 * NaN carries the NaN into the row's output as float math would. */
-static inline __attribute__((always_inline)) void tile_q8(
-    const prepared_x *p, int r0, int k, int groups, const uint8_t *w,
-    size_t row_bytes, float *out, int n, int n_total, const int W) {
-    const int padded = (groups + 7) & ~7;
-    float step[2][TILE][MAX_GROUPS]; /* weight scale times x step, per weight row, x row, block */
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < W; ++i)
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < TILE; ++r)
-            scales8(w + (size_t)(n + i) * row_bytes + (size_t)groups * BLOCK, p->scale + (size_t)(r0 + r) * padded,
-                   groups, step[i][r]);
-    __m256 acc[2][TILE];
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < W; ++i)
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < TILE; ++r) acc[i][r] = _mm256_setzero_ps();
-    for (int g = 0; g < groups; ++g) {
-        __m256i even[2], odd[2];
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < W; ++i) {
-            const uint8_t *at = w + (size_t)(n + i) * row_bytes + (size_t)g * BLOCK;
-            _mm_prefetch((const char *)(at + 2 * row_bytes), _MM_HINT_T0);
-            const __m256i b = _mm256_loadu_si256((const __m256i *)at);
-            even[i] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
-            odd[i] = _mm256_srai_epi16(b, 8);
-        }
-        _Pragma("GCC unroll 8")
-        for (int r = 0; r < TILE; ++r) {
-            const int16_t *xp = p->q + (size_t)(r0 + r) * k + (size_t)g * BLOCK;
-            const __m256i xe = _mm256_loadu_si256((const __m256i *)xp);
-            const __m256i xo = _mm256_loadu_si256((const __m256i *)(xp + 16));
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < W; ++i) {
-                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(even[i], xe),
-                                                   _mm256_madd_epi16(odd[i], xo));
-                acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i][r] + g),
-                                            acc[i][r]);
-            }
-        }
-    }
-    _Pragma("GCC unroll 8")
-    for (int r = 0; r < TILE; ++r) {
-        const float *xsum = p->sum + (size_t)(r0 + r) * padded;
-        __m256 nan_carry = _mm256_setzero_ps();
-        for (int g0 = 0; g0 < groups; g0 += 8)
-            nan_carry = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), nan_carry);
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < W; ++i)
-            out[(size_t)(r0 + r) * n_total + n + i] = hsum8(_mm256_add_ps(acc[i][r], nan_carry));
-    }
-}
-
-/* Output rows n (and n + 1 when pair) of the weights at w, for every row of x: whole tiles
- * of TILE rows, then the rest one row at a time (the faster loop for a single row). */
-static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
-                   size_t row_bytes, float *out, int n, int n_total, int pair) {
+/* Output rows n (and n + 1 when pair) of the weights at w (8-bit with q8), for every row of
+ * x: whole tiles of TILE rows, then the rest one row at a time (the faster loop for one). */
+static void row_blocks(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
+                       size_t row_bytes, float *out, int n, int n_total, int pair, int q8) {
     int r0 = 0;
     for (; r0 + TILE <= rows; r0 += TILE) {
-        if (pair) tile_q4(p, r0, k, groups, w, row_bytes, out, n, n_total, 2);
-        else tile_q4(p, r0, k, groups, w, row_bytes, out, n, n_total, 1);
+        if (q8 && pair) tile(p, r0, k, groups, w, row_bytes, out, n, n_total, 2, 1);
+        else if (q8) tile(p, r0, k, groups, w, row_bytes, out, n, n_total, 1, 1);
+        else if (pair) tile(p, r0, k, groups, w, row_bytes, out, n, n_total, 2, 0);
+        else tile(p, r0, k, groups, w, row_bytes, out, n, n_total, 1, 0);
     }
-    if (pair) rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2);
+    if (q8 && pair) rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2);
+    else if (q8) rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1);
+    else if (pair) rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2);
     else rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1);
-}
-
-static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
-                   size_t row_bytes, float *out, int n, int n_total, int pair) {
-    int r0 = 0;
-    for (; r0 + TILE <= rows; r0 += TILE) {
-        if (pair) tile_q8(p, r0, k, groups, w, row_bytes, out, n, n_total, 2);
-        else tile_q8(p, r0, k, groups, w, row_bytes, out, n, n_total, 1);
-    }
-    if (pair) rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2);
-    else rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1);
 }
 #else
 
@@ -474,8 +429,7 @@ int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, flo
 #pragma omp parallel for schedule(static) if ((size_t)n_total * groups >= 2048)
     for (int i = 0; i < pairs; ++i) {
         const int n = 2 * i, pair = n + 1 < n_total;
-        if (q8) row_q8(&p, rows, k, groups, w, row_bytes, out, n, n_total, pair);
-        else row_q4(&p, rows, k, groups, w, row_bytes, out, n, n_total, pair);
+        row_blocks(&p, rows, k, groups, w, row_bytes, out, n, n_total, pair, q8);
     }
 #else
 #pragma omp parallel for schedule(static)
