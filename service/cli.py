@@ -73,7 +73,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--device", "cpu", "torch device: cpu, cuda or cuda:N", type=check_device,
          metavar="{cpu,cuda,cuda:N}")
     _add(p, "--weights", "auto",
-         "decode weights: auto keeps the file's 4/8-bit blocks on CPU; bf16, int4, int8",
+         "decode weights: auto keeps the file's 4/8-bit blocks on CPU (bf16 via torch's "
+         "int4 kernel, float32 via kvfence's GEMV); bf16 dense, int4, int8",
          choices=["auto", "bf16", "int4", "int8"])
     _add(p, "--compile", "off",
          "torch.compile small decode batches at start (CPU, bf16, a C++ compiler): "

@@ -54,23 +54,21 @@ class PackedLinears:
 
 
 def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
-    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, else ``bf16``.
+    """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, and in float32 where
+    kvfence's own GEMV (:mod:`service.model.native_gemv`) builds; else ``bf16`` (dense).
 
-    In float32, ``int4`` runs the file's blocks through kvfence's own GEMV
-    (:mod:`service.model.native_gemv`), 3.7x faster at one stream on an AVX2 EPYC.
-    NOTE: ``auto`` does not pick it in float32. With it, make verify's long-prefill-flood and
-    penalty-rows checks failed on a 2-core EPYC (victim gap p50 0.069-0.143 s against a bound
-    of 2 x its 13-15 ms baseline + 30 ms = 0.057-0.059 s), for two reasons measured in the
-    step log: the scheduler's decode guard priced the victim's row from a step-cost fit that
-    had forgotten the victim's own steps (it decays per step) and extrapolated the
-    attacker's 40 ms rows at 3,000 keys to it; and pricing the row at what the victim's
-    steps took alone did not help, because those took 68 ms during the attack (the
-    attacker's request handling shares the 2 cores). Dense float32's ~50 ms steps leave the
-    same slack inside the bound."""
+    NOTE: measured on a 2-core AVX2 EPYC (float32), the GEMV decodes one stream 3.7x faster
+    than the dense weights, and a victim tenant's inter-token gap under make verify's
+    attacks was lower with it in every run: 0.070-0.092 s (long-prefill flood, penalty
+    rows) against 0.124-0.130 s dense. Both miss those two checks' relative bound there
+    (2 x the victim's own gap + 30 ms: 0.057-0.079 s with the GEMV's 13-25 ms gap, 0.116 s
+    with dense's 43 ms); the README's "Where the time goes" says why."""
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
     if mode == "auto":
+        if on_cpu and dtype == torch.float32 and native_gemv.kernel() is not None:
+            return "file"
         return "file" if on_cpu and dtype in _FAST_DTYPES else "bf16"
     if mode in ("int4", "int8") and not on_cpu:
         raise ValueError(f"--weights {mode} runs on CPU kernels only (device is {device})")

@@ -105,11 +105,16 @@ def test_default_model_codes_match_its_dequantized_tensors(default_model_path: P
     assert ckpt.int4_codes("model.layers.0.input_layernorm.weight") is None  # F32: no blocks
 
 
-def test_auto_resolves_to_the_files_blocks_only_where_a_fast_kernel_exists() -> None:
+def test_auto_resolves_to_the_files_blocks_only_where_a_fast_kernel_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert resolve_weights("auto", torch.bfloat16, "cpu") == "file"
-    # float32: dense, though the GEMV builds (see resolve_weights' NOTE); int4 takes it
+    # float32: kvfence's own GEMV (built with the system compiler, as in CI), else dense
     assert native_gemv.kernel() is not None
+    assert resolve_weights("auto", torch.float32, "cpu") == "file"
+    monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
     assert resolve_weights("auto", torch.float32, "cpu") == "bf16"
+    monkeypatch.delenv("KVFENCE_CPU_KERNEL")
     assert resolve_weights("auto", torch.bfloat16, "cuda") == "bf16"
     assert resolve_weights("int4", torch.float32, "cpu") == "int4"
     with pytest.raises(ValueError, match="int8"):
