@@ -57,12 +57,12 @@ def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
     """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, and in float32 where
     kvfence's own GEMV (:mod:`service.model.native_gemv`) builds; else ``bf16`` (dense).
 
-    NOTE: measured on a 2-core AVX2 EPYC (float32), the GEMV decodes one stream 3.7x faster
-    than the dense weights, and a victim tenant's inter-token gap under make verify's
-    attacks was lower with it in every run: 0.070-0.092 s (long-prefill flood, penalty
-    rows) against 0.124-0.130 s dense. Both miss those two checks' relative bound there
-    (2 x the victim's own gap + 30 ms: 0.057-0.079 s with the GEMV's 13-25 ms gap, 0.116 s
-    with dense's 43 ms); the README's "Where the time goes" says why."""
+    NOTE: measured on a 2-core AVX2 EPYC (float32), the GEMV decodes one stream 4.4x faster
+    than the dense weights. make verify's long-prefill-flood and penalty-rows checks (a
+    victim's gap under attack <= 2 x its own gap + 30 ms) sit near their bound there with
+    either: of three full runs that day, dense missed both (0.130/0.124 s against 0.116),
+    the GEMV missed one (penalty rows 0.092 s against 0.079) and then passed all 75 (0.042
+    and 0.061 s against 0.063). The README's "Where the time goes" says why."""
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
