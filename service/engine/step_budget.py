@@ -58,8 +58,8 @@ class StepCost:
 
     def decode_seconds(self, rows: int, keys: int) -> float:
         """Predicted wall time of a step of ``rows`` decode rows reading ``keys`` keys."""
-        dense = self.dense_s if _dense(rows, self.packed_rows) else 0.0
-        return self.base_s + self.per_row_s * rows + self.per_row_key_s * keys + dense
+        line = (self.base_s, self.per_row_s, self.per_row_key_s, self.dense_s)
+        return _decode_seconds(line, self.packed_rows, rows, keys)
 
     def chunk_seconds(self, context: int, tokens: int) -> float:
         """What a chunk of ``tokens`` after ``context`` computed tokens adds to a step."""
@@ -127,6 +127,13 @@ def _dense(rows: int, packed_rows: int) -> bool:
     return packed_rows > 0 and rows > packed_rows
 
 
+def _decode_seconds(line: Sequence[float], packed_rows: int, rows: int, keys: int) -> float:
+    """A decode step's time from the fit's ``(base, per row, per key, dense jump)``."""
+    base, per_row, per_key, dense = line
+    jump = dense if _dense(rows, packed_rows) else 0.0
+    return base + per_row * rows + per_key * keys + jump
+
+
 # Feature subsets the decode fit tries, most complete first: (1, rows, keys, dense).
 _DECODE_TRIES = ((0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 1, 2), (0, 1), (0,))
 
@@ -160,13 +167,11 @@ class StepCostModel:
         self.chunks.observe((len(chunks), tokens, keys), rest)
 
     def _decode_part(self, rows: int, keys: int) -> float:
-        """The decode rows' share of a step with chunks, at their own batch size: a chunk
-        that takes the step onto the dense weights is charged the jump."""
+        """The decode rows' share of a step with chunks, at their own batch size: where a
+        chunk takes the step onto the dense weights, the chunk fit absorbs the jump."""
         if not self.decode.measured:
             return 0.0
-        base, per_row, per_key, dense = self.decode.fit(_DECODE_TRIES, 0)
-        jump = dense if _dense(rows, self.packed_rows) else 0.0
-        return base + per_row * rows + per_key * keys + jump
+        return _decode_seconds(self.decode.fit(_DECODE_TRIES, 0), self.packed_rows, rows, keys)
 
     def fit(self) -> StepCost | None:
         """The fitted cost, or None before a step with prefill chunks was observed."""

@@ -96,7 +96,10 @@ def build_packed(
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     # float32 decode reads 4-bit blocks through kvfence's own kernel (torch's is for bf16).
     kernel = native_gemv.kernel() if dtype == torch.float32 else None
-    gemv_rows = 0 if kernel is None else min(GEMV_MAX_PACKED_ROWS, kernel.max_rows)
+    # The GEMV's packs serve larger batches; int8 packs are torch's kernel, as are bf16 ones.
+    max_rows = MAX_PACKED_ROWS
+    if kernel is not None and mode != "int8":
+        max_rows = min(GEMV_MAX_PACKED_ROWS, kernel.max_rows)
 
     def pack4(w: Int4Codes) -> Linear:
         if kernel is not None:
@@ -125,5 +128,5 @@ def build_packed(
         gate_up=layers("gate_up"),
         down=layers("down"),
         lm_head=one("lm_head", [head]),
-        max_rows=MAX_PACKED_ROWS if kernel is None or mode == "int8" else gemv_rows,
+        max_rows=max_rows,
     )

@@ -263,8 +263,8 @@ static inline __attribute__((always_inline)) void rows_q8(
 
 /* For batches (prefill chunks, several decode rows) one pass over a pair of weight rows
  * serves TILE rows of x: the tile's rows share the weights' unpacking.
- * NOTE: measured on a 2-core AVX2 EPYC, 3072x576: M=8 516 -> 433 us, M=32 2,080 -> 1,820 us
- * against the per-row loop (rows_q4), which stays for single rows: as a tile of one it ran
+ * NOTE: measured on a 2-core AVX2 EPYC, 3072x576, best of 7: M=8 507 -> 362 us, M=16
+ * 1,014 -> 755, M=32 1,949 -> 1,586 against the per-row loop (rows_q4), which stays for single rows: as a tile of one it ran
  * ~10% slower (GCC kept the tile's accumulators on the stack). */
 #define TILE 4
 
