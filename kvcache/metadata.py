@@ -104,8 +104,9 @@ def write_kv_rows(
 ) -> None:
     """:func:`write_kv` with the rows from :func:`kv_rows` precomputed. Together with
     :func:`write_kv`, which calls it, the only code that writes KV memory, apart from
-    ``DecodeKernel.write_run`` (kvcache/backends/cpu_decode.py), the compiled CPU step's
-    one C call a layer, which stores the same rows."""
+    ``DecodeKernel.write_run``/``write_run_layer`` (kvcache/backends/cpu_decode.py), the
+    one C call a layer of the compiled CPU step and of an eager all-decode CPU step, which
+    stores the same rows."""
     flat = kv_layer.view(-1, *kv_layer.shape[-2:])
     # NOTE: index_copy_ on flat rows is one kernel per tensor, a few times cheaper per layer
     # than advanced-index assignment with (page, offset) pairs.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.backends.base import StepKernel
+from kvcache.backends.base import StepKernel, WriteAttend
 from kvcache.errors import InvalidRequest
 from kvcache.metadata import AttentionMetadata, kv_rows, write_kv_rows
 from kvcache.pool import PagePool
@@ -22,6 +22,9 @@ class StepAttention:
         self._pool = pool
         self._kernel = kernel
         self._rows = kv_rows(metadata.slot_mapping, pool.page_size)  # shared by all layers
+        # A kernel that can write the step's K/V rows and attend in one call (the torch
+        # backend's, for an all-decode step on the CPU kernel) answers None when it cannot.
+        self._write_attend: WriteAttend | None = getattr(kernel, "write_attend", None)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -37,5 +40,9 @@ class StepAttention:
         if not 0 <= layer < pool.num_layers:
             raise InvalidRequest(f"layer {layer} out of range")
         kv_layer = pool.layer(layer)
+        if self._write_attend is not None:
+            out = self._write_attend(q, k, v, kv_layer, self._rows)
+            if out is not None:
+                return out
         write_kv_rows(kv_layer, k, v, self._rows)
         return self._kernel(q, kv_layer)

@@ -19,6 +19,21 @@ class StepKernel(Protocol):
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor: ...
 
 
+class WriteAttend(Protocol):
+    """A step kernel's optional ``write_attend(q, k, v, kv_layer, rows)``: store the step's
+    K/V at ``rows`` (:func:`kvcache.metadata.kv_rows`) and attend, in one call; None when it
+    cannot for this step (then nothing was written)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor | None: ...
+
+
 class AttentionBackend(Protocol):
     def prepare(self, metadata: AttentionMetadata) -> StepKernel:
         """Plan one step (index tensors, kernel plans) for reuse across layers."""

@@ -7,6 +7,7 @@ Attention never happens here: every layer hands its RoPE'd q, k, v to the ``attn
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from kvcache.attention import AttentionFn
 from service.model.config import ModelConfig
-from service.model.native_gemv import Q4Linear
+from service.model.native_gemv import Q4Linear, Rope
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import cos_sin_table, inv_freq
 
@@ -142,30 +143,40 @@ class LlamaModel(torch.nn.Module):
         layers = self._small_layers if small else self._dense_layers
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(layers):
-            if layer.normed_qkv is not None:
-                qkv = layer.normed_qkv(x)  # the norm runs inside the GEMV call
+            if layer.roped_qkv is not None:
+                # norm, projection and RoPE of the q and k heads in one native call
+                qkv = layer.roped_qkv(x, rope)
+                q = qkv[:, : c.q_size].reshape(t, hq, d).contiguous()
+                k = qkv[:, c.q_size : qk_rows].reshape(t, hkv, d).contiguous()
             else:
-                qkv = layer.qkv(F.rms_norm(x, hidden, layer.attn_norm, eps))
-            if layer.qkv_bias is not None:
-                qkv += layer.qkv_bias
-            # q and k heads are normalized and rotated together as one [T, Hq+Hkv, D] block.
-            qk = qkv[:, :qk_rows].reshape(t, hq + hkv, d)
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
-            qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
-            # Contiguous views so paged backends can copy/launch on them without restriding.
-            q = qk[:, :hq].contiguous()
-            k = qk[:, hq:].contiguous()
+                if layer.normed_qkv is not None:
+                    qkv = layer.normed_qkv(x)  # the norm runs inside the GEMV call
+                else:
+                    qkv = layer.qkv(F.rms_norm(x, hidden, layer.attn_norm, eps))
+                if layer.qkv_bias is not None:
+                    qkv += layer.qkv_bias
+                # q and k heads are normalized and rotated together as one [T, Hq+Hkv, D] block.
+                qk = qkv[:, :qk_rows].reshape(t, hq + hkv, d)
+                if layer.qk_norm is not None:
+                    qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
+                qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
+                # Contiguous views so paged backends can copy/launch on them without restriding.
+                q = qk[:, :hq].contiguous()
+                k = qk[:, hq:].contiguous()
             v = qkv[:, qk_rows:].reshape(t, hkv, d).contiguous()
-            out = attn(i, q, k, v)
-            # The residual stream ``x`` is this forward's own tensor: add in place (no new buffer).
-            x.add_(layer.o(out.reshape(t, c.q_size)))
+            out = attn(i, q, k, v).reshape(t, c.q_size)
+            # The residual stream ``x`` is this forward's own tensor: add in place (no new
+            # buffer), inside the GEMV call where the kernel takes it.
+            if layer.o_into is not None:
+                layer.o_into(out, x)
+            else:
+                x.add_(layer.o(out))
             if layer.normed_gate_up is not None:
                 gate_up = layer.normed_gate_up(x)
             else:
                 gate_up = layer.gate_up(F.rms_norm(x, hidden, layer.mlp_norm, eps))
-            if layer.gated_down is not None:
-                x.add_(layer.gated_down(gate_up))  # silu(gate) * up inside the GEMV call
+            if layer.gated_down_into is not None:
+                layer.gated_down_into(gate_up, x)  # silu(gate) * up inside the GEMV call
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 x.add_(layer.down(F.silu(gate).mul_(up)))
@@ -191,10 +202,12 @@ class _Layer:
     gate_up: Linear
     down: Linear
     # Fused forms where the packed kernel takes them (float32 4-bit/8-bit GEMV): the input
-    # RMSNorm, or the SiLU gate, runs inside the same native call as the projection.
+    # RMSNorm, RoPE, the SiLU gate and the residual add run inside the projection's call.
     normed_qkv: Linear | None = None
+    roped_qkv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (x, rope)
+    o_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (v, x): x +=
     normed_gate_up: Linear | None = None
-    gated_down: Linear | None = None
+    gated_down_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 # Any batch size works with a packed weight; the hint only picks oneDNN's blocking.
@@ -244,7 +257,14 @@ def _layers(
     def pick(dense: torch.Tensor, small: Linear | None) -> Linear:
         return _dense(dense, prepack) if small is None else small
 
-    eps = model.config.rms_norm_eps
+    c = model.config
+    eps = c.rms_norm_eps
+    # RoPE runs in the qkv call only where nothing comes between the projection and it
+    plain_qk = (
+        Rope(c.num_heads + c.num_kv_heads, c.head_dim)
+        if model.qkv_bias is None and model.qk_norm is None and model.rope.dtype == torch.float32
+        else None
+    )
 
     return tuple(
         _Layer(
@@ -257,8 +277,10 @@ def _layers(
             gate_up=pick(model.gate_up[i], gate_up[i]),
             down=pick(model.down[i], down[i]),
             normed_qkv=_normed(qkv[i], model.attn_norm[i], eps),
+            roped_qkv=None if plain_qk is None else _roped(qkv[i], model.attn_norm[i], eps, plain_qk),
+            o_into=_into(o[i]),
             normed_gate_up=_normed(gate_up[i], model.mlp_norm[i], eps),
-            gated_down=_gated(down[i]),
+            gated_down_into=_gated_into(down[i]),
         )
         for i in range(model.config.num_layers)
     )
@@ -271,8 +293,25 @@ def _normed(lin: Linear | None, gamma: torch.Tensor, eps: float) -> Linear | Non
     return None
 
 
-def _gated(lin: Linear | None) -> Linear | None:
-    """``lin(F.silu(gate) * up)`` of ``[gate | up]`` as one native call where ``lin`` fuses it."""
+def _roped(
+    lin: Linear | None, gamma: torch.Tensor, eps: float, rope: Rope
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``(x, rope rows)``: :func:`_normed`'s call with RoPE on the q and k heads."""
+    if isinstance(lin, Q4Linear) and lin.fuses and gamma.dtype == torch.float32:
+        return lin.roped_by(gamma.detach().contiguous(), eps, rope)
+    return None
+
+
+def _into(lin: Linear | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``(v, x)``: ``x += lin(v)`` as one native call where ``lin`` takes it."""
+    return lin.into if isinstance(lin, Q4Linear) else None
+
+
+def _gated_into(
+    lin: Linear | None,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``(gate_up, x)``: ``x += lin(F.silu(gate) * up)`` as one native call where ``lin``
+    fuses it."""
     if isinstance(lin, Q4Linear) and lin.fuses:
-        return lin.gated
+        return lin.gated_into
     return None

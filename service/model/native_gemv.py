@@ -35,6 +35,29 @@ _lock = threading.Lock()
 _loaded: dict[str, Q4Kernel | None] = {}
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """RoPE for the first ``heads`` heads of ``dim`` columns of each output row (a fused qkv
+    projection's q and k heads), from a ``table`` ``[M, 2, dim]`` float32 given with each
+    call: each row's cos, and its sin with the first half negated (``LlamaModel.rope`` at
+    the rows' positions)."""
+
+    heads: int
+    dim: int
+
+    def takes(self, table: torch.Tensor | None, m: int, n: int) -> bool:
+        return (
+            table is not None
+            and table.dtype == torch.float32
+            and table.shape == (m, 2, self.dim)
+            and table.is_contiguous()
+            and self.heads >= 1
+            and self.dim >= 2
+            and self.dim % 2 == 0
+            and self.heads * self.dim <= n
+        )
+
+
 class Q4Kernel:
     """The loaded kernel. :meth:`matmul` checks what the C code trusts."""
 
@@ -44,6 +67,7 @@ class Q4Kernel:
         self.fn.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ]
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
@@ -58,12 +82,18 @@ class Q4Kernel:
         gated: bool = False,
         gamma: torch.Tensor | None = None,
         eps: float = 0.0,
+        into: torch.Tensor | None = None,
+        rope: Rope | None = None,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``v @ w.T`` for ``blocks`` ``[N, K / 32 * 20]`` uint8 (:func:`to_blocks`), or
         ``[N, K / 32 * 34]`` with ``q8`` (:func:`q8_blocks`). ``v`` is ``x`` ``[M, K]``
         float32 (M <= :attr:`max_rows`), or with ``gated`` ``silu(x[:, :K]) * x[:, K:]`` for
         ``x`` ``[M, 2K]``; with ``gamma`` ``[K]`` it is then ``F.rms_norm(v, (K,), gamma,
-        eps)``. The activation and the norm run inside the call, on the way to the GEMV."""
+        eps)``. The activation and the norm run inside the call, on the way to the GEMV.
+        With ``into`` ``[M, N]`` float32 the product is added to it (a residual add) and
+        ``into`` returned; with ``rope`` the first heads of each output row are rotated
+        by ``table`` (:class:`Rope`)."""
         m, width = x.shape
         k = width // 2 if gated else width
         n, row_bytes_ = blocks.shape
@@ -77,20 +107,30 @@ class Q4Kernel:
             or k % GROUP != 0
             or row_bytes_ != row_bytes(k, q8)
             or (gamma is not None and (gamma.dtype != torch.float32 or gamma.shape != (k,)))
+            or (
+                into is not None
+                and (into.dtype != torch.float32 or into.shape != (m, n) or not into.is_contiguous())
+            )
+            or (rope is not None and (into is not None or not rope.takes(table, m, n)))
         ):
             raise ValueError("shape or dtype the 4-bit GEMV kernel does not take")
-        out = torch.empty(m, n, dtype=torch.float32)
+        out = torch.empty(m, n, dtype=torch.float32) if into is None else into
         if m == 0:  # a step that needs no logits
             return out
         x = x.contiguous()
         norm = 0 if gamma is None else gamma.contiguous().data_ptr()
+        heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
         status = self.fn(
             x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), int(q8), int(gated),
-            norm, eps,
+            norm, eps, int(into is not None), _pointer(table if rope else None), heads, dim,
         )
         if status != 0:
             raise ValueError("the 4-bit GEMV kernel refused its shapes")
         return out
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def kernel() -> Q4Kernel | None:
@@ -187,24 +227,44 @@ class Q4Linear:
         return self._run(x, False, None, 0, 0.0)
 
     def _run(
-        self, x: torch.Tensor, gated: bool, gamma: torch.Tensor | None, norm: int, eps: float
+        self,
+        x: torch.Tensor,
+        gated: bool,
+        gamma: torch.Tensor | None,
+        norm: int,
+        eps: float,
+        into: torch.Tensor | None = None,
+        rope: Rope | None = None,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One kernel call; ``norm`` is ``gamma``'s data pointer (0 without), checked by the
         caller once. NOTE: ~120 calls a decode step: the common case skips matmul's checks."""
         fn, blocks, k, q8 = self._fast
-        m = x.shape[0]
+        m, n = x.shape[0], self.blocks.shape[0]
         if (
             x.dtype == torch.float32
             and x.dim() == 2
             and x.shape[1] == (2 * k if gated else k)
             and 0 < m <= self.kernel.max_rows
             and x.is_contiguous()
+            and (
+                into is None
+                or (into.dtype == torch.float32 and into.shape == (m, n) and into.is_contiguous())
+            )
+            and (rope is None or (into is None and rope.takes(table, m, n)))
         ):
-            out = torch.empty(m, self.blocks.shape[0])
-            if fn(x.data_ptr(), m, k, blocks, out.shape[1], out.data_ptr(), q8, gated, norm, eps):
+            out = torch.empty(m, n) if into is None else into
+            heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
+            if fn(
+                x.data_ptr(), m, k, blocks, n, out.data_ptr(), q8, gated, norm, eps,
+                into is not None, _pointer(table if rope else None), heads, dim,
+            ):
                 raise ValueError("the 4-bit GEMV kernel refused its shapes")
             return out
-        return self.kernel.matmul(x, self.blocks, self.q8, gated=gated, gamma=gamma, eps=eps)
+        return self.kernel.matmul(
+            x, self.blocks, self.q8, gated=gated, gamma=gamma, eps=eps, into=into, rope=rope,
+            table=table,
+        )
 
     @property
     def fuses(self) -> bool:
@@ -213,6 +273,12 @@ class Q4Linear:
 
     def normed_by(self, gamma: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
         """``x -> self(F.rms_norm(x, (K,), gamma, eps))``, each call one kernel call."""
+        self._check_norm(gamma)
+        return functools.partial(
+            self._run, gated=False, gamma=gamma, norm=gamma.data_ptr(), eps=eps
+        )
+
+    def _check_norm(self, gamma: torch.Tensor) -> None:
         if not (
             self.fuses
             and gamma.dtype == torch.float32
@@ -220,9 +286,6 @@ class Q4Linear:
             and gamma.is_contiguous()
         ):
             raise ValueError("a norm weight the 4-bit GEMV does not take (float32 [K] only)")
-        return functools.partial(
-            self._run, gated=False, gamma=gamma, norm=gamma.data_ptr(), eps=eps
-        )
 
     def normed(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """``self(F.rms_norm(x, (K,), gamma, eps))`` in one kernel call."""
@@ -233,6 +296,31 @@ class Q4Linear:
         if not self.fuses:
             raise ValueError("the 4-bit GEMV fuses the gate only without repeated halves")
         return self._run(x, True, None, 0, 0.0)
+
+    def gated_into(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += self.gated(x)`` in one kernel call; answers ``residual``."""
+        if not self.fuses:
+            raise ValueError("the 4-bit GEMV fuses the gate only without repeated halves")
+        return self._run(x, True, None, 0, 0.0, into=residual)
+
+    def into(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += self(x)`` in one kernel call; answers ``residual``."""
+        if self.repeat > 1:
+            x = x.repeat(1, self.repeat)
+        return self._run(x, False, None, 0, 0.0, into=residual)
+
+    def roped_by(
+        self, gamma: torch.Tensor, eps: float, rope: Rope
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``(x, table) -> self(F.rms_norm(x, (K,), gamma, eps))`` with RoPE (``rope`` by
+        ``table``) on the first heads of each output row, each call one kernel call."""
+        self._check_norm(gamma)
+        norm, run = gamma.data_ptr(), self._run
+
+        def call(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return run(x, False, gamma, norm, eps, None, rope, table)
+
+        return call
 
     @property
     def nbytes(self) -> int:

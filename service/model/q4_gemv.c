@@ -70,7 +70,14 @@ typedef struct {
     float *sum;     /* [rows, G padded to 8] exact float32 block sums (padding 0) */
     float *scale;   /* [rows, G padded to 8] int16 step of each block (padding 0) */
     int16_t *q;     /* [rows, k] x / step, rounded */
+    int accumulate; /* out += the product (a residual add), instead of out = */
 } prepared_x;
+
+/* One output value: the product, or (accumulate) out's value plus the product, rounded as
+ * torch's out.add_(product) rounds it. */
+static inline void store(const prepared_x *p, float *dst, float value) {
+    *dst = p->accumulate ? *dst + value : value;
+}
 
 /* The input row v [k] from x: with ``gated``, x has 2k columns [gate | up] and
  * v = silu(gate) * up; with ``gamma``, v is then RMS-normalized and scaled by gamma
@@ -219,7 +226,7 @@ static inline __attribute__((always_inline)) void rows_q4(
             }
         }
         for (int i = 0; i < W; ++i)
-            out[(size_t)r * n_total + n + i] = hsum8(_mm256_add_ps(acc[i], macc[i]));
+            store(p, out + (size_t)r * n_total + n + i, hsum8(_mm256_add_ps(acc[i], macc[i])));
     }
 }
 
@@ -257,7 +264,7 @@ static inline __attribute__((always_inline)) void rows_q8(
             }
         }
         for (int i = 0; i < W; ++i)
-            out[(size_t)r * n_total + n + i] = hsum8(_mm256_add_ps(acc[i], nan_carry));
+            store(p, out + (size_t)r * n_total + n + i, hsum8(_mm256_add_ps(acc[i], nan_carry)));
     }
 }
 
@@ -333,7 +340,7 @@ static inline __attribute__((always_inline)) void tile(
                     extra = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), extra);
             else
                 extra = dot8(mh, xsum, groups);
-            out[(size_t)(r0 + r) * n_total + n + i] = hsum8(_mm256_add_ps(acc[i][r], extra));
+            store(p, out + (size_t)(r0 + r) * n_total + n + i, hsum8(_mm256_add_ps(acc[i][r], extra)));
         }
     }
 }
@@ -375,7 +382,7 @@ static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8
             total += half_at(dh + 2 * g) * dot +
                      half_at(mh + 2 * g) * p->sum[(size_t)r * ((groups + 7) & ~7) + g];
         }
-        out[(size_t)r * n_total + n] = total;
+        store(p, out + (size_t)r * n_total + n, total);
     }
 }
 
@@ -393,7 +400,7 @@ static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8
             for (int j = 0; j < BLOCK; ++j) dot += (float)(int8_t)b[j] * xp[j];
             total += half_at(dh + 2 * g) * dot;
         }
-        out[(size_t)r * n_total + n] = total;
+        store(p, out + (size_t)r * n_total + n, total);
     }
 }
 #endif
@@ -408,21 +415,47 @@ int kvf_q4_simd(void) {
 
 int kvf_q4_max_k(void) { return MAX_GROUPS * BLOCK; }
 
-/* out [rows, n_total] = input @ w.T, float32. The input is x [rows, k] float32, or with
- * ``gated`` x [rows, 2k] and input = silu(x[:, :k]) * x[:, k:]; with ``gamma`` [k] (else
- * NULL) the input is then RMS-normalized (eps) and scaled by gamma. w [n_total, row bytes]
- * (layout above). Returns 0, or -1 when the shapes are outside what the kernel takes
- * (nothing written). */
+/* RoPE on the first heads * dim columns of each row of out [rows, n_total] (the q and k
+ * heads of a fused qkv projection): with c, s = table[r, 0], table[r, 1] ([rows, 2, dim]:
+ * cos, and sin with its first half negated, as LlamaModel.rope holds them),
+ * y[j] = x[j] * c[j] + x[j +- dim/2] * s[j] (rotate_half folded into the sign of s). */
+static void rope_rows(float *out, int rows, int n_total, int heads, int dim, const float *table) {
+    const int half = dim / 2;
+    for (int r = 0; r < rows; ++r) {
+        const float *c = table + (size_t)r * 2 * dim, *sn = c + dim;
+        for (int h = 0; h < heads; ++h) {
+            float *x = out + (size_t)r * n_total + (size_t)h * dim;
+            for (int j = 0; j < half; ++j) {
+                const float lo = x[j], hi = x[j + half];
+                x[j] = lo * c[j] + hi * sn[j];
+                x[j + half] = hi * c[j + half] + lo * sn[j + half];
+            }
+        }
+    }
+}
+
+/* out [rows, n_total] = input @ w.T, float32, or with ``accumulate`` out += input @ w.T.
+ * The input is x [rows, k] float32, or with ``gated`` x [rows, 2k] and
+ * input = silu(x[:, :k]) * x[:, k:]; with ``gamma`` [k] (else NULL) the input is then
+ * RMS-normalized (eps) and scaled by gamma. w [n_total, row bytes] (layout above). With
+ * ``rope`` [rows, 2, rope_dim] (else NULL), rope_rows then rotates the first rope_heads
+ * heads of each output row. Returns 0, or -1 when the shapes are outside what the kernel
+ * takes (nothing written). */
 int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
-             int q8, int gated, const float *gamma, float eps) {
+             int q8, int gated, const float *gamma, float eps, int accumulate,
+             const float *rope, int rope_heads, int rope_dim) {
     if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || k / BLOCK > MAX_GROUPS ||
         n_total < 1)
+        return -1;
+    if (rope != NULL && (accumulate || rope_heads < 1 || rope_dim < 2 || rope_dim % 2 != 0 ||
+                         (int64_t)rope_heads * rope_dim > n_total))
         return -1;
     const int groups = k / BLOCK;
     const size_t padded = (size_t)((groups + 7) & ~7);
     const size_t row_bytes = q8 ? (size_t)groups * 32 + 2 * padded : (size_t)groups * 16 + 4 * padded;
     prepared_x p;
     if (prepare(x, rows, k, gated, gamma, eps, &p) != 0) return -1;
+    p.accumulate = accumulate;
 #ifdef KVF_SIMD
     const int pairs = (n_total + 1) / 2;
     /* below ~2,000 blocks the threads' start-up costs more than they save */
@@ -438,5 +471,6 @@ int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, flo
         else row_q4(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
     }
 #endif
+    if (rope != NULL) rope_rows(out, rows, n_total, rope_heads, rope_dim, rope);
     return 0;
 }

@@ -206,3 +206,64 @@ def test_write_kv_places_tokens_in_slots() -> None:
     assert torch.equal(kv[1, 0, 1], k[0]) and torch.equal(kv[1, 1, 1], -k[0])
     assert torch.equal(kv[2, 0, 0], k[1]) and torch.equal(kv[2, 1, 0], -k[1])
     assert int((kv != 0).sum()) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An all-decode CPU step on the C kernel writes each layer's K/V and attends in one
+    call (``TorchStep.write_attend``); the pool and the outputs are exactly those of the
+    Python write then the kernel. A step with a prefill row takes the two-call path."""
+    assert cpu_decode.kernel() is not None, "a C compiler is here: the kernel must build"
+    calls: list[int] = []
+    make = cpu_decode.DecodeKernel.layer_writer
+
+    def counted(self: cpu_decode.DecodeKernel, *args: torch.Tensor) -> cpu_decode.LayerWriter:
+        calls.append(1)
+        return make(self, *args)
+
+    monkeypatch.setattr(cpu_decode.DecodeKernel, "layer_writer", counted)
+
+    def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        torch.manual_seed(5)
+        pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=dtype)
+        mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
+        lens = {"a": 9, "b": 2, "c": 6}
+        for s, n in lens.items():
+            mgr.open(s, "t", list(range(n + 2)), use_prefix_cache=False)
+            grow(mgr, s, n)
+            step = attn_of(mgr, [StepEntry(s, 0, n)])
+            for layer in range(2):
+                step(layer, *(torch.randn(n, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
+            mgr.commit(s, range(n + 2), n)
+        calls.clear()
+        entries = []
+        for s in ("c", "a", "b"):
+            grow(mgr, s, lens[s] + 1)
+            entries.append(StepEntry(s, lens[s], 1))
+        step = attn_of(mgr, entries)
+        if not fused:
+            monkeypatch.setattr(step, "_write_attend", None)
+        outs = [
+            step(layer, *(torch.randn(3, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
+            for layer in range(2)
+        ]
+        decode_calls = len(calls)
+        for s in entries:
+            lens[s.seq_id] += 1
+            mgr.commit(s.seq_id, range(lens[s.seq_id] + 1), lens[s.seq_id])
+        mgr.open("d", "t", list(range(4)), use_prefix_cache=False)
+        grow(mgr, "d", 3)
+        grow(mgr, "a", lens["a"] + 1)
+        mixed = attn_of(mgr, [StepEntry("d", 0, 3), StepEntry("a", lens["a"], 1)])
+        mixed(0, *(torch.randn(4, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
+        assert len(calls) == decode_calls  # a prefill row: the Python write, then attention
+        return outs, pool.kv.clone(), decode_calls
+
+    fused_out, fused_pool, fused_calls = run(True)
+    plain_out, plain_pool, plain_calls = run(False)
+    assert (fused_calls, plain_calls) == (1, 0)  # checked once for the step's two layers
+    assert torch.equal(fused_pool, plain_pool)
+    for got, want in zip(fused_out, plain_out, strict=True):
+        assert torch.equal(got, want)

@@ -50,15 +50,23 @@ def _metadata(pages: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, ..
     )
 
 
-def _portable(tmp_path: Path) -> cpu_decode.DecodeKernel:
-    """The plain C loops, built for a CPU without AVX512."""
-    target = tmp_path / "portable.so"
-    cpu_decode.compile_kernel(str(shutil.which("cc")), target, march="x86-64-v2")
+def _built_for(tmp_path: Path, march: str) -> cpu_decode.DecodeKernel:
+    """The kernel built for another x86-64 level: ``x86-64-v2`` the plain C loops,
+    ``x86-64-v3`` the AVX2 float32 path (without AVX512)."""
+    target = tmp_path / f"{march}.so"
+    cpu_decode.compile_kernel(str(shutil.which("cc")), target, march=march)
     return cpu_decode.DecodeKernel(ctypes.CDLL(str(target)))
 
 
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
 def test_kernel_builds_and_matches_float32_attention(
     build: str, dtype: torch.dtype, fresh: Path, tmp_path: Path
@@ -69,8 +77,10 @@ def test_kernel_builds_and_matches_float32_attention(
         assert len(list(fresh.glob("cpu_decode-*.so"))) == 1
     else:
         if platform.machine() != "x86_64":
-            pytest.skip("the portable build is checked on x86-64")
-        kernel = _portable(tmp_path)
+            pytest.skip("the other builds are checked on x86-64")
+        if build == "avx2" and not _has_avx2():
+            pytest.skip("this CPU has no AVX2")
+        kernel = _built_for(tmp_path, "x86-64-v3" if build == "avx2" else "x86-64-v2")
     torch.manual_seed(0)
     layer = torch.randn(40, 2, PAGE, HKV, DIM).to(dtype)
     # Lengths on and off page boundaries, one key, and scattered, out-of-order pages.
@@ -140,7 +150,8 @@ def test_loading_the_kernel_keeps_subnormal_numbers() -> None:
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
-def test_fused_write_and_attend_equals_the_write_then_the_kernel() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_fused_write_and_attend_equals_the_write_then_the_kernel(dtype: torch.dtype) -> None:
     """``write_run`` (the compiled step's one call a layer) stores K/V where
     ``write_kv_rows`` does, touches no other row or layer, and attends like ``run``; a row
     outside the layer is refused before anything is written."""
@@ -149,13 +160,13 @@ def test_fused_write_and_attend_equals_the_write_then_the_kernel() -> None:
     kernel = cpu_decode.kernel()
     assert kernel is not None
     torch.manual_seed(1)
-    pool = torch.randn(3, 12, 2, PAGE, HKV, DIM).bfloat16()
+    pool = torch.randn(3, 12, 2, PAGE, HKV, DIM).to(dtype)
     pages, lens = [[4, 9], [2]], [20, 7]  # each sequence's new token is its last key
     slots = torch.tensor([9 * PAGE + 3, 2 * PAGE + 6])
     rows = kv_rows(slots, PAGE)
-    q = torch.randn(2, HKV * GROUP, DIM).bfloat16()
-    k = torch.randn(2, HKV, DIM).bfloat16()
-    v = torch.randn(2, HKV, DIM).bfloat16()
+    q = torch.randn(2, HKV * GROUP, DIM).to(dtype)
+    k = torch.randn(2, HKV, DIM).to(dtype)
+    v = torch.randn(2, HKV, DIM).to(dtype)
     meta = _metadata(pages, lens)
     want_pool = pool.clone()
     write_kv_rows(want_pool[1], k, v, rows)
@@ -172,4 +183,42 @@ def test_fused_write_and_attend_equals_the_write_then_the_kernel() -> None:
         kernel.write_run(q, k, v, pool, 3, rows, *meta)
     with pytest.raises(ValueError, match="int32"):
         kernel.write_run(q, k, v, pool, 1, rows, meta[0].long(), meta[1], meta[2])
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_layer_writer_checks_once_then_each_layer_against_the_first() -> None:
+    """``layer_writer`` (the eager all-decode step's call a layer) writes and attends as
+    ``write_run`` does, on each layer's view; a layer's tensors of another shape, dtype or
+    layout are refused, and a row outside the layer is refused with nothing written."""
+    from kvcache.metadata import kv_rows
+
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    torch.manual_seed(2)
+    pool = torch.randn(2, 12, 2, PAGE, HKV, DIM)
+    meta = _metadata([[4, 9], [2]], [20, 7])
+    rows = kv_rows(torch.tensor([9 * PAGE + 3, 2 * PAGE + 6]), PAGE)
+    q, k, v = (torch.randn(2, h, DIM) for h in (HKV * GROUP, HKV, HKV))
+    write = kernel.layer_writer(q, k, v, pool[0], rows, *meta)
+    want_pool = pool.clone()
+    for layer in (0, 1):
+        want = kernel.write_run(q, k, v, want_pool, layer, rows, *meta)
+        assert torch.equal(write(q, k, v, pool[layer]), want)
+        assert torch.equal(pool, want_pool)
+    before = pool.clone()
+    for bad in (
+        (q[:1], k[:1], v[:1], pool[1]),  # another batch
+        (q, k.bfloat16(), v, pool[1]),  # another dtype
+        (q, k, v.transpose(1, 2).contiguous().transpose(1, 2), pool[1]),  # not contiguous
+        (q, k, v, pool[1, :6]),  # another layer shape
+    ):
+        with pytest.raises(ValueError, match="does not take"):
+            write(*bad)
+    outside = rows.clone()
+    outside[1, 1] = 12 * 2 * PAGE  # one past the layer's last row
+    with pytest.raises(IndexError, match="nothing was written"):
+        kernel.layer_writer(q, k, v, pool[0], outside, *meta)(q, k * 2, v * 2, pool[0])
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.layer_writer(q.bfloat16(), k, v, pool[0], rows, *meta)
     assert torch.equal(pool, before)

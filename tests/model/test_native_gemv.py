@@ -170,7 +170,9 @@ def test_float32_int4_decodes_through_the_kernel_like_the_dense_model(
     # the norms and the SiLU gate run inside the kernel calls on this path
     layer = auto.model._small_layers[0]
     assert layer.normed_qkv is not None and layer.normed_gate_up is not None
-    assert layer.gated_down is not None and auto.model._normed_small_head is not None
+    assert layer.gated_down_into is not None and auto.model._normed_small_head is not None
+    # ... and RoPE and the residual adds (the dense model does them in torch)
+    assert layer.roped_qkv is not None and layer.o_into is not None
     ids = torch.tensor([1, 4093, 30, 2260])
     n = len(ids)
     assert n <= auto.model.packed.max_rows
@@ -233,3 +235,43 @@ def test_fused_norm_and_gate_equal_the_torch_ops_then_the_kernel() -> None:
         lin.normed(x, gamma[:-1], 1e-5)
     with pytest.raises(ValueError, match="does not take"):
         lin.gated(x)  # [3, 128] gated is K = 64: not this weight's K
+
+
+def test_fused_rope_and_residual_add_equal_the_torch_ops_after_the_kernel() -> None:
+    """``into``/``gated_into`` add the product to the residual as ``x.add_(lin(v))`` does
+    (bit for bit); ``roped_by`` rotates the first heads of the normed product as the model's
+    torch RoPE does, and leaves the other columns as they were."""
+    kernel = _kernel()
+    heads, dim, n, k = 3, 16, 64, 128  # 3 rotated heads of 16, then 16 plain columns
+    data = _ggml(GGMLQuantizationType.Q4_1, n, k, 12)
+    lin = native_gemv.Q4Linear.pack(from_q4_1(data, n), kernel)
+    down = native_gemv.Q4Linear.pack(from_q4_1(_ggml(GGMLQuantizationType.Q4_1, k, n, 13), k), kernel)
+    gen = torch.Generator().manual_seed(4)
+    v, residual = torch.randn(3, k, generator=gen), torch.randn(3, n, generator=gen)
+    want = residual + lin(v)
+    x = residual.clone()
+    assert lin.into(v, x) is x and torch.equal(x, want)
+    gate_up, residual = torch.randn(3, 2 * n, generator=gen), torch.randn(3, k, generator=gen)
+    want = residual + down.gated(gate_up)
+    x = residual.clone()
+    assert down.gated_into(gate_up, x) is x and torch.equal(x, want)
+
+    gamma = torch.rand(k, generator=gen) + 0.5
+    angles = torch.rand(3, dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)  # first half negated
+    table = torch.stack([cos, sin], dim=1).contiguous()  # [3, 2, dim]
+    plain = lin.normed(v, gamma, 1e-5)
+    qk = plain[:, : heads * dim].reshape(3, heads, dim)
+    rotated = qk * cos[:, None] + qk.roll(dim // 2, dims=-1) * sin[:, None]
+    got = lin.roped_by(gamma, 1e-5, native_gemv.Rope(heads, dim))(v, table)
+    torch.testing.assert_close(got[:, : heads * dim].reshape(3, heads, dim), rotated)
+    assert torch.equal(got[:, heads * dim :], plain[:, heads * dim :])
+    roped = lin.roped_by(gamma, 1e-5, native_gemv.Rope(heads, dim))
+    for bad in (table[:2], table[..., :8].contiguous(), table.double()):
+        with pytest.raises(ValueError, match="does not take"):
+            roped(v, bad)
+    with pytest.raises(ValueError, match="does not take"):
+        lin.roped_by(gamma, 1e-5, native_gemv.Rope(5, dim))(v, table)  # 80 columns > 64
+    with pytest.raises(ValueError, match="does not take"):
+        lin.into(v, torch.zeros(3, n + 1))
