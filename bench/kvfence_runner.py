@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.common import Work
 from bench.traces import RequestTrace
@@ -190,6 +193,39 @@ async def run_engine(
         return trace
 
     return await drive(len(work), one, arrivals, max_concurrency)
+
+
+async def run_grpc_elsewhere(
+    target: str,
+    api_keys: Mapping[str, str],
+    work: Sequence[Work],
+    tenants: Sequence[str],
+    *,
+    bypass_prefix_cache: bool = False,
+) -> tuple[float, list[RequestTrace]]:
+    """:func:`run_grpc` from a client process of its own (``bench.grpc_client``), as a
+    deployed client calls the server; this process's loop keeps serving meanwhile."""
+    job = {
+        "target": target,
+        "api_keys": dict(api_keys),
+        "work": [{"prompt_ids": list(w.prompt_ids), "max_tokens": w.max_tokens} for w in work],
+        "tenants": list(tenants),
+        "bypass_prefix_cache": bypass_prefix_cache,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.grpc_client",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    out, err = await proc.communicate(json.dumps(job).encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.grpc_client failed: {err.decode()[-2000:]}")
+    data = json.loads(out)
+    return float(data["wall_s"]), [RequestTrace(**t) for t in data["traces"]]
 
 
 async def run_grpc(

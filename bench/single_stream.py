@@ -2,7 +2,9 @@
 
 Each run sends one greedy request (a 32-token random prompt, then 128 tokens with ignore_eos,
 llama-bench's tg128) to every system in turn: kvfence in process (``--weights auto`` and
-``bf16``), kvfence over gRPC (``auto``), both again with ``--compile on`` (each start
+``bf16``), kvfence over gRPC (``auto``; the client in a process of its own, as deployed
+clients are, and once more in the server's process, where its per-token Python shares the
+server's interpreter lock), both again with ``--compile on`` (each start
 compiles; inductor's cache makes all but the first quick, and start-up is not in the
 figures), llama.cpp with one sequence, and transformers ``generate()`` (dense weights in
 kvfence's dtype). The targets are reported for the default and for ``--compile on``. TTFT is request start to the first token;
@@ -47,6 +49,7 @@ from service.model.threads import on_fresh_thread
 SUITE = "single_stream"
 PROMPT_TOKENS = 32
 GRPC, INPROC, LLAMA = "kvfence gRPC (auto)", "kvfence in-process (auto)", "llama.cpp n_seq=1"
+GRPC_SAME = "kvfence gRPC (auto), client in the server's process"
 GRPC_C, INPROC_C = "kvfence gRPC (auto, --compile on)", "kvfence in-process (auto, --compile on)"
 NO_COMPILE = "it needs bf16 compute, and kvfence's dtype on this CPU is "
 
@@ -140,7 +143,14 @@ def _llama_system(path: Any, threads: int) -> Callable[[Work], Sample]:
 async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], str]:
     import torch
 
-    from bench.kvfence_runner import Sizing, grpc_server, run_engine, run_grpc, started_engine
+    from bench.kvfence_runner import (
+        Sizing,
+        grpc_server,
+        run_engine,
+        run_grpc,
+        run_grpc_elsewhere,
+        started_engine,
+    )
     from service.model import load_model
 
     path = default_model_file()
@@ -165,15 +175,17 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
             _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
         return _trace_sample(traces, w.max_tokens)
 
-    async def grpc(w: Work, size: Sizing = sizing) -> Sample:
+    async def grpc(w: Work, size: Sizing = sizing, same_process: bool = False) -> Sample:
+        client = run_grpc if same_process else run_grpc_elsewhere
         async with grpc_server(auto, ["bench"], size) as (target, keys, _):
-            _, traces = await run_grpc(target, keys, [w], ["bench"], bypass_prefix_cache=True)
+            _, traces = await client(target, keys, [w], ["bench"], bypass_prefix_cache=True)
         return _trace_sample(traces, w.max_tokens)
 
     systems: dict[str, Callable[[Work], Any]] = {
         INPROC: lambda w: inproc(auto, w),
         "kvfence in-process (bf16)": lambda w: inproc(dense, w),
         GRPC: grpc,
+        GRPC_SAME: lambda w: grpc(w, same_process=True),
         INPROC_C: lambda w: inproc(auto, w, compiled),
         GRPC_C: lambda w: grpc(w, compiled),
         LLAMA: _llama_system(path, threads),
@@ -236,7 +248,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         [
             f"# Single-stream decode{' (quick)' if quick else ''}",
             f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(llama)} interleaved "
-            f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. "
+            f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. The gRPC "
+            "client runs in a process of its own (the targets' row), and once more in the "
+            "server's process. "
             "Figures: median [min–max]; targets judged on the worst run.",
             md_table(("system", "TTFT ms", "decode tok/s"), rows),
             *([] if GRPC_C in samples else [f"`--compile on` rows not run: {NO_COMPILE}{dtype}."]),
