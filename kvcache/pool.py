@@ -137,6 +137,8 @@ class PagePool:
             dtype=dtype,
             device=self.device,
         )
+        # One view per layer, made once: a step asks for each layer's view every step.
+        self._layers = tuple(self.kv.unbind(0))
 
     @property
     def page_bytes(self) -> int:
@@ -146,7 +148,7 @@ class PagePool:
 
     def layer(self, layer: int) -> torch.Tensor:
         """The ``[num_pages, 2, page_size, H, D]`` view of one layer."""
-        return self.kv[layer]
+        return self._layers[layer]
 
     def zero_pages(self, page_ids: Sequence[int]) -> None:
         """Zero the given pages in every layer (one kernel for the whole batch)."""

@@ -22,6 +22,8 @@ class StepAttention:
         self._pool = pool
         self._kernel = kernel
         self._rows = kv_rows(metadata.slot_mapping, pool.page_size)  # shared by all layers
+        self._num_tokens = metadata.num_tokens
+        self._kv_shape = (pool.num_kv_heads, pool.head_dim)
         # A kernel that can write the step's K/V rows and attend in one call (the torch
         # backend's, for an all-decode step on the CPU kernel) answers None when it cannot.
         self._write_attend: WriteAttend | None = getattr(kernel, "write_attend", None)
@@ -29,13 +31,13 @@ class StepAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        t = self.metadata.num_tokens
+        t = self._num_tokens
         if q.shape[0] != t or k.shape[0] != t or v.shape[0] != t:
             raise InvalidRequest(
                 f"step has {t} tokens but got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
             )
         pool = self._pool
-        if k.shape[1:] != (pool.num_kv_heads, pool.head_dim) or q.shape[2] != pool.head_dim:
+        if k.shape[1:] != self._kv_shape or q.shape[2] != pool.head_dim:
             raise InvalidRequest(f"k shape {tuple(k.shape)} does not match the page pool")
         if not 0 <= layer < pool.num_layers:
             raise InvalidRequest(f"layer {layer} out of range")
