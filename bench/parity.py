@@ -6,9 +6,10 @@ Runs the checks of tests/model/test_parity_default.py on the default model, in f
                          tokenizer and chat template identical
     fp32 --weights int4  the file's own blocks (Q4_1 as 4-bit, Q8_0 as int8) through kvfence's
                          float32 GEMV (what auto runs on CPUs without AVX512-BF16), vs
-                         transformers fp32 on the same dequantized weights: greedy identical,
-                         decode logits <= 0.05 (the GEMV rounds activations to int16 per
-                         block of 32; see bench/parity_checks.PACKED_LOGITS_TOL)
+                         transformers fp32 on the same dequantized weights: greedy identical
+                         but for exact ties (the oracle scoring both tokens within 1e-3,
+                         bench/parity_checks.TIE_TOL), decode logits <= 0.05 (the GEMV rounds
+                         activations to int16 per block of 32; see PACKED_LOGITS_TOL)
     bf16 --weights bf16  dense bf16 vs transformers bf16 (same weights, rounded alike)
     bf16 --weights auto  the served configuration vs transformers bf16
 
@@ -77,7 +78,7 @@ def main() -> int:
     packed = load_model(path, dtype="float32", weights="int4", progress=False)
     row = decode_parity(packed, hf_model, prompts)
     print(row.line("fp32 --weights int4"), flush=True)
-    ok &= row.identical == row.prompts and row.max_abs_logit_diff <= PACKED_LOGITS_TOL
+    ok &= row.greedy_ok and row.max_abs_logit_diff <= PACKED_LOGITS_TOL
     del packed, hf_model
     stage("loading the bf16 oracle", started)
     hf_bf16, _ = load_hf_oracle(path, torch.bfloat16)
