@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvcache.attention import AttentionFn
 from service.model.config import ModelConfig
-from service.model.native_gemv import Q4Linear, Rope
+from service.model.native_gemv import MlpBlock, Q4Linear, Rope
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import cos_sin_table, inv_freq
 
@@ -165,6 +165,9 @@ class LlamaModel(torch.nn.Module):
                 k = qk[:, hq:].contiguous()
             v = qkv[:, qk_rows:].reshape(t, hkv, d).contiguous()
             out = attn(i, q, k, v).reshape(t, c.q_size)
+            if layer.mlp_into is not None:
+                layer.mlp_into(out, x)  # o, residual, norm, gate/up, SiLU, down: one call
+                continue
             # The residual stream ``x`` is this forward's own tensor: add in place (no new
             # buffer), inside the GEMV call where the kernel takes it.
             if layer.o_into is not None:
@@ -208,6 +211,8 @@ class _Layer:
     o_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (v, x): x +=
     normed_gate_up: Linear | None = None
     gated_down_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (attn, x): everything from o to the down projection's residual add in one call
+    mlp_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 # Any batch size works with a packed weight; the hint only picks oneDNN's blocking.
@@ -281,6 +286,7 @@ def _layers(
             o_into=_into(o[i]),
             normed_gate_up=_normed(gate_up[i], model.mlp_norm[i], eps),
             gated_down_into=_gated_into(down[i]),
+            mlp_into=_mlp(o[i], model.mlp_norm[i], eps, gate_up[i], down[i]),
         )
         for i in range(model.config.num_layers)
     )
@@ -299,6 +305,23 @@ def _roped(
     """``(x, rope rows)``: :func:`_normed`'s call with RoPE on the q and k heads."""
     if isinstance(lin, Q4Linear) and lin.fuses and gamma.dtype == torch.float32:
         return lin.roped_by(gamma.detach().contiguous(), eps, rope)
+    return None
+
+
+def _mlp(
+    o: Linear | None,
+    gamma: torch.Tensor,
+    eps: float,
+    gate_up: Linear | None,
+    down: Linear | None,
+) -> MlpBlock | None:
+    """``(attn, x)``: the layer's o projection to its down projection's residual add as one
+    native call, where all three are the fusing 4-bit GEMV."""
+    fused = (o, gate_up, down)
+    if all(isinstance(p, Q4Linear) and p.fuses for p in fused) and gamma.dtype == torch.float32:
+        assert isinstance(o, Q4Linear) and isinstance(gate_up, Q4Linear)
+        assert isinstance(down, Q4Linear)
+        return MlpBlock(o, gamma.detach().contiguous(), eps, gate_up, down)
     return None
 
 

@@ -69,6 +69,13 @@ class Q4Kernel:
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
         ]
+        self.mlp = lib.kvf_mlp
+        self.mlp.restype = ctypes.c_int
+        self.mlp.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+        ]
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
         self.simd = bool(lib.kvf_q4_simd())
@@ -127,6 +134,68 @@ class Q4Kernel:
         if status != 0:
             raise ValueError("the 4-bit GEMV kernel refused its shapes")
         return out
+
+
+class MlpBlock:
+    """A decoder layer's work after its attention, as one kernel call (``kvf_mlp``):
+    ``x += o(attn)``, then ``x += down(silu(gate) * up)`` of ``gate_up(rms_norm(x))``, the
+    same arithmetic as :meth:`Q4Linear.into`, :meth:`Q4Linear.normed_by` and
+    :meth:`Q4Linear.gated_into` one after the other.
+    NOTE: measured on a 2-core AVX2 EPYC: each kernel call from Python costs ~4-5 us (ctypes,
+    the checks, an output tensor). In six paired rounds of SmolLM2-135M's B=1 decode steps,
+    one call instead of three took 8.1-10.0 ms a step against 8.8-10.5 (0.45 ms less on
+    average)."""
+
+    __slots__ = ("_args", "_fn", "_gamma", "_hidden", "_inter", "_max_rows", "_q_size", "_weights")
+
+    def __init__(
+        self, o: Q4Linear, gamma: torch.Tensor, eps: float, gate_up: Q4Linear, down: Q4Linear
+    ) -> None:
+        hidden, q_size = o.blocks.shape[0], o.k
+        inter = down.k
+        if not (
+            o.fuses
+            and gate_up.fuses
+            and down.fuses
+            and gate_up.k == hidden
+            and gate_up.blocks.shape[0] == 2 * inter
+            and down.blocks.shape[0] == hidden
+            and o.kernel is gate_up.kernel is down.kernel
+        ):
+            raise ValueError("projections the fused MLP call does not take")
+        gate_up._check_norm(gamma)
+        self._fn = o.kernel.mlp
+        self._max_rows = o.kernel.max_rows
+        self._hidden, self._q_size, self._inter = hidden, q_size, inter
+        self._gamma = gamma  # kept alive for the pointer
+        self._weights = (o.blocks, gate_up.blocks, down.blocks)
+        self._args = (
+            o.blocks.data_ptr(), int(o.q8), gamma.data_ptr(), eps,
+            gate_up.blocks.data_ptr(), int(gate_up.q8), down.blocks.data_ptr(), int(down.q8),
+        )
+
+    def __call__(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, hidden]`` float32, updated in place and returned; ``attn``
+        ``[M, q_size]`` float32."""
+        m = x.shape[0]
+        if not (
+            x.dtype == torch.float32
+            and attn.dtype == torch.float32
+            and x.shape == (m, self._hidden)
+            and attn.shape == (m, self._q_size)
+            and 0 < m <= self._max_rows
+            and x.is_contiguous()
+            and attn.is_contiguous()
+        ):
+            raise ValueError("shape or dtype the 4-bit GEMV kernel does not take")
+        h = torch.empty(m, 2 * self._inter)
+        o, o_q8, gamma, eps, gate_up, gate_up_q8, down, down_q8 = self._args
+        if self._fn(
+            x.data_ptr(), attn.data_ptr(), h.data_ptr(), m, self._hidden, self._q_size,
+            self._inter, o, o_q8, gamma, eps, gate_up, gate_up_q8, down, down_q8,
+        ):
+            raise ValueError("the 4-bit GEMV kernel refused its shapes")
+        return x
 
 
 def _pointer(t: torch.Tensor | None) -> int:

@@ -508,3 +508,25 @@ int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, flo
     if (rope != NULL) rope_rows(out, rows, n_total, rope_heads, rope_dim, rope);
     return 0;
 }
+
+/* A decoder layer's work between its attention and the next layer's, in one call:
+ *   x += attn @ o.T;  h = rms_norm(x, gamma, eps) @ gate_up.T;  x += (silu(h[:, :i]) * h[:, i:]) @ down.T
+ * x [rows, hidden] (the residual stream, updated in place), attn [rows, q_size], h [rows, 2i]
+ * scratch; o [hidden, q_size], gate_up [2i, hidden] and down [hidden, i] in the layout above
+ * (each 8-bit with its q8 flag). The same arithmetic as the three kvf_gemv calls, one call.
+ * Returns 0, or -1 when a shape is outside what the kernel takes (checked first: nothing
+ * written), or when scratch memory for a product's input cannot be had (then x may hold
+ * the products before it). */
+int kvf_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size, int inter,
+            const uint8_t *o, int o_q8, const float *gamma, float eps, const uint8_t *gate_up,
+            int gate_up_q8, const uint8_t *down, int down_q8) {
+    const int ks[3] = {q_size, hidden, inter};
+    for (int i = 0; i < 3; ++i)
+        if (ks[i] < BLOCK || ks[i] % BLOCK != 0 || ks[i] / BLOCK > MAX_GROUPS) return -1;
+    if (rows < 1 || rows > MAX_ROWS || hidden < 1 || inter < 1 || gamma == NULL) return -1;
+    if (kvf_gemv(attn, rows, q_size, o, hidden, x, o_q8, 0, NULL, 0.0f, 1, NULL, 0, 0) != 0 ||
+        kvf_gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, 0, gamma, eps, 0, NULL, 0, 0) != 0 ||
+        kvf_gemv(h, rows, inter, down, hidden, x, down_q8, 1, NULL, 0.0f, 1, NULL, 0, 0) != 0)
+        return -1;
+    return 0;
+}

@@ -173,6 +173,7 @@ def test_float32_int4_decodes_through_the_kernel_like_the_dense_model(
     assert layer.gated_down_into is not None and auto.model._normed_small_head is not None
     # ... and RoPE and the residual adds (the dense model does them in torch)
     assert layer.roped_qkv is not None and layer.o_into is not None
+    assert isinstance(layer.mlp_into, native_gemv.MlpBlock)  # o to down in one call
     ids = torch.tensor([1, 4093, 30, 2260])
     n = len(ids)
     assert n <= auto.model.packed.max_rows
@@ -245,7 +246,9 @@ def test_fused_rope_and_residual_add_equal_the_torch_ops_after_the_kernel() -> N
     heads, dim, n, k = 3, 16, 64, 128  # 3 rotated heads of 16, then 16 plain columns
     data = _ggml(GGMLQuantizationType.Q4_1, n, k, 12)
     lin = native_gemv.Q4Linear.pack(from_q4_1(data, n), kernel)
-    down = native_gemv.Q4Linear.pack(from_q4_1(_ggml(GGMLQuantizationType.Q4_1, k, n, 13), k), kernel)
+    down = native_gemv.Q4Linear.pack(
+        from_q4_1(_ggml(GGMLQuantizationType.Q4_1, k, n, 13), k), kernel
+    )
     gen = torch.Generator().manual_seed(4)
     v, residual = torch.randn(3, k, generator=gen), torch.randn(3, n, generator=gen)
     want = residual + lin(v)
@@ -275,3 +278,43 @@ def test_fused_rope_and_residual_add_equal_the_torch_ops_after_the_kernel() -> N
         lin.roped_by(gamma, 1e-5, native_gemv.Rope(5, dim))(v, table)  # 80 columns > 64
     with pytest.raises(ValueError, match="does not take"):
         lin.into(v, torch.zeros(3, n + 1))
+
+
+def test_fused_mlp_call_equals_its_three_calls() -> None:
+    """``MlpBlock`` (one kernel call after a layer's attention) leaves the residual exactly as
+    ``into``, ``normed_by`` and ``gated_into`` one after the other do, and refuses what they
+    would refuse."""
+    kernel = _kernel()
+    hidden, q_size, inter = 64, 96, 128
+    o = native_gemv.Q4Linear.pack(
+        from_q4_1(_ggml(GGMLQuantizationType.Q4_1, hidden, q_size, 21), hidden), kernel
+    )
+    gate_up = native_gemv.Q4Linear.pack(
+        from_q4_1(_ggml(GGMLQuantizationType.Q4_1, 2 * inter, hidden, 22), 2 * inter), kernel
+    )
+    down = native_gemv.Q4Linear.pack(
+        from_q8_0(_ggml(GGMLQuantizationType.Q8_0, hidden, inter, 23), hidden), kernel
+    )
+    assert down.q8  # one 8-bit projection among them
+    gen = torch.Generator().manual_seed(6)
+    gamma = torch.rand(hidden, generator=gen) + 0.5
+    for rows in (1, 5):
+        attn, residual = (
+            torch.randn(rows, q_size, generator=gen),
+            torch.randn(rows, hidden, generator=gen),
+        )
+        want = residual.clone()
+        o.into(attn, want)
+        down.gated_into(gate_up.normed_by(gamma, 1e-5)(want), want)
+        got = residual.clone()
+        assert native_gemv.MlpBlock(o, gamma, 1e-5, gate_up, down)(attn, got) is got
+        assert torch.equal(got, want)
+    block = native_gemv.MlpBlock(o, gamma, 1e-5, gate_up, down)
+    with pytest.raises(ValueError, match="does not take"):
+        block(torch.randn(2, q_size), torch.randn(3, hidden))  # rows differ
+    with pytest.raises(ValueError, match="does not take"):
+        block(torch.randn(2, q_size + 32), torch.randn(2, hidden))
+    with pytest.raises(ValueError, match="does not take"):
+        native_gemv.MlpBlock(o, gamma, 1e-5, down, gate_up)  # projections swapped
+    with pytest.raises(ValueError, match="does not take"):
+        native_gemv.MlpBlock(o, gamma[:-1], 1e-5, gate_up, down)
