@@ -86,7 +86,7 @@ MUTANTS = (
     ),
     mutant(
         "fused-write-unchecked",
-        "the compiled step's C KV write stores only rows inside the layer it was given",
+        "the C KV write (compiled and eager all-decode steps) stores only rows inside the layer it was given",
         edit("kvcache/backends/cpu_decode.c", "if (rows[i] < 0 || rows[i] >= layer_rows) return -1;",
              "if (rows[i] < 0) return -1;"),
         tests="tests/kvcache/test_cpu_decode.py::test_fused_write_and_attend_equals_the_write_then_the_kernel",
