@@ -104,7 +104,7 @@ def write_kv_rows(
 ) -> None:
     """:func:`write_kv` with the rows from :func:`kv_rows` precomputed. Together with
     :func:`write_kv`, which calls it, the only code that writes KV memory, apart from
-    ``DecodeKernel.write_run``/``write_run_layer`` (kvcache/backends/cpu_decode.py), the
+    ``DecodeKernel.write_run``/``layer_writer`` (kvcache/backends/cpu_decode.py), the
     one C call a layer of the compiled CPU step and of an eager all-decode CPU step, which
     stores the same rows."""
     flat = kv_layer.view(-1, *kv_layer.shape[-2:])

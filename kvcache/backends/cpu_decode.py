@@ -119,7 +119,6 @@ class DecodeKernel:
         )
         return out
 
-
     def write_run(
         self,
         q: torch.Tensor,
@@ -140,10 +139,8 @@ class DecodeKernel:
         The metadata's dtypes and sizes are :meth:`run`'s; the graph that calls this fixed them."""
         if kv.dim() != 6 or not 0 <= layer < kv.shape[0]:
             raise ValueError("shape or dtype the CPU decode kernel does not take")
-        offset = layer * kv.stride(0) * kv.element_size()
-        out = self._write_run(q, k, v, kv, offset, rows, indptr, indices, lens)
-        assert out is not None
-        return out
+        q, k, v, kv_layer = q.contiguous(), k.contiguous(), v.contiguous(), kv[layer]
+        return self.layer_writer(q, k, v, kv_layer, rows, indptr, indices, lens)(q, k, v, kv_layer)
 
     def layer_writer(
         self,
@@ -163,36 +160,17 @@ class DecodeKernel:
         between layers) and runs the C call, whose rows check stays on every call.
         NOTE: measured on a 2-core AVX2 EPYC: the full checks cost ~15 us a call, 30 times
         a step."""
-        if kv_layer.dim() != 5:
+        fused = self._fused.get(kv_layer.dtype)
+        if fused is None or kv_layer.dim() != 5:
             raise ValueError("shape or dtype the CPU decode kernel does not take")
-        self._write_run(q, k, v, kv_layer[None], 0, rows, indptr, indices, lens, check=True)
-        return LayerWriter(self._fused[kv_layer.dtype], q, k, kv_layer, (rows, indptr, indices, lens))
-
-    def _write_run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv: torch.Tensor,
-        offset: int,
-        rows: torch.Tensor,
-        indptr: torch.Tensor,
-        indices: torch.Tensor,
-        lens: torch.Tensor,
-        check: bool = False,
-    ) -> torch.Tensor | None:
-        """The checks and the C call (only the checks with ``check``); ``kv``
-        ``[L, pages, 2, page_size, Hkv, D]``, the layer ``offset`` bytes from its start."""
-        _, _, two, page_size, hkv, dim = kv.shape
+        _, _, _, hkv, dim = kv_layer.shape
         batch, hq, q_dim = q.shape
-        fused = self._fused.get(kv.dtype)
         if (
-            fused is None
-            or not kv.is_contiguous()
-            or not self.supports(hq, kv[0])
-            or q.dtype != kv.dtype
-            or k.dtype != kv.dtype
-            or v.dtype != kv.dtype
+            not kv_layer.is_contiguous()
+            or not self.supports(hq, kv_layer)
+            or q.dtype != kv_layer.dtype
+            or k.dtype != kv_layer.dtype
+            or v.dtype != kv_layer.dtype
             or q_dim != dim
             or k.shape != (batch, hkv, dim)
             or v.shape != (batch, hkv, dim)
@@ -206,32 +184,7 @@ class DecodeKernel:
         for t in (indptr, indices, lens):
             if t.dtype != torch.int32 or not t.is_contiguous():
                 raise ValueError("page metadata must be contiguous int32")
-        if check:
-            return None
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.empty_like(q)
-        layer_rows = kv.shape[1] * two * page_size
-        status = fused(
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            kv.data_ptr() + offset,
-            rows.data_ptr(),
-            layer_rows,
-            indptr.data_ptr(),
-            indices.data_ptr(),
-            lens.data_ptr(),
-            out.data_ptr(),
-            batch,
-            hq,
-            hkv,
-            dim,
-            page_size,
-            dim**-0.5,
-        )
-        if status != 0:
-            raise IndexError("a KV row outside the layer; nothing was written")
-        return out
+        return LayerWriter(fused, q, k, kv_layer, (rows, indptr, indices, lens))
 
 
 class LayerWriter:

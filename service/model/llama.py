@@ -317,10 +317,15 @@ def _mlp(
 ) -> MlpBlock | None:
     """``(attn, x)``: the layer's o projection to its down projection's residual add as one
     native call, where all three are the fusing 4-bit GEMV."""
-    fused = (o, gate_up, down)
-    if all(isinstance(p, Q4Linear) and p.fuses for p in fused) and gamma.dtype == torch.float32:
-        assert isinstance(o, Q4Linear) and isinstance(gate_up, Q4Linear)
-        assert isinstance(down, Q4Linear)
+    if (
+        isinstance(o, Q4Linear)
+        and isinstance(gate_up, Q4Linear)
+        and isinstance(down, Q4Linear)
+        and o.fuses
+        and gate_up.fuses
+        and down.fuses
+        and gamma.dtype == torch.float32
+    ):
         return MlpBlock(o, gamma.detach().contiguous(), eps, gate_up, down)
     return None
 
