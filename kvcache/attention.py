@@ -7,6 +7,7 @@ sequence's own pages and returns the attention output. Only ``kvcache`` implemen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,3 +24,28 @@ class AttentionFn(Protocol):
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NativeAttend:
+    """One all-decode float32 step's attention as a C function, for model code that runs a
+    whole decode forward natively (``service/model/q4_gemv.c``): an :class:`AttentionFn`
+    that offers ``native_attend(q_heads)`` answers one of these, or None.
+
+    ``fn`` is the address of ``int attend(const void *ctx, int layer, const float *q,
+    const float *k, const float *v, float *out)`` (``kvf_step_attend_f32``), with q
+    ``[batch, q_heads, head_dim]``, k and v ``[batch, kv_heads, head_dim]`` and out like q,
+    all contiguous. It stores layer ``layer``'s K/V at this step's rows and attends, as
+    ``AttentionFn(layer, q, k, v)`` does, and answers 0, or -1 when the layer or a row is
+    outside the pool (nothing written). ``ctx`` (the pool and the step's checked metadata)
+    is opaque to the caller: the model passes its own buffers and a layer index, and every
+    KV address is kvcache's. ``keep`` holds what ``ctx`` points into."""
+
+    fn: int
+    ctx: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    num_layers: int
+    keep: object

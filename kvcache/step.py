@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.backends.base import StepKernel, WriteAttend
+from kvcache.attention import NativeAttend
+from kvcache.backends.base import NativeAttendOf, StepKernel, WriteAttend
 from kvcache.errors import InvalidRequest
 from kvcache.metadata import AttentionMetadata, kv_rows, write_kv_rows
 from kvcache.pool import PagePool
@@ -27,6 +28,18 @@ class StepAttention:
         # A kernel that can write the step's K/V rows and attend in one call (the torch
         # backend's, for an all-decode step on the CPU kernel) answers None when it cannot.
         self._write_attend: WriteAttend | None = getattr(kernel, "write_attend", None)
+        self._native: NativeAttendOf | None = getattr(kernel, "native_attend", None)
+
+    def native_attend(self, q_heads: int) -> NativeAttend | None:
+        """This step's attention for native model code (:class:`NativeAttend`), where the
+        kernel offers it (the torch backend's, for an all-decode float32 step on the CPU
+        kernel); else None, and the model calls this object per layer."""
+        if self._native is None:
+            return None
+        pool = self._pool
+        if q_heads <= 0 or q_heads % pool.num_kv_heads != 0:
+            raise InvalidRequest(f"{q_heads} query heads do not match the page pool")
+        return self._native(q_heads, pool.kv, self._rows)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from kvcache.attention import NativeAttend
 from kvcache.metadata import AttentionMetadata
 
 
@@ -32,6 +33,16 @@ class WriteAttend(Protocol):
         kv_layer: torch.Tensor,
         rows: torch.Tensor,
     ) -> torch.Tensor | None: ...
+
+
+class NativeAttendOf(Protocol):
+    """A step kernel's optional ``native_attend(q_heads, kv, rows)``: the step's attention
+    over the pool ``kv`` for native model code (:class:`kvcache.attention.NativeAttend`),
+    storing K/V at ``rows``; None when it has none for this step."""
+
+    def __call__(
+        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor
+    ) -> NativeAttend | None: ...
 
 
 class AttentionBackend(Protocol):

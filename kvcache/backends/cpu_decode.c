@@ -407,3 +407,31 @@ int kvf_write_decode_f32(const float *q, const float *k, const float *v, float *
     kvf_decode_f32(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
     return 0;
 }
+
+/* An all-decode float32 step's attention for native model code: the model's own C code
+ * (service/model/q4_gemv.c, kvf_decoder_stack) runs a whole decode forward and hands each
+ * layer's q, k, v to kvf_step_attend_f32 with this context. Everything that addresses KV
+ * memory (the pool, the rows to write, each sequence's pages and length) is here, built by
+ * DecodeKernel.step_context from the step's checked metadata; the caller passes only the
+ * layer index and its own q, k, v and output buffers. */
+typedef struct {
+    float *kv;              /* the pool [layers, pages, 2, page_size, Hkv, D] */
+    int64_t layer_elems;    /* floats in one layer */
+    int64_t layer_rows;     /* [Hkv, D] rows in one layer (pages x 2 x page_size) */
+    const int64_t *rows;    /* [2, batch] this step's K rows, then V rows */
+    const int32_t *indptr;  /* [batch + 1] */
+    const int32_t *indices; /* the sequences' pages */
+    const int32_t *lens;    /* [batch] keys each sequence attends over */
+    int32_t layers, batch, hq, hkv, dim, page_size;
+    float scale;
+} kvf_step_ctx;
+
+/* q [batch, Hq, D], k and v [batch, Hkv, D] contiguous float32; out [batch, Hq, D]. Returns
+ * 0, or -1 for a layer outside the pool or a row outside the layer (nothing written). */
+int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const float *k,
+                        const float *v, float *out) {
+    if (layer < 0 || layer >= c->layers) return -1;
+    return kvf_write_decode_f32(q, k, v, c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
+                                c->layer_rows, c->indptr, c->indices, c->lens, out, c->batch,
+                                c->hq, c->hkv, c->dim, c->page_size, c->scale);
+}

@@ -32,6 +32,8 @@ from typing import TypeVar
 import structlog
 import torch
 
+from kvcache.attention import NativeAttend
+
 log = structlog.get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -64,6 +66,9 @@ class DecodeKernel:
         for fn in self._fused.values():
             fn.restype = ctypes.c_int
             fn.argtypes = fused_args
+        attend = ctypes.cast(lib.kvf_step_attend_f32, ctypes.c_void_p).value
+        assert attend is not None
+        self._step_attend: int = attend  # an address, called by native model code only
         group, dim, page = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         lib.kvf_limits(ctypes.byref(group), ctypes.byref(dim), ctypes.byref(page))
         self.max_group, self.max_dim, self.max_page = group.value, dim.value, page.value
@@ -160,20 +165,38 @@ class DecodeKernel:
         between layers) and runs the C call, whose rows check stays on every call.
         NOTE: measured on a 2-core AVX2 EPYC: the full checks cost ~15 us a call, 30 times
         a step."""
-        fused = self._fused.get(kv_layer.dtype)
-        if fused is None or kv_layer.dim() != 5:
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
-        _, _, _, hkv, dim = kv_layer.shape
         batch, hq, q_dim = q.shape
+        fused = self._checked_step(batch, hq, kv_layer, rows, indptr, indices, lens)
+        _, _, _, hkv, dim = kv_layer.shape
         if (
-            not kv_layer.is_contiguous()
-            or not self.supports(hq, kv_layer)
-            or q.dtype != kv_layer.dtype
+            q.dtype != kv_layer.dtype
             or k.dtype != kv_layer.dtype
             or v.dtype != kv_layer.dtype
             or q_dim != dim
             or k.shape != (batch, hkv, dim)
             or v.shape != (batch, hkv, dim)
+        ):
+            raise ValueError("shape or dtype the CPU decode kernel does not take")
+        return LayerWriter(fused, q, k, kv_layer, (rows, indptr, indices, lens))
+
+    def _checked_step(
+        self,
+        batch: int,
+        q_heads: int,
+        kv_layer: torch.Tensor,
+        rows: torch.Tensor,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> Callable[..., int]:
+        """The fused C call for ``kv_layer``'s dtype, after checking one all-decode step's
+        layer view and metadata (what the C code trusts, except the rows it checks itself)."""
+        fused = self._fused.get(kv_layer.dtype)
+        if (
+            fused is None
+            or kv_layer.dim() != 5
+            or not kv_layer.is_contiguous()
+            or not self.supports(q_heads, kv_layer)
             or rows.dtype != torch.int64
             or rows.shape != (2, batch)
             or not rows.is_contiguous()
@@ -184,7 +207,57 @@ class DecodeKernel:
         for t in (indptr, indices, lens):
             if t.dtype != torch.int32 or not t.is_contiguous():
                 raise ValueError("page metadata must be contiguous int32")
-        return LayerWriter(fused, q, k, kv_layer, (rows, indptr, indices, lens))
+        return fused
+
+    def step_context(
+        self,
+        q_heads: int,
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> NativeAttend:
+        """A float32 all-decode step's attention as a C function and context for native
+        model code (:class:`kvcache.attention.NativeAttend`): the pool ``kv``
+        ``[L, pages, 2, page_size, Hkv, D]`` and the step's metadata are checked here, once;
+        each layer's C call checks its layer index and every row it writes."""
+        if kv.dim() != 6 or kv.dtype != torch.float32 or kv.shape[0] < 1:
+            raise ValueError("shape or dtype the CPU decode kernel does not take")
+        batch = lens.numel()
+        self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens)
+        layers, pages, two, page_size, hkv, dim = kv.shape
+        ctx = _StepContext(
+            kv.data_ptr(), kv[0].numel(), pages * two * page_size, rows.data_ptr(),
+            indptr.data_ptr(), indices.data_ptr(), lens.data_ptr(), layers, batch, q_heads,
+            hkv, dim, page_size, dim**-0.5,
+        )
+        return NativeAttend(
+            fn=self._step_attend, ctx=ctypes.addressof(ctx), batch=batch, q_heads=q_heads,
+            kv_heads=hkv, head_dim=dim, num_layers=layers,
+            keep=(ctx, kv, rows, indptr, indices, lens),
+        )
+
+
+class _StepContext(ctypes.Structure):
+    """``kvf_step_ctx`` in cpu_decode.c."""
+
+    _fields_ = [
+        ("kv", ctypes.c_void_p),
+        ("layer_elems", ctypes.c_int64),
+        ("layer_rows", ctypes.c_int64),
+        ("rows", ctypes.c_void_p),
+        ("indptr", ctypes.c_void_p),
+        ("indices", ctypes.c_void_p),
+        ("lens", ctypes.c_void_p),
+        ("layers", ctypes.c_int32),
+        ("batch", ctypes.c_int32),
+        ("hq", ctypes.c_int32),
+        ("hkv", ctypes.c_int32),
+        ("dim", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
 
 
 class LayerWriter:

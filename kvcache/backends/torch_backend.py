@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvcache.attention import NativeAttend
 from kvcache.backends import cpu_decode
 from kvcache.metadata import AttentionMetadata
 
@@ -85,13 +86,13 @@ class TorchStep:
         self._writer: cpu_decode.LayerWriter | Literal[False] | None = None
         self._built = False
 
-    def _build(self, q: torch.Tensor, kv_layer: torch.Tensor) -> None:
+    def _build(self, dtype: torch.dtype, q_heads: int, kv_layer: torch.Tensor) -> None:
         meta = self._meta
         self._num_kv_heads = kv_layer.shape[-2]
-        self._matmul_decode = q.dtype in _MATMUL_DECODE
-        if q.dtype in (torch.bfloat16, torch.float32) and self._device.type == "cpu":
+        self._matmul_decode = dtype in _MATMUL_DECODE
+        if dtype in (torch.bfloat16, torch.float32) and self._device.type == "cpu":
             kernel = cpu_decode.kernel()
-            if kernel is not None and kernel.supports(q.shape[1], kv_layer):
+            if kernel is not None and kernel.supports(q_heads, kv_layer):
                 self._kernel = kernel
         bytes_per_key = 2 * kv_layer.shape[-2] * kv_layer.shape[-1] * kv_layer.element_size()
         pending: list[int] = []  # consecutive decode sequences not yet chunked
@@ -218,7 +219,7 @@ class TorchStep:
 
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         if not self._built:
-            self._build(q, kv_layer)
+            self._build(q.dtype, q.shape[1], kv_layer)
         if len(self._chunks) == 1:
             return self._run(q, kv_layer, self._chunks[0])
         out = torch.empty_like(q)
@@ -245,6 +246,20 @@ class TorchStep:
             self._writer = self._layer_writer(q, k, v, kv_layer, rows)
         return None if self._writer is False else self._writer(q, k, v, kv_layer)
 
+    def native_attend(
+        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor
+    ) -> NativeAttend | None:
+        """Where the whole step is one run of decode rows on the C kernel over a float32
+        pool ``kv`` (all layers), the step's attention for native model code
+        (``DecodeKernel.step_context``); else None. ``rows`` as :meth:`write_attend`'s."""
+        if kv.dtype != torch.float32 or kv.dim() != 6:
+            return None
+        if not self._built:
+            self._build(torch.float32, q_heads, kv[0])
+        if len(self._chunks) != 1 or self._kernel is None or self._chunks[0].paged is None:
+            return None
+        return self._kernel.step_context(q_heads, kv, rows, *self._chunks[0].paged)
+
     def _layer_writer(
         self,
         q: torch.Tensor,
@@ -254,7 +269,7 @@ class TorchStep:
         rows: torch.Tensor,
     ) -> cpu_decode.LayerWriter | Literal[False]:
         if not self._built:
-            self._build(q, kv_layer)
+            self._build(q.dtype, q.shape[1], kv_layer)
         if len(self._chunks) != 1 or self._kernel is None:
             return False
         paged = self._chunks[0].paged

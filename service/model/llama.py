@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcache.attention import AttentionFn
+from kvcache.attention import AttentionFn, NativeAttend
 from service.model.config import ModelConfig
-from service.model.native_gemv import MlpBlock, Q4Linear, Rope
+from service.model.native_gemv import DecoderStack, MlpBlock, Q4Linear, Rope, StackLayer
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import cos_sin_table, inv_freq
 
@@ -96,6 +96,7 @@ class LlamaModel(torch.nn.Module):
         small_head = None if self.packed is None else self.packed.lm_head
         self._small_head = self._dense_head if small_head is None else small_head
         self._normed_small_head = _normed(small_head, self.final_norm, config.rms_norm_eps)
+        self._stack = _stack(self, self.packed)
 
     @property
     def max_packed_rows(self) -> int:
@@ -142,7 +143,14 @@ class LlamaModel(torch.nn.Module):
         small = t <= self._max_packed_rows
         layers = self._small_layers if small else self._dense_layers
         x = F.embedding(input_ids, self.embed)
-        for i, layer in enumerate(layers):
+        # An all-decode float32 step whose attention kvcache offers to native code runs every
+        # layer in one native call (the same calls as the loop below, without Python between).
+        native: Callable[[int], NativeAttend | None] | None = getattr(attn, "native_attend", None)
+        stack = self._stack if small else None
+        plan = None if stack is None or native is None else native(hq)
+        if stack is not None and plan is not None:
+            stack(x, rope, plan)
+        for i, layer in enumerate(() if plan is not None else layers):
             if layer.roped_qkv is not None:
                 # norm, projection and RoPE of the q and k heads in one native call
                 qkv = layer.roped_qkv(x, rope)
@@ -343,3 +351,37 @@ def _gated_into(
     if isinstance(lin, Q4Linear) and lin.fuses:
         return lin.gated_into
     return None
+
+
+def _stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | None:
+    """Every layer as one native call (:class:`DecoderStack`), where each layer's qkv, o,
+    gate/up and down are the fusing packed GEMV and RoPE runs in the qkv call."""
+    c = model.config
+    if (
+        packed is None
+        or model.qkv_bias is not None
+        or model.qk_norm is not None
+        or model.rope.dtype != torch.float32
+        or model.attn_norm.dtype != torch.float32
+    ):
+        return None
+    layers = []
+    for i in range(c.num_layers):
+        qkv, o, gate_up, down = packed.qkv[i], packed.o[i], packed.gate_up[i], packed.down[i]
+        if not (
+            isinstance(qkv, Q4Linear)
+            and isinstance(o, Q4Linear)
+            and isinstance(gate_up, Q4Linear)
+            and isinstance(down, Q4Linear)
+            and qkv.fuses
+            and o.fuses
+            and gate_up.fuses
+            and down.fuses
+        ):
+            return None
+        layers.append(
+            StackLayer(
+                model.attn_norm[i].detach(), qkv, o, model.mlp_norm[i].detach(), gate_up, down
+            )
+        )
+    return DecoderStack(layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)

@@ -222,3 +222,58 @@ def test_layer_writer_checks_once_then_each_layer_against_the_first() -> None:
     with pytest.raises(ValueError, match="does not take"):
         kernel.layer_writer(q.bfloat16(), k, v, pool[0], rows, *meta)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_step_context_attends_each_layer_as_write_run() -> None:
+    """``step_context`` (a float32 all-decode step's attention for native model code) hands
+    out a C function that, given only a layer index and the caller's q/k/v/out buffers,
+    writes and attends exactly as ``write_run`` on that layer; a layer outside the pool or a
+    row outside the layer is refused with nothing written, and the step's metadata is
+    checked once, when the context is made."""
+    from kvcache.metadata import kv_rows
+
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    torch.manual_seed(3)
+    pool = torch.randn(2, 12, 2, PAGE, HKV, DIM)
+    meta = _metadata([[4, 9], [2]], [20, 7])
+    rows = kv_rows(torch.tensor([9 * PAGE + 3, 2 * PAGE + 6]), PAGE)
+    q, k, v = (torch.randn(2, h, DIM) for h in (HKV * GROUP, HKV, HKV))
+    native = kernel.step_context(HKV * GROUP, pool, rows, *meta)
+    assert (native.batch, native.q_heads, native.kv_heads, native.head_dim) == (
+        2, HKV * GROUP, HKV, DIM,
+    )
+    assert native.num_layers == 2
+    attend = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
+    )(native.fn)
+
+    def call(layer: int, kk: torch.Tensor, vv: torch.Tensor, ctx: int = native.ctx) -> tuple[int, torch.Tensor]:
+        out = torch.empty_like(q)
+        status = attend(ctx, layer, q.data_ptr(), kk.data_ptr(), vv.data_ptr(), out.data_ptr())
+        return status, out
+
+    want_pool = pool.clone()
+    for layer in (1, 0):
+        want = kernel.write_run(q, k, v, want_pool, layer, rows, *meta)
+        status, got = call(layer, k, v)
+        assert status == 0
+        assert torch.equal(got, want)
+        assert torch.equal(pool, want_pool)
+    before = pool.clone()
+    for layer in (2, -1):
+        assert call(layer, k * 2, v * 2)[0] == -1
+    outside = rows.clone()
+    outside[1, 1] = 12 * 2 * PAGE  # one past the layer's last row
+    bad = kernel.step_context(HKV * GROUP, pool, outside, *meta)
+    assert call(0, k * 2, v * 2, bad.ctx)[0] == -1
+    assert torch.equal(pool, before)
+    for args in (
+        (HKV * GROUP, pool.bfloat16(), rows, *meta),  # float32 pools only
+        (HKV * GROUP, pool[0], rows, *meta),  # the whole pool, not a layer
+        (HKV * GROUP, pool, rows[:, :1].contiguous(), *meta),  # a row per sequence
+        (HKV * GROUP + 1, pool, rows, *meta),  # query heads a multiple of the KV heads
+    ):
+        with pytest.raises(ValueError, match="does not take"):
+            kernel.step_context(*args)  # type: ignore[arg-type]

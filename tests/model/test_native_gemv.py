@@ -318,3 +318,113 @@ def test_fused_mlp_call_equals_its_three_calls() -> None:
         native_gemv.MlpBlock(o, gamma, 1e-5, down, gate_up)  # projections swapped
     with pytest.raises(ValueError, match="does not take"):
         native_gemv.MlpBlock(o, gamma[:-1], 1e-5, gate_up, down)
+
+
+def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
+    """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
+    kvcache's ``NativeAttend`` for the K/V write and attention); steps with a prefill row
+    keep the layer loop. Three sequences that finish at different steps decode the same
+    tokens with bit-identical logprobs either way, and the stack ran on exactly the
+    all-decode steps."""
+    from kvcache import CacheConfig
+    from service.engine.factory import build_core
+    from service.engine.types import (
+        Delta,
+        EngineConfig,
+        EngineEvent,
+        Request,
+        SamplingParams,
+        StoppingParams,
+    )
+
+    lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    model = lm.model
+    stack = model._stack
+    assert isinstance(stack, native_gemv.DecoderStack)
+    batches: list[int] = []
+
+    def spy(x: torch.Tensor, rope: torch.Tensor, attend: object) -> torch.Tensor:
+        batches.append(x.shape[0])
+        return stack(x, rope, attend)  # type: ignore[arg-type]
+
+    def run(use: bool) -> tuple[list[list[tuple[int, float, tuple[tuple[int, float], ...]]]], int]:
+        model._stack = spy if use else None  # type: ignore[assignment]
+        config = EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=512, max_model_len=256, warmup=False
+        )
+        core = build_core(
+            lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32,
+            sampler_seed=0,
+        )
+        got: list[list[tuple[int, float, tuple[tuple[int, float], ...]]]] = [[], [], []]
+        for i, (prompt, n) in enumerate(((20, 6), (33, 9), (47, 12))):
+
+            def sink(event: EngineEvent, out: list[tuple[int, float, tuple[tuple[int, float], ...]]] = got[i]) -> None:
+                if isinstance(event, Delta):
+                    out.extend((lp.token_id, lp.logprob, lp.top) for lp in event.logprobs)
+
+            core.add(
+                Request(
+                    request_id=f"r{i}", tenant=f"t{i}",
+                    prompt_ids=tuple(range(200 + i, 200 + i + prompt)),
+                    sampling=SamplingParams(temperature=0.0),
+                    stopping=StoppingParams(max_tokens=n, ignore_eos=True), logprobs=3,
+                ),
+                sink,
+            )
+        steps = 0
+        with torch.inference_mode():
+            while core.has_work():
+                core.step()
+                steps += 1
+        return got, steps
+
+    try:
+        want, steps = run(False)
+        assert not batches
+        got, _ = run(True)
+    finally:
+        model._stack = stack
+    assert [len(g) for g in want] == [6, 9, 12]
+    assert got == want
+    # one prefill step for all three, then decode steps of 3, 2 and 1 rows
+    assert batches == [3] * 5 + [2] * 3 + [1] * 3
+    assert steps == 1 + len(batches)
+
+
+def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) -> None:
+    """The stack checks the step's attention against its own shapes before the native call,
+    and a KV row outside the pool is refused by kvcache's call with nothing written (the
+    residual stream stays the embeddings)."""
+    from kvcache.metadata import kv_rows
+
+    lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    stack = lm.model._stack
+    assert isinstance(stack, native_gemv.DecoderStack)
+    c = lm.model.config
+    decode = cpu_decode.kernel()
+    assert decode is not None
+    pages = 4
+    pool = torch.zeros(c.num_layers, pages, 2, 16, c.num_kv_heads, c.head_dim)
+    indptr, indices = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    x = torch.randn(1, c.hidden_size)
+    rope = lm.model.rope[torch.tensor([4])]
+    outside = kv_rows(torch.tensor([pages * 16]), 16)  # one page past the pool
+    attend = decode.step_context(c.num_heads, pool, outside, indptr, indices, lens)
+    before = x.clone()
+    with pytest.raises(IndexError, match="nothing was written"):
+        stack(x, rope, attend)
+    assert torch.equal(x, before) and not pool.any()
+    rows = kv_rows(torch.tensor([2 * 16 + 4]), 16)
+    good = decode.step_context(c.num_heads, pool, rows, indptr, indices, lens)
+    for bad in (
+        (torch.randn(2, c.hidden_size), lm.model.rope[torch.tensor([4, 5])], good),  # 2 rows, 1 sequence
+        (x, rope, decode.step_context(c.num_heads, pool[:3], rows, indptr, indices, lens)),
+        (x.double(), rope, good),
+        (x, rope[:, :, :-2].contiguous(), good),
+    ):
+        with pytest.raises(ValueError, match="does not take"):
+            stack(*bad)
+    assert not pool.any()
+    assert stack(x, rope, good) is x and pool.any()
