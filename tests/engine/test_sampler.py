@@ -42,6 +42,22 @@ def test_greedy_is_argmax_and_banned_tokens_are_never_chosen() -> None:
     assert out.logprobs == [None, None]
 
 
+def test_greedy_picks_the_first_maximum_as_torch_argmax_does() -> None:
+    """The greedy rows' argmax (numpy's on CPU) is torch's: the first of tied maxima, a
+    row's first NaN, and on random batches the same index."""
+    s = Sampler(seed=0)
+    greedy = SamplingParams(temperature=0.0)
+    tied = [0.0, 2.0, 1.0, 2.0, -1.0, 2.0, 0.0, 0.0]
+    nan = [0.0, 5.0, math.nan, 9.0, math.nan, 0.0, 0.0, 0.0]
+    out = s.sample(logits_of(tied, nan, [-math.inf] * 7 + [-1.0]), [row(greedy)] * 3)
+    assert out.token_ids == [1, 2, 7]
+    gen = torch.Generator().manual_seed(4)
+    for n in (1, 5):
+        logits = torch.randn(n, 49152, generator=gen)
+        want = logits.argmax(dim=-1).tolist()
+        assert s.sample(logits, [row(greedy)] * n).token_ids == want
+
+
 def test_penalties_match_reference() -> None:
     logits = torch.tensor(BASE)
     params = SamplingParams(

@@ -267,3 +267,66 @@ def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
     assert torch.equal(fused_pool, plain_pool)
     for got, want in zip(fused_out, plain_out, strict=True):
         assert torch.equal(got, want)
+
+
+def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_calls() -> None:
+    """``StepAttention.native_attend`` (the step's attention for native model code) exists
+    only for an all-decode float32 step on the C kernel; layer by layer through its C
+    function, the pool and the outputs are exactly those of ``StepAttention(layer, q, k, v)``."""
+    import ctypes
+
+    from kvcache.errors import InvalidRequest
+
+    assert cpu_decode.kernel() is not None, "a C compiler is here: the kernel must build"
+    attend_type = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
+    )
+
+    def run(native: bool, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(6)
+        pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=dtype)
+        mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
+        lens = {"a": 9, "b": 2, "c": 6}
+        for s, n in lens.items():
+            mgr.open(s, "t", list(range(n + 2)), use_prefix_cache=False)
+            grow(mgr, s, n)
+            step = attn_of(mgr, [StepEntry(s, 0, n)])
+            assert step.native_attend(9) is None  # a prefill row
+            for layer in range(2):
+                step(layer, *(torch.randn(n, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
+            mgr.commit(s, range(n + 2), n)
+        entries = []
+        for s in ("c", "a", "b"):
+            grow(mgr, s, lens[s] + 1)
+            entries.append(StepEntry(s, lens[s], 1))
+        step = attn_of(mgr, entries)
+        plan = step.native_attend(9)
+        if dtype != torch.float32:
+            assert plan is None
+            return [], pool.kv
+        assert plan is not None
+        assert (plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim, plan.num_layers) == (
+            3, 9, 3, HEAD_DIM, 2,
+        )
+        with pytest.raises(InvalidRequest, match="query heads"):
+            step.native_attend(8)
+        outs = []
+        for layer in range(2):
+            q, k, v = (torch.randn(3, h, HEAD_DIM) for h in (9, 3, 3))
+            if native:
+                out = torch.empty_like(q)
+                status = attend_type(plan.fn)(
+                    plan.ctx, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+                )
+                assert status == 0
+            else:
+                out = step(layer, q, k, v)
+            outs.append(out)
+        return outs, pool.kv.clone()
+
+    native_out, native_pool = run(True)
+    plain_out, plain_pool = run(False)
+    assert torch.equal(native_pool, plain_pool)
+    for got, want in zip(native_out, plain_out, strict=True):
+        assert torch.equal(got, want)
+    run(True, torch.bfloat16)
