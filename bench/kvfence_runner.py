@@ -8,6 +8,7 @@ Arrival times and a concurrency cap are optional, as in vLLM `bench serve`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import sys
@@ -131,6 +132,7 @@ async def grpc_server(
     )
     try:
         port = await stack.server.start()
+        gc.freeze()  # as `kvfence serve` does once it serves (service/app.py)
         yield f"127.0.0.1:{port}", keys, stack.engine
     finally:
         await stack.server.close()

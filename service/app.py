@@ -17,6 +17,7 @@ when ``KVFenceServer`` is built (and on each SIGHUP reload), as before.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 import time
@@ -250,6 +251,11 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
         if stack.grammars is not None:  # before serving: no tenant times this build
             await asyncio.to_thread(stack.grammars.warm)
         port = await server.start()
+        # NOTE: what is alive now (the model, torch, grpc, the tenants) lives as long as the
+        # server; freezing it keeps the cyclic GC from walking it. Measured on a 2-core EPYC:
+        # a full collection over the ~215,000 startup objects took ~115 ms with the GIL held
+        # (every stream's next token waits), 0 after the freeze.
+        gc.freeze()
         opts = config.options
         tls = "mtls" if opts.tls and opts.tls.client_ca else "on" if opts.tls else "off"
         metrics = server.metrics_server.port if server.metrics_server is not None else "off"
