@@ -139,6 +139,7 @@ class InferenceServicer:
         log: FilteringBoundLogger,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         label = self._metrics.label(tenant.name)
+        inter_token = self._metrics.inter_token.labels(label)  # once, not a lookup a token
         try:
             events = await self._engine.submit(req)
         except EngineError as exc:
@@ -159,7 +160,7 @@ class InferenceServicer:
                     )
                 elif isinstance(event, Delta):
                     if completion:
-                        self._metrics.inter_token.labels(label).observe(now - last)
+                        inter_token.observe(now - last)
                     last = now
                     completion += len(event.token_ids)
                     if self._opts.log_content:

@@ -79,10 +79,12 @@ static inline void store(const prepared_x *p, float *dst, float value) {
 /* The input row v [k] from x: with ``gated``, x has 2k columns [gate | up] and
  * v = silu(gate) * up; with ``gamma``, v is then RMS-normalized and scaled by gamma
  * (v * gamma / sqrt(mean(v^2) + eps)), as F.rms_norm computes it. */
+static void silu_gate(const float *x, int k, float *v);
+
 static void input_row(const float *x, int k, int gated, const float *gamma, float eps,
                       float *v) {
     if (gated) {
-        for (int j = 0; j < k; ++j) v[j] = x[j] / (1.0f + expf(-x[j])) * x[k + j];
+        silu_gate(x, k, v);
     } else {
         memcpy(v, x, sizeof(float) * (size_t)k);
     }
@@ -118,6 +120,38 @@ static inline void block_sum_max(const float *xp, float *sum, float *top) {
     *top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 
+/* exp of 8 floats: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by the degree-6
+ * polynomial of kvcache/backends/cpu_decode.c (relative error ~2e-7). x is clamped to
+ * [-87, 88.7] (a NaN stays NaN: the clamps return their second operand on NaN); above 88.7
+ * it gives inf, as expf overflows. */
+static inline __m256 exp8(__m256 x) {
+    static const float poly[7] = {1.5353362e-4f, 1.3398874e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                  2.4022651e-1f, 6.9314718e-1f, 1.0f};
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.7f), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_set1_ps(88.7f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(poly[0]);
+    for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(poly[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+}
+
+/* v = silu(x[:k]) * x[k:] = x / (1 + exp(-x)) * up, 8 at a time (k is a multiple of 32).
+ * NOTE: measured on a 2-core AVX2 EPYC: with expf a value the down projection's call at one
+ * row (k = 1536) took ~8 us more than without the gate, 30 times a step. */
+static void silu_gate(const float *x, int k, float *v) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < k; j += 8) {
+        const __m256 g = _mm256_loadu_ps(x + j);
+        const __m256 e = exp8(_mm256_xor_ps(g, neg));
+        _mm256_storeu_ps(v + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(x + k + j)));
+    }
+}
+
 /* round(x * inv) of a block as int16 in element order (round half to even, as lrintf). */
 static inline void block_to_int16(const float *xp, float inv, int16_t *qp) {
     const __m256 vi = _mm256_set1_ps(inv);
@@ -130,6 +164,10 @@ static inline void block_to_int16(const float *xp, float inv, int16_t *qp) {
     }
 }
 #else
+static void silu_gate(const float *x, int k, float *v) {
+    for (int j = 0; j < k; ++j) v[j] = x[j] / (1.0f + expf(-x[j])) * x[k + j];
+}
+
 static inline void block_sum_max(const float *xp, float *sum, float *top) {
     float s = 0.0f, t = 0.0f;
     for (int j = 0; j < BLOCK; ++j) {

@@ -238,6 +238,31 @@ def test_fused_norm_and_gate_equal_the_torch_ops_then_the_kernel() -> None:
         lin.gated(x)  # [3, 128] gated is K = 64: not this weight's K
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_fused_gate_follows_torchs_silu_over_the_whole_float_range(
+    portable: bool, tmp_path: Path
+) -> None:
+    """The SiLU gate inside the kernel call (a polynomial exp on AVX2, expf in plain C)
+    follows ``F.silu(gate) * up`` from -120 to 120, where exp under- and overflows; a gate
+    of +-inf or NaN makes its row NaN, as torch's silu then the kernel do."""
+    kernel = _portable(tmp_path) if portable else _kernel()
+    n, k = 24, 256
+    lin = native_gemv.Q4Linear.pack(from_q4_1(_ggml(GGMLQuantizationType.Q4_1, n, k, 5), n), kernel)
+    gate = torch.linspace(-120.0, 120.0, 4 * k).view(4, k)
+    gate[1] = torch.linspace(-12.0, 12.0, k)  # where the curve bends
+    up = torch.randn(4, k, generator=torch.Generator().manual_seed(3))
+    want = lin(torch.nn.functional.silu(gate) * up)
+    got = lin.gated(torch.cat([gate, up], dim=1))
+    assert ((got - want).abs() <= 1e-4 * want.abs().amax(dim=1, keepdim=True)).all()
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        g = gate.clone()
+        g[2, 7] = bad
+        want = lin(torch.nn.functional.silu(g) * up)
+        got = lin.gated(torch.cat([g, up], dim=1))
+        assert got[2].isnan().all() and want[2].isnan().all()
+        assert torch.equal(got[[0, 1, 3]].isfinite(), torch.ones(3, n, dtype=torch.bool))
+
+
 def test_fused_rope_and_residual_add_equal_the_torch_ops_after_the_kernel() -> None:
     """``into``/``gated_into`` add the product to the residual as ``x.add_(lin(v))`` does
     (bit for bit); ``roped_by`` rotates the first heads of the normed product as the model's
