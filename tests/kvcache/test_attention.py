@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry, write_kv
 from kvcache.backends import cpu_decode, torch_backend
 from kvcache.dense import DenseAttention, causal_attention
+from kvcache.step import StepAttention
 
 from .helpers import SECRET, FakeClock, attn_of, grow
 
@@ -208,6 +210,31 @@ def test_write_kv_places_tokens_in_slots() -> None:
     assert int((kv != 0).sum()) == 8
 
 
+def _three_decoding(
+    dtype: torch.dtype, seed: int, on_prefill: Callable[[StepAttention], None] | None = None
+) -> tuple[PagePool, KVCacheManager, dict[str, int], list[StepEntry], StepAttention]:
+    """Three sequences (9, 2 and 6 tokens) prefilled over 2 layers of a 4-token-page pool, then
+    the step that decodes one token of each: (pool, manager, lengths, entries, that step)."""
+    torch.manual_seed(seed)
+    pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=dtype)
+    mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
+    lens = {"a": 9, "b": 2, "c": 6}
+    for s, n in lens.items():
+        mgr.open(s, "t", list(range(n + 2)), use_prefix_cache=False)
+        grow(mgr, s, n)
+        step = attn_of(mgr, [StepEntry(s, 0, n)])
+        if on_prefill is not None:
+            on_prefill(step)
+        for layer in range(2):
+            step(layer, *(torch.randn(n, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
+        mgr.commit(s, range(n + 2), n)
+    entries = []
+    for s in ("c", "a", "b"):
+        grow(mgr, s, lens[s] + 1)
+        entries.append(StepEntry(s, lens[s], 1))
+    return pool, mgr, lens, entries, attn_of(mgr, entries)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -226,23 +253,8 @@ def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
     monkeypatch.setattr(cpu_decode.DecodeKernel, "layer_writer", counted)
 
     def run(fused: bool) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-        torch.manual_seed(5)
-        pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=dtype)
-        mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
-        lens = {"a": 9, "b": 2, "c": 6}
-        for s, n in lens.items():
-            mgr.open(s, "t", list(range(n + 2)), use_prefix_cache=False)
-            grow(mgr, s, n)
-            step = attn_of(mgr, [StepEntry(s, 0, n)])
-            for layer in range(2):
-                step(layer, *(torch.randn(n, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
-            mgr.commit(s, range(n + 2), n)
+        pool, mgr, lens, entries, step = _three_decoding(dtype, 5)
         calls.clear()
-        entries = []
-        for s in ("c", "a", "b"):
-            grow(mgr, s, lens[s] + 1)
-            entries.append(StepEntry(s, lens[s], 1))
-        step = attn_of(mgr, entries)
         if not fused:
             monkeypatch.setattr(step, "_write_attend", None)
         outs = [
@@ -282,24 +294,11 @@ def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_c
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
     )
 
+    def prefill_has_none(step: StepAttention) -> None:
+        assert step.native_attend(9) is None  # a prefill row
+
     def run(native: bool, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], torch.Tensor]:
-        torch.manual_seed(6)
-        pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=dtype)
-        mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
-        lens = {"a": 9, "b": 2, "c": 6}
-        for s, n in lens.items():
-            mgr.open(s, "t", list(range(n + 2)), use_prefix_cache=False)
-            grow(mgr, s, n)
-            step = attn_of(mgr, [StepEntry(s, 0, n)])
-            assert step.native_attend(9) is None  # a prefill row
-            for layer in range(2):
-                step(layer, *(torch.randn(n, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
-            mgr.commit(s, range(n + 2), n)
-        entries = []
-        for s in ("c", "a", "b"):
-            grow(mgr, s, lens[s] + 1)
-            entries.append(StepEntry(s, lens[s], 1))
-        step = attn_of(mgr, entries)
+        pool, _, _, _, step = _three_decoding(dtype, 6, prefill_has_none)
         plan = step.native_attend(9)
         if dtype != torch.float32:
             assert plan is None

@@ -186,20 +186,29 @@ def test_fused_write_and_attend_equals_the_write_then_the_kernel(dtype: torch.dt
     assert torch.equal(pool, before)
 
 
+def _two_layer_step(
+    seed: int,
+) -> tuple[cpu_decode.DecodeKernel, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The kernel, a float32 pool of 2 layers, and one all-decode step of two sequences (on
+    pages 4, 9 and on page 2, 20 and 7 keys): (kernel, pool, metadata, rows, (q, k, v))."""
+    from kvcache.metadata import kv_rows
+
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    torch.manual_seed(seed)
+    pool = torch.randn(2, 12, 2, PAGE, HKV, DIM)
+    meta = _metadata([[4, 9], [2]], [20, 7])
+    rows = kv_rows(torch.tensor([9 * PAGE + 3, 2 * PAGE + 6]), PAGE)
+    qkv = tuple(torch.randn(2, h, DIM) for h in (HKV * GROUP, HKV, HKV))
+    return kernel, pool, meta, rows, qkv
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 def test_layer_writer_checks_once_then_each_layer_against_the_first() -> None:
     """``layer_writer`` (the eager all-decode step's call a layer) writes and attends as
     ``write_run`` does, on each layer's view; a layer's tensors of another shape, dtype or
     layout are refused, and a row outside the layer is refused with nothing written."""
-    from kvcache.metadata import kv_rows
-
-    kernel = cpu_decode.kernel()
-    assert kernel is not None
-    torch.manual_seed(2)
-    pool = torch.randn(2, 12, 2, PAGE, HKV, DIM)
-    meta = _metadata([[4, 9], [2]], [20, 7])
-    rows = kv_rows(torch.tensor([9 * PAGE + 3, 2 * PAGE + 6]), PAGE)
-    q, k, v = (torch.randn(2, h, DIM) for h in (HKV * GROUP, HKV, HKV))
+    kernel, pool, meta, rows, (q, k, v) = _two_layer_step(2)
     write = kernel.layer_writer(q, k, v, pool[0], rows, *meta)
     want_pool = pool.clone()
     for layer in (0, 1):
@@ -231,15 +240,7 @@ def test_step_context_attends_each_layer_as_write_run() -> None:
     writes and attends exactly as ``write_run`` on that layer; a layer outside the pool or a
     row outside the layer is refused with nothing written, and the step's metadata is
     checked once, when the context is made."""
-    from kvcache.metadata import kv_rows
-
-    kernel = cpu_decode.kernel()
-    assert kernel is not None
-    torch.manual_seed(3)
-    pool = torch.randn(2, 12, 2, PAGE, HKV, DIM)
-    meta = _metadata([[4, 9], [2]], [20, 7])
-    rows = kv_rows(torch.tensor([9 * PAGE + 3, 2 * PAGE + 6]), PAGE)
-    q, k, v = (torch.randn(2, h, DIM) for h in (HKV * GROUP, HKV, HKV))
+    kernel, pool, meta, rows, (q, k, v) = _two_layer_step(3)
     native = kernel.step_context(HKV * GROUP, pool, rows, *meta)
     assert (native.batch, native.q_heads, native.kv_heads, native.head_dim) == (
         2, HKV * GROUP, HKV, DIM,

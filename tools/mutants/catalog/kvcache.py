@@ -91,4 +91,11 @@ MUTANTS = (
              "if (rows[i] < 0) return -1;"),
         tests="tests/kvcache/test_cpu_decode.py::test_fused_write_and_attend_equals_the_write_then_the_kernel",
     ),
+    mutant(
+        "native-attend-any-layer",
+        "native model code reaches KV memory only through kvcache's call, which takes only the pool's own layers",
+        edit("kvcache/backends/cpu_decode.c", "if (layer < 0 || layer >= c->layers) return -1;",
+             "if (layer < 0) return -1;"),
+        tests="tests/kvcache/test_cpu_decode.py::test_step_context_attends_each_layer_as_write_run",
+    ),
 )
