@@ -9,8 +9,9 @@ compiles; inductor's cache makes all but the first quick, and start-up is not in
 figures), llama.cpp with one sequence, and transformers ``generate()`` (dense weights in
 kvfence's dtype). The targets are reported for the default and for ``--compile on``. TTFT is request start to the first token;
 decode tok/s is (tokens - 1) over the time from the first token to the last. Runs are
-interleaved (run r of every system, then run r + 1) so machine load drifts hit all alike;
-each figure is the median of the runs with min and max, and a target passes only if it
+interleaved (run r of every system, then run r + 1) so machine load drifts hit all alike,
+and within a run the systems the targets pair (in process, gRPC, llama.cpp) go back to back,
+their order reversed every other run (:func:`run_order`); each figure is the median of the runs with min and max, and a target passes only if it
 passes in every run.
 
 Each kvfence run starts its own engine (or server) and shuts it down after, and the peers'
@@ -196,8 +197,8 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         print(f"[{SUITE}] --compile rows not run: {NO_COMPILE}{dtype}", flush=True)
         del systems[INPROC_C], systems[GRPC_C]
     for r, ws in enumerate(work):
-        for name, fn in systems.items():
-            result = fn(ws[0])
+        for name in run_order(list(systems), r):
+            result = systems[name](ws[0])
             got = await result if asyncio.iscoroutine(result) else result
             if r > 0:
                 samples.setdefault(name, []).append(got)
@@ -206,7 +207,16 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
                     f"{got.decode_tok_s:.1f} tok/s",
                     flush=True,
                 )
-    return samples, dtype
+    return {name: samples[name] for name in systems}, dtype
+
+
+def run_order(names: Sequence[str], r: int) -> list[str]:
+    """Run ``r``'s order: the three systems the targets pair (in process, gRPC, llama.cpp)
+    back to back with gRPC in the middle, reversed on even runs so a steady drift of the
+    machine's speed favours neither side of a ratio across the runs; then the others."""
+    core = [n for n in (INPROC, GRPC, LLAMA) if n in names]
+    paired = core if r % 2 == 1 else core[::-1]
+    return [*paired, *(n for n in names if n not in core)]
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.single_stream import fmt, sample, spread
+from bench.single_stream import GRPC, INPROC, LLAMA, fmt, run_order, sample, spread
 from bench.summary import summary_markdown
 
 
@@ -14,6 +14,15 @@ def test_sample_takes_ttft_to_first_token_and_rate_over_the_rest() -> None:
     assert s.decode_tok_s == pytest.approx(3 / 0.4)
     with pytest.raises(RuntimeError, match="only 1 tokens"):
         sample(0.0, [1.0])
+
+
+def test_run_order_pairs_the_targets_systems_back_to_back_and_alternates() -> None:
+    names = ["bf16", INPROC, GRPC, "same", LLAMA, "hf"]
+    first, second = run_order(names, 1), run_order(names, 2)
+    assert first == [INPROC, GRPC, LLAMA, "bf16", "same", "hf"]
+    assert second == [LLAMA, GRPC, INPROC, "bf16", "same", "hf"]
+    assert run_order(names, 3) == first
+    assert sorted(first) == sorted(names)
 
 
 def test_spread_is_median_min_max() -> None:
