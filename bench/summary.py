@@ -36,7 +36,7 @@ all cores as threads, and runs alone after its own warm-up pass.
 | [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512}: 3 runs per point, each the median of 15 steps; median [min–max], target on the worst run |
 | [memory](memory.md) | each `--weights` mode (auto, bf16, int8, int4) in a fresh process: RSS after loading the default GGUF, peak RSS after the engine's start and one 128-token stream, the packed copies' size, that stream's decode tok/s; 3 processes per mode, median [min–max] |
 | [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward; 3 interleaved runs each, median [min–max] |
-| [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity; the whole plan 3 times, median [min–max] |
+| [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity; the whole plan 3 times, each run from its own capacity, median [min–max] |
 | [online_http](online_http.md) | the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, 3 interleaved rounds (median [min–max]); output tok/s unconstrained vs JSON-schema-constrained |
 | [online_guidellm](online_guidellm.md) | GuideLLM (its `concurrent` then `poisson` profiles) on the HTTP front vs the gRPC client on the same prompt texts and output lengths, each load generator in its own process: throughput, TTFT, ITL |
 | [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions, median [min–max], target on the worst |
@@ -45,7 +45,7 @@ all cores as threads, and runs alone after its own warm-up pass.
 Sizing: the whole run is meant to take about 20-25 minutes on 2 cores. The request counts
 are the ones asked for; repetitions were cut to fit, never below 3 timed runs per figure
 (overhead: 3 runs of 15 steps per point; prefix: 5 repetitions; isolation: 3 rounds; online
-rates are fractions of the first measured capacity so no run waits on a trickle of
+rates are fractions of each run's own measured capacity so no run waits on a trickle of
 arrivals). Every figure is the median [min–max] of its runs, and a target passes only if its
 worst run passes. Targets are reported, never asserted.
 """

@@ -80,16 +80,23 @@ def test_online_groups_each_rate_over_its_runs() -> None:
             "per_tenant": {"a": _summary(base - run), "b": _summary(base)},
         }
         for run in range(3)
-        for label, rate, base in (("inf", None, 10.0), ("5.00", 5.0, 4.0))
+        for label, rate, base in (("inf", None, 10.0), ("0.9x", 5.0 + run, 4.0))
     ]
     rates = online.aggregate(results)
-    assert [(r["rate"], r["request_rate"], r["runs"]) for r in rates] == [
-        ("inf", None, 3),
-        ("5.00", 5.0, 3),
+    assert [(r["rate"], r["request_rates"], r["runs"]) for r in rates] == [
+        ("inf", [None] * 3, 3),
+        ("0.9x", [5.0, 6.0, 7.0], 3),
     ]
     assert rates[0]["overall"]["req_s"].runs == (10.0, 11.0, 12.0)
     assert rates[1]["overall"]["ttft_p50_ms"].runs == (12.0, 15.0, 18.0)
     assert rates[1]["per_tenant"]["a"]["req_s"].runs == (4.0, 3.0, 2.0)
+    # issue 13's target: ITL p50 at 0.9x capacity, on the worst run (7 x (4, 5, 6) ms here)
+    (itl,) = online.itl_targets(rates)
+    assert (itl.value, itl.threshold, itl.higher_is_better, itl.passed) == (42.0, 40.0, False, False)
+    assert "worst of 3 runs" in itl.name
+    fast = [dict(r, overall=_summary(5.0)) if r["rate"] == "0.9x" else r for r in results]
+    (met,) = online.itl_targets(online.aggregate(fast))
+    assert (met.value, met.passed) == (35.0, True)
 
 
 def test_prefix_ratios_paired_by_repetition_and_target_on_the_worst() -> None:
