@@ -29,6 +29,7 @@ async def _main(job: dict[str, Any]) -> dict[str, Any]:
         work,
         job["tenants"],
         bypass_prefix_cache=bool(job.get("bypass_prefix_cache", False)),
+        max_concurrency=job.get("max_concurrency"),
     )
     return {"wall_s": wall, "traces": [dataclasses.asdict(t) for t in traces]}
 

@@ -204,10 +204,12 @@ async def run_grpc_elsewhere(
     tenants: Sequence[str],
     *,
     bypass_prefix_cache: bool = False,
+    max_concurrency: int | None = None,
 ) -> tuple[float, list[RequestTrace]]:
     """:func:`run_grpc` from a client process of its own (``bench.grpc_client``), as a
     deployed client calls the server; this process's loop keeps serving meanwhile."""
     job = {
+        "max_concurrency": max_concurrency,
         "target": target,
         "api_keys": dict(api_keys),
         "work": [{"prompt_ids": list(w.prompt_ids), "max_tokens": w.max_tokens} for w in work],

@@ -1,7 +1,8 @@
 """Suite: one request at a time, as a user streaming one completion feels it.
 
-Each run sends one greedy request (a 32-token random prompt, then 128 tokens with ignore_eos,
-llama-bench's tg128) to every system in turn: kvfence in process (``--weights auto`` and
+Each run sends greedy requests one at a time (a 32-token random prompt, then 128 tokens with
+ignore_eos, llama-bench's tg128; REPS of them, as llama-bench repeats each test, and the run's
+figure is their median) to every system in turn: kvfence in process (``--weights auto`` and
 ``bf16``), kvfence over gRPC (``auto``; the client in a process of its own, as deployed
 clients are, and once more in the server's process, where its per-token Python shares the
 server's interpreter lock), both again with ``--compile on`` (each start
@@ -49,6 +50,11 @@ from service.model.threads import on_fresh_thread
 
 SUITE = "single_stream"
 PROMPT_TOKENS = 32
+# llama-bench repeats each test 5 times; one 128-token decode (~1 s) on a shared VM drifts
+# +-10% on its own, and the targets are judged on a run's worst, so a run is 5 repetitions.
+# The dense rows (bf16 in process, transformers) are in no target and decode ~15-20 tok/s:
+# they run once a run.
+REPS = 5
 GRPC, INPROC, LLAMA = "kvfence gRPC (auto)", "kvfence in-process (auto)", "llama.cpp n_seq=1"
 GRPC_SAME = "kvfence gRPC (auto), client in the server's process"
 GRPC_C, INPROC_C = "kvfence gRPC (auto, --compile on)", "kvfence in-process (auto, --compile on)"
@@ -76,14 +82,26 @@ def fmt(s: dict[str, float]) -> str:
     return f"{s['median']:.3g} [{s['min']:.3g}–{s['max']:.3g}]"
 
 
-def _trace_sample(traces: Sequence[Any], tokens: int) -> Sample:
-    (t,) = traces
-    if t.output_tokens != tokens:
-        raise RuntimeError(f"{t.output_tokens}/{tokens} tokens streamed")
-    return Sample(t.ttft, 1.0 / t.tpot)
+def median_sample(samples: Sequence[Sample]) -> Sample:
+    """One run's figure from its repetitions: the median TTFT and the median decode rate."""
+    if not samples:
+        raise RuntimeError("no repetitions")
+    return Sample(
+        statistics.median(s.ttft_s for s in samples),
+        statistics.median(s.decode_tok_s for s in samples),
+    )
 
 
-def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
+def _trace_sample(traces: Sequence[Any], work: Sequence[Work]) -> Sample:
+    if len(traces) != len(work):
+        raise RuntimeError(f"{len(traces)}/{len(work)} requests traced")
+    for t, w in zip(traces, work, strict=True):
+        if t.output_tokens != w.max_tokens:
+            raise RuntimeError(f"{t.output_tokens}/{w.max_tokens} tokens streamed")
+    return median_sample([Sample(t.ttft, 1.0 / t.tpot) for t in traces])
+
+
+def _hf_system(path: Any, dtype: Any) -> Callable[[Sequence[Work]], Sample]:
     import torch
 
     from bench.hf_peer import load_hf_model
@@ -118,13 +136,13 @@ def _hf_system(path: Any, dtype: Any) -> Callable[[Work], Sample]:
             )
         return sample(start, stamp.times)
 
-    def one(w: Work) -> Sample:
-        return on_fresh_thread(lambda: run(w))
+    def one(ws: Sequence[Work]) -> Sample:
+        return on_fresh_thread(lambda: run(ws[0]))  # dense, in no target: once a run
 
     return one
 
 
-def _llama_system(path: Any, threads: int) -> Callable[[Work], Sample]:
+def _llama_system(path: Any, threads: int) -> Callable[[Sequence[Work]], Sample]:
     from bench.llamacpp_peer import LlamaCppRunner
 
     runner = LlamaCppRunner(path, 1, threads, max_len=PROMPT_TOKENS + 160)
@@ -135,8 +153,8 @@ def _llama_system(path: Any, threads: int) -> Callable[[Work], Sample]:
         runner.generate([w], times)
         return sample(start, times[0])
 
-    def one(w: Work) -> Sample:
-        return on_fresh_thread(lambda: run(w))
+    def one(ws: Sequence[Work]) -> Sample:
+        return median_sample([on_fresh_thread(lambda w=w: run(w)) for w in ws])
 
     return one
 
@@ -158,8 +176,10 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
     vocab = gguf_vocab_size(path)
     tokens = 32 if quick else 128
     runs = 3
+    reps = 2 if quick else REPS
     work = [
-        random_work(100 + r, 1, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab) for r in range(runs + 1)
+        random_work(100 + r, reps, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
+        for r in range(runs + 1)
     ]  # work[0] warms every system up
     sizing = Sizing(
         max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512, kv_bytes=64 << 20
@@ -171,24 +191,26 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
 
     compiled = dataclasses.replace(sizing, compile="on")
 
-    async def inproc(loaded: Any, w: Work, size: Sizing = sizing) -> Sample:
+    async def inproc(loaded: Any, ws: Sequence[Work], size: Sizing = sizing) -> Sample:
         with started_engine(loaded, size) as engine:
-            _, traces = await run_engine(engine, [w], bypass_prefix_cache=True)
-        return _trace_sample(traces, w.max_tokens)
+            _, traces = await run_engine(engine, ws, bypass_prefix_cache=True, max_concurrency=1)
+        return _trace_sample(traces, ws)
 
-    async def grpc(w: Work, size: Sizing = sizing, same_process: bool = False) -> Sample:
+    async def grpc(ws: Sequence[Work], size: Sizing = sizing, same_process: bool = False) -> Sample:
         client = run_grpc if same_process else run_grpc_elsewhere
         async with grpc_server(auto, ["bench"], size) as (target, keys, _):
-            _, traces = await client(target, keys, [w], ["bench"], bypass_prefix_cache=True)
-        return _trace_sample(traces, w.max_tokens)
+            _, traces = await client(
+                target, keys, ws, ["bench"], bypass_prefix_cache=True, max_concurrency=1
+            )
+        return _trace_sample(traces, ws)
 
-    systems: dict[str, Callable[[Work], Any]] = {
-        INPROC: lambda w: inproc(auto, w),
-        "kvfence in-process (bf16)": lambda w: inproc(dense, w),
+    systems: dict[str, Callable[[Sequence[Work]], Any]] = {
+        INPROC: lambda ws: inproc(auto, ws),
+        "kvfence in-process (bf16)": lambda ws: inproc(dense, ws[:1]),  # in no target: once
         GRPC: grpc,
-        GRPC_SAME: lambda w: grpc(w, same_process=True),
-        INPROC_C: lambda w: inproc(auto, w, compiled),
-        GRPC_C: lambda w: grpc(w, compiled),
+        GRPC_SAME: lambda ws: grpc(ws, same_process=True),
+        INPROC_C: lambda ws: inproc(auto, ws, compiled),
+        GRPC_C: lambda ws: grpc(ws, compiled),
         LLAMA: _llama_system(path, threads),
         "transformers generate": _hf_system(path, auto.dtype),
     }
@@ -198,7 +220,7 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         del systems[INPROC_C], systems[GRPC_C]
     for r, ws in enumerate(work):
         for name in run_order(list(systems), r):
-            result = systems[name](ws[0])
+            result = systems[name](ws)
             got = await result if asyncio.iscoroutine(result) else result
             if r > 0:
                 samples.setdefault(name, []).append(got)
@@ -258,7 +280,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         [
             f"# Single-stream decode{' (quick)' if quick else ''}",
             f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(llama)} interleaved "
-            f"runs after a warm-up; {threads} threads; kvfence dtype {dtype}. The gRPC "
+            f"runs after a warm-up, each the median of {REPS if not quick else 2} requests (the "
+            f"bf16 and transformers rows: 1); {threads} threads; kvfence dtype {dtype}. The gRPC "
             "client runs in a process of its own (the targets' row), and once more in the "
             "server's process. "
             "Figures: median [min–max]; targets judged on the worst run.",

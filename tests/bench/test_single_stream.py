@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from bench.single_stream import GRPC, INPROC, LLAMA, fmt, run_order, sample, spread
+from bench.single_stream import (
+    GRPC,
+    INPROC,
+    LLAMA,
+    Sample,
+    fmt,
+    median_sample,
+    run_order,
+    sample,
+    spread,
+)
 from bench.summary import summary_markdown
 
 
@@ -23,6 +33,13 @@ def test_run_order_pairs_the_targets_systems_back_to_back_and_alternates() -> No
     assert second == [LLAMA, GRPC, INPROC, "bf16", "same", "hf"]
     assert run_order(names, 3) == first
     assert sorted(first) == sorted(names)
+
+
+def test_a_run_is_the_median_of_its_repetitions() -> None:
+    reps = [Sample(0.1, 90.0), Sample(0.3, 120.0), Sample(0.2, 100.0), Sample(0.9, 10.0)]
+    assert median_sample(reps) == Sample(pytest.approx(0.25), pytest.approx(95.0))
+    with pytest.raises(RuntimeError, match="no repetitions"):
+        median_sample([])
 
 
 def test_spread_is_median_min_max() -> None:
