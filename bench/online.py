@@ -80,7 +80,7 @@ async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
             # run's capacity would load a slower one past its own.
             capacity = 0.0
             for i, fraction in enumerate((None, *RATE_FRACTIONS)):
-                rate = None if fraction is None else fraction * capacity
+                label, rate = rate_label(fraction), None if fraction is None else fraction * capacity
                 arrivals = poisson_arrivals(rate, n, seed=i) if rate else None
                 wall, traces = await run_grpc(
                     target,
@@ -97,7 +97,7 @@ async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
                 results.append(
                     {
                         "run": rep,
-                        "rate": rate_label(fraction),
+                        "rate": label,
                         "request_rate": rate,
                         "max_concurrency": None if rate else MAX_CONCURRENCY,
                         "overall": overall,
@@ -105,7 +105,7 @@ async def _runs(loaded: Any, quick: bool) -> list[dict[str, Any]]:
                     }
                 )
                 print(
-                    f"[{SUITE}] run {rep} rate={rate_label(fraction)} "
+                    f"[{SUITE}] run {rep} rate={label} "
                     f"({'unlimited' if rate is None else f'{rate:.2f} req/s'}): "
                     f"{overall['req_s']:.2f} req/s, {overall['output_tok_s']:.1f} out tok/s, "
                     f"TTFT p50 {overall['ttft_p50_ms']:.0f} ms, ITL p50 {overall['itl_p50_ms']:.1f} ms",

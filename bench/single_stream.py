@@ -55,6 +55,11 @@ PROMPT_TOKENS = 32
 # The dense rows (bf16 in process, transformers) are in no target and decode ~15-20 tok/s:
 # they run once a run.
 REPS = 5
+
+
+def reps(quick: bool) -> int:
+    """Requests a run of each system in the targets (2 in a quick smoke run)."""
+    return 2 if quick else REPS
 GRPC, INPROC, LLAMA = "kvfence gRPC (auto)", "kvfence in-process (auto)", "llama.cpp n_seq=1"
 GRPC_SAME = "kvfence gRPC (auto), client in the server's process"
 GRPC_C, INPROC_C = "kvfence gRPC (auto, --compile on)", "kvfence in-process (auto, --compile on)"
@@ -176,9 +181,8 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
     vocab = gguf_vocab_size(path)
     tokens = 32 if quick else 128
     runs = 3
-    reps = 2 if quick else REPS
     work = [
-        random_work(100 + r, reps, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
+        random_work(100 + r, reps(quick), (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
         for r in range(runs + 1)
     ]  # work[0] warms every system up
     sizing = Sizing(
@@ -280,7 +284,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         [
             f"# Single-stream decode{' (quick)' if quick else ''}",
             f"One request at a time: {PROMPT_TOKENS}-token prompt, greedy; {len(llama)} interleaved "
-            f"runs after a warm-up, each the median of {REPS if not quick else 2} requests (the "
+            f"runs after a warm-up, each the median of {reps(quick)} requests (the "
             f"bf16 and transformers rows: 1); {threads} threads; kvfence dtype {dtype}. The gRPC "
             "client runs in a process of its own (the targets' row), and once more in the "
             "server's process. "

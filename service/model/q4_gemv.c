@@ -245,6 +245,12 @@ static inline __m256 halves8(const uint8_t *src) {
  * The prefetch walks the whole row 8 ahead in groups equal steps (ceil(row bytes / groups)),
  * so its scales and minimums are fetched too: they sit after the codes and are read first
  * (measured: B=1 engine step 9.46 -> 9.25 ms, interleaved in one process; B=8 level). */
+/* Block g's share of weight row n + 8: the row in groups equal steps, codes then scales. */
+static inline void prefetch_ahead(const uint8_t *w, size_t row_bytes, int n, int g, int groups) {
+    const size_t step = (row_bytes + groups - 1) / groups;
+    _mm_prefetch((const char *)(w + (size_t)(n + 8) * row_bytes + (size_t)g * step), _MM_HINT_T0);
+}
+
 static inline void unpack_q4(const uint8_t *at, __m256i *lo, __m256i *hi) {
     const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)at));
     *lo = _mm256_and_si256(w, _mm256_set1_epi16(0x000f));
@@ -275,7 +281,6 @@ static inline __attribute__((always_inline)) void rows_q4(
     const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
     float *out, int n, int n_total, const int W) {
     const int padded = (groups + 7) & ~7;
-    const size_t pf_step = (row_bytes + groups - 1) / groups;
     float step[4][MAX_GROUPS];
     for (int r = r_begin; r < rows; ++r) {
         const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
@@ -293,7 +298,7 @@ static inline __attribute__((always_inline)) void rows_q4(
             const __m256i xb = _mm256_loadu_si256((const __m256i *)(xp + 16));
             for (int i = 0; i < W; ++i) {
                 const uint8_t *nib = w + (size_t)(n + i) * row_bytes + (size_t)g * 16;
-                _mm_prefetch((const char *)(w + (size_t)(n + i + 8) * row_bytes + (size_t)g * pf_step), _MM_HINT_T0);
+                prefetch_ahead(w, row_bytes, n + i, g, groups);
                 __m256i lo, hi;
                 unpack_q4(nib, &lo, &hi);
                 const __m256i s =
@@ -313,7 +318,6 @@ static inline __attribute__((always_inline)) void rows_q8(
     const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
     float *out, int n, int n_total, const int W) {
     const int padded = (groups + 7) & ~7;
-    const size_t pf_step = (row_bytes + groups - 1) / groups;
     float step[4][MAX_GROUPS];
     for (int r = r_begin; r < rows; ++r) {
         const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
@@ -331,7 +335,7 @@ static inline __attribute__((always_inline)) void rows_q8(
             const __m256i xb = _mm256_loadu_si256((const __m256i *)(xp + 16));
             for (int i = 0; i < W; ++i) {
                 const uint8_t *at = w + (size_t)(n + i) * row_bytes + (size_t)g * BLOCK;
-                _mm_prefetch((const char *)(w + (size_t)(n + i + 8) * row_bytes + (size_t)g * pf_step), _MM_HINT_T0);
+                prefetch_ahead(w, row_bytes, n + i, g, groups);
                 __m256i lo, hi;
                 unpack_q8(at, &lo, &hi);
                 const __m256i s =
@@ -360,7 +364,6 @@ static inline __attribute__((always_inline)) void tile(
     float *out, int n, int n_total, const int W, const int q8) {
     const int padded = (groups + 7) & ~7;
     const size_t scales_at = (size_t)groups * (q8 ? BLOCK : 16);
-    const size_t pf_step = (row_bytes + groups - 1) / groups;
     float step[2][TILE][MAX_GROUPS]; /* weight scale times x step, per weight row, x row, block */
     _Pragma("GCC unroll 8")
     for (int i = 0; i < W; ++i)
@@ -378,7 +381,7 @@ static inline __attribute__((always_inline)) void tile(
         _Pragma("GCC unroll 8")
         for (int i = 0; i < W; ++i) {
             const uint8_t *at = w + (size_t)(n + i) * row_bytes + (size_t)g * (q8 ? BLOCK : 16);
-            _mm_prefetch((const char *)(w + (size_t)(n + i + 8) * row_bytes + (size_t)g * pf_step), _MM_HINT_T0);
+            prefetch_ahead(w, row_bytes, n + i, g, groups);
             if (q8) unpack_q8(at, &lo[i], &hi[i]);
             else unpack_q4(at, &lo[i], &hi[i]);
         }
