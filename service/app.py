@@ -95,7 +95,9 @@ def check_shares_before_load(
     from service.model.loader import resolve_dtype
 
     sizing = config.sizing
-    pages = pool_pages(sizing, model, resolve_dtype(sizing.dtype, sizing.device), sizing.device)
+    pages = pool_pages(
+        sizing, model, resolve_dtype(sizing.dtype, sizing.device, sizing.weights), sizing.device
+    )
     try:
         kv_shares(tenants, pages, config.options.kv_overcommit)
     except KVShareError as err:

@@ -88,11 +88,14 @@ class LlamaModel(torch.nn.Module):
         # NOTE: indexing the stacked weights and choosing dense or packed per layer is done
         # here once; a step then walks a tuple instead of issuing ~6 select ops per layer.
         # Nothing moves the model after construction, so these views stay valid.
-        prepack = _prepacks(self.embed)
-        self._dense_layers = _layers(self, None, prepack)
-        self._small_layers = _layers(self, self.packed, prepack)
+        self._dense_layers = _layers(self, None)
+        self._small_layers = _layers(self, self.packed)
         self._max_packed_rows = 0 if self.packed is None else self.packed.max_rows
-        self._dense_head = _dense(self.lm_head, prepack)
+        # Dense projections stored narrower than the compute dtype (--dtype auto on a bf16 CPU
+        # with 4-bit decode weights): the dense head gets a copy in their dtype too.
+        dense_dtype = self.qkv.dtype
+        head = self.lm_head if self.lm_head.dtype == dense_dtype else self.lm_head.to(dense_dtype)
+        self._dense_head = _dense(head, self.dtype)
         small_head = None if self.packed is None else self.packed.lm_head
         self._small_head = self._dense_head if small_head is None else small_head
         self._normed_small_head = _normed(small_head, self.final_norm, config.rms_norm_eps)
@@ -250,16 +253,24 @@ def _mkldnn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _dense(weight: torch.Tensor, prepack: bool = False) -> Linear:
-    if prepack:
+def _cast(x: torch.Tensor, linear: Linear, dtype: torch.dtype) -> torch.Tensor:
+    return linear(x.to(dtype)).to(x.dtype)
+
+
+def _dense(weight: torch.Tensor, compute: torch.dtype) -> Linear:
+    """``x @ weight.T`` for ``x`` in ``compute``; a weight stored in another dtype gets ``x``
+    cast to it and the product cast back."""
+    if _prepacks(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PREPACK_HINT)
-        return functools.partial(_mkldnn_linear, weight=packed)
-    return functools.partial(F.linear, weight=weight)
+        linear: Linear = functools.partial(_mkldnn_linear, weight=packed)
+    else:
+        linear = functools.partial(F.linear, weight=weight)
+    if weight.dtype == compute:
+        return linear
+    return functools.partial(_cast, linear=linear, dtype=weight.dtype)
 
 
-def _layers(
-    model: LlamaModel, packed: PackedLinears | None, prepack: bool
-) -> tuple[_Layer, ...]:
+def _layers(model: LlamaModel, packed: PackedLinears | None) -> tuple[_Layer, ...]:
     """Per-layer views and callables; ``packed`` entries replace the dense ones they cover."""
 
     none: tuple[Linear | None, ...] = (None,) * model.config.num_layers
@@ -268,7 +279,7 @@ def _layers(
     )
 
     def pick(dense: torch.Tensor, small: Linear | None) -> Linear:
-        return _dense(dense, prepack) if small is None else small
+        return _dense(dense, model.dtype) if small is None else small
 
     c = model.config
     eps = c.rms_norm_eps

@@ -23,7 +23,9 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 WeightsMode = Literal["auto", "bf16", "int4", "int8"]
 WEIGHTS_MODES: tuple[str, ...] = ("auto", "bf16", "int4", "int8")
 # NOTE: measured on a 2-core AVX512-BF16 CPU: at M <= 4 rows the packed GEMVs read 3-4x fewer
-# bytes and win 2-3x; from M = 8 on the dense bf16 matmul (AMX) is as fast or faster.
+# bytes and win 2-3x; from M = 8 on the dense bf16 matmul (AMX) is as fast or faster. So too
+# for kvfence's float32 GEMV beside bf16 dense weights (--dtype auto on such a CPU): 30 layers'
+# projections 10.0 against 13.3 ms at 4 rows, 16.5 against 13.7 at 8 (2-core Xeon, AMX-BF16).
 MAX_PACKED_ROWS = 4
 # NOTE: kvfence's float32 GEMV (no bf16 compute) beats the dense float32 matmul for longer:
 # measured on a 2-core AVX2 EPYC, SmolLM2-135M forward at 16 tokens 49-61 ms against 94-109
@@ -81,9 +83,12 @@ def build_packed(
     codes: CodesGetter,
     dense: Callable[[str], torch.Tensor],
     dtype: torch.dtype,
+    dense_dtype: torch.dtype | None = None,
 ) -> PackedLinears | None:
     """Packs for ``mode`` (``resolve_weights``' answer). ``dense(name)`` is the layer's
-    dense weight by fused name (``qkv.{i}``, ``o.{i}``, ``gate_up.{i}``, ``down.{i}``, ``lm_head``)."""
+    dense weight by fused name (``qkv.{i}``, ``o.{i}``, ``gate_up.{i}``, ``down.{i}``, ``lm_head``).
+    ``dense_dtype`` is the dtype the dense weights will run in (default ``dtype``): it picks
+    from how many rows a batch leaves the packs for them."""
     if mode == "bf16":
         return None
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
@@ -98,7 +103,7 @@ def build_packed(
     kernel = native_gemv.kernel() if dtype == torch.float32 else None
     # The GEMV's packs serve larger batches; int8 packs are torch's kernel, as are bf16 ones.
     max_rows = MAX_PACKED_ROWS
-    if kernel is not None and mode != "int8":
+    if kernel is not None and mode != "int8" and (dense_dtype or dtype) not in _FAST_DTYPES:
         max_rows = min(GEMV_MAX_PACKED_ROWS, kernel.max_rows)
 
     def pack4(w: Int4Codes) -> Linear:

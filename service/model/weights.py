@@ -75,27 +75,41 @@ def build_weights(
     *,
     weights: str = "bf16",
     codes: CodesGetter | None = None,
+    dense_dtype: torch.dtype | None = None,
 ) -> DecoderWeights:
     """Dense stacked weights, plus packed copies for ``weights`` (a resolved mode, see
-    :func:`service.model.packed.resolve_weights`); ``codes`` reads the file's own blocks."""
+    :func:`service.model.packed.resolve_weights`); ``codes`` reads the file's own blocks.
+    With ``dense_dtype`` the dense projections (and an untied output head) are stored in it
+    once the packs are built from them; the embeddings and norms stay in ``dtype``."""
     dense = _build_dense(config, get, dtype, device, progress)
-    if weights == "bf16":
+    if weights != "bf16":
+        by_name = {
+            "qkv": dense.qkv,
+            "o": dense.o,
+            "gate_up": dense.gate_up,
+            "down": dense.down,
+        }
+
+        def fused(name: str) -> torch.Tensor:
+            if name == "lm_head":
+                return dense.embed if dense.lm_head is None else dense.lm_head
+            kind, layer = name.rsplit(".", 1)
+            return by_name[kind][int(layer)]
+
+        packed = build_packed(
+            config, weights, codes or (lambda name: None), fused, dtype, dense_dtype or dtype
+        )
+        dense = dataclasses.replace(dense, packed=packed)
+    if dense_dtype is None or dense_dtype == dtype:
         return dense
-    by_name = {
-        "qkv": dense.qkv,
-        "o": dense.o,
-        "gate_up": dense.gate_up,
-        "down": dense.down,
-    }
-
-    def fused(name: str) -> torch.Tensor:
-        if name == "lm_head":
-            return dense.embed if dense.lm_head is None else dense.lm_head
-        kind, layer = name.rsplit(".", 1)
-        return by_name[kind][int(layer)]
-
-    packed = build_packed(config, weights, codes or (lambda name: None), fused, dtype)
-    return dataclasses.replace(dense, packed=packed)
+    return dataclasses.replace(
+        dense,
+        qkv=dense.qkv.to(dense_dtype),
+        o=dense.o.to(dense_dtype),
+        gate_up=dense.gate_up.to(dense_dtype),
+        down=dense.down.to(dense_dtype),
+        lm_head=None if dense.lm_head is None else dense.lm_head.to(dense_dtype),
+    )
 
 
 def _build_dense(

@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
 from service.model import load_model, native_gemv
+from service.model.loader import resolve_precision
 from service.model.quant import (
     Int4Codes,
     Int4Linear,
@@ -453,3 +454,48 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
             stack(*bad)
     assert not pool.any()
     assert stack(x, rope, good) is x and pool.any()
+
+
+def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense_bf16(
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: True)
+    assert resolve_precision("auto", "cpu", "auto") == (torch.float32, torch.bfloat16)
+    assert resolve_precision("auto", "cpu", "int4") == (torch.float32, torch.bfloat16)
+    # no 4-bit decode weights, an explicit dtype, or no kernel: one dtype throughout
+    assert resolve_precision("auto", "cpu", "bf16") == (torch.bfloat16, torch.bfloat16)
+    assert resolve_precision("auto", "cpu", "int8") == (torch.bfloat16, torch.bfloat16)
+    assert resolve_precision("float32", "cpu", "auto") == (torch.float32, torch.float32)
+    assert resolve_precision("auto", "cuda", "auto") == (torch.bfloat16, torch.bfloat16)
+    lm = load_model(default_model_path, weights="auto", progress=False)
+    fp32 = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    m, ref = lm.model, fp32.model
+    assert lm.dtype == torch.float32 and lm.dense_dtype == torch.bfloat16
+    assert m.embed.dtype == torch.float32 and m.attn_norm.dtype == torch.float32
+    assert {m.qkv.dtype, m.o.dtype, m.gate_up.dtype, m.down.dtype} == {torch.bfloat16}
+    # the packs go up to 4 rows (beside bf16 dense weights); float32 dense weights take 32
+    assert m.max_packed_rows == 4 < ref.max_packed_rows
+    assert m._stack is not None
+
+    def logits(model: torch.nn.Module, n: int) -> torch.Tensor:
+        ids = torch.arange(1, n + 1) * 97
+        out: torch.Tensor = model(ids, torch.arange(n), DenseAttention(30))
+        return out
+
+    # decode-sized: the same float32 kernel calls as the float32 model, bit for bit
+    assert torch.equal(logits(m, 4), logits(ref, 4))
+    # a prefill-sized batch runs the bf16 dense weights: close to float32, not equal to it
+    a, b = logits(m, 12), logits(ref, 12)
+    assert a.dtype == torch.float32
+    assert not torch.equal(a, b)
+    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+
+
+def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: True)
+    monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
+    assert resolve_precision("auto", "cpu", "auto") == (torch.bfloat16, torch.bfloat16)
+    lm = load_model(default_model_path, weights="auto", progress=False)
+    assert lm.dtype == torch.bfloat16 and lm.dense_dtype is None
