@@ -130,6 +130,92 @@ static void job_avx512(const uint16_t *q, const uint16_t *kv, int first, int las
         }
     }
 }
+
+/* lane o of the result = the sum of v[o]'s 16 lanes: pairs, then quads within each 128-bit
+ * lane, then across the four 128-bit lanes (45 shuffles and adds for 16 sums, against ~8
+ * each one at a time). */
+static inline __m512 sums16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+/* One (sequence, KV head) job for float32 KV with AVX-512, 16 keys at a time: each head's 16
+ * dot products summed together (sums16), and each V row read once for the whole group.
+ * dim is a multiple of 16.
+ * NOTE: measured on a 2-core AMX Xeon, offline (64 requests, float32 compute): job_avx2_f32
+ * took ~21% of the run's CPU samples, the bf16 kernel (job_avx512) ~17% of a bf16 run's. */
+static void job_avx512_f32(const float *q, const float *kv, int first, int last,
+                           const int32_t *indices, int n, float *out, int group, int dim,
+                           int64_t row, int64_t half, int page_size, float scale) {
+    const int lanes = dim / 16;
+    __m512 qv[MAX_GROUP][MAX_DIM / 16];
+    __m512 acc[MAX_GROUP][MAX_DIM / 16];
+    float s[MAX_GROUP][16];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        for (int c = 0; c < lanes; ++c) {
+            qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(scale));
+            acc[g][c] = _mm512_setzero_ps();
+        }
+        m[g] = -1e30f;
+        l[g] = 0.0f;
+    }
+    for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
+        const int count = n - start < page_size ? n - start : page_size;
+        const float *k_page = kv + (int64_t)indices[p] * 2 * half;
+        const float *v_page = k_page + half;
+        for (int b0 = 0; b0 < count; b0 += 16) {
+            const int nb = count - b0 < 16 ? count - b0 : 16;
+            const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+            for (int g = 0; g < group; ++g) {
+                __m512 dots[16];
+                for (int o = 0; o < 16; ++o) {
+                    __m512 d = _mm512_setzero_ps();
+                    if (o < nb) {
+                        const float *k_row = k_page + (b0 + o) * row;
+                        for (int c = 0; c < lanes; ++c)
+                            d = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(k_row + 16 * c), d);
+                    }
+                    dots[o] = d;
+                }
+                const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sums16(dots));
+                const float block_top = _mm512_reduce_max_ps(sv);
+                const float top = block_top > m[g] ? block_top : m[g];
+                const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+                const float rescale = expf(m[g] - top); /* 0 on the first block */
+                l[g] = l[g] * rescale + _mm512_reduce_add_ps(e);
+                m[g] = top;
+                _mm512_storeu_ps(s[g], e);
+                for (int c = 0; c < lanes; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
+            }
+            for (int o = 0; o < nb; ++o) {
+                const float *v_row = v_page + (b0 + o) * row;
+                for (int c = 0; c < lanes; ++c) {
+                    const __m512 v = _mm512_loadu_ps(v_row + 16 * c);
+                    for (int g = 0; g < group; ++g)
+                        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][o]), v, acc[g][c]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+        for (int c = 0; c < lanes; ++c)
+            _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -343,6 +429,13 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
         if (!f32 && dim % 32 == 0) {
             job_avx512((const uint16_t *)qb, (const uint16_t *)kvb, indptr[b], indptr[b + 1],
                        indices, n, (uint16_t *)ob, group, dim, row, half, page_size, scale);
+            continue;
+        }
+#endif
+#ifdef KVF_AVX512
+        if (f32 && dim % 16 == 0) {
+            job_avx512_f32((const float *)qb, (const float *)kvb, indptr[b], indptr[b + 1],
+                           indices, n, (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
