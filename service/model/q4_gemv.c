@@ -262,6 +262,18 @@ static inline void unpack_q8(const uint8_t *at, __m256i *lo, __m256i *hi) {
     *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(at + 16)));
 }
 
+/* A block's dot product as 8 int32 partial sums: lo . xa + hi . xb by pairs of int16 (exact:
+ * |x| <= INT16_STEPS, |w| <= 128). With VNNI the second product adds in the same instruction. */
+static inline __m256i block_dot(__m256i lo, __m256i xa, __m256i hi, __m256i xb) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(_mm256_madd_epi16(lo, xa), hi, xb);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(lo, xa), hi, xb);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+#endif
+}
+
 static inline void scales8(const uint8_t *dh, const float *xs, int groups, float *step) {
     for (int g0 = 0; g0 < groups; g0 += 8)
         _mm256_storeu_ps(step + g0, _mm256_mul_ps(halves8(dh + 2 * g0), _mm256_loadu_ps(xs + g0)));
@@ -301,8 +313,7 @@ static inline __attribute__((always_inline)) void rows_q4(
                 prefetch_ahead(w, row_bytes, n + i, g, groups);
                 __m256i lo, hi;
                 unpack_q4(nib, &lo, &hi);
-                const __m256i s =
-                    _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+                const __m256i s = block_dot(lo, xa, hi, xb);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i] + g),
                                          acc[i]);
             }
@@ -338,8 +349,7 @@ static inline __attribute__((always_inline)) void rows_q8(
                 prefetch_ahead(w, row_bytes, n + i, g, groups);
                 __m256i lo, hi;
                 unpack_q8(at, &lo, &hi);
-                const __m256i s =
-                    _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+                const __m256i s = block_dot(lo, xa, hi, xb);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i] + g),
                                          acc[i]);
             }
@@ -392,8 +402,7 @@ static inline __attribute__((always_inline)) void tile(
             const __m256i xb = _mm256_loadu_si256((const __m256i *)(xp + 16));
             _Pragma("GCC unroll 8")
             for (int i = 0; i < W; ++i) {
-                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo[i], xa),
-                                                   _mm256_madd_epi16(hi[i], xb));
+                const __m256i s = block_dot(lo[i], xa, hi[i], xb);
                 acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                             _mm256_broadcast_ss(step[i][r] + g), acc[i][r]);
             }
