@@ -1,6 +1,6 @@
 """Correctness against the reference implementation (Hugging Face transformers).
 
-Runs the checks of tests/model/test_parity_default.py on the default model, in four rows:
+Runs the checks of tests/model/test_parity_default.py on the default model, in five rows:
 
     fp32 --weights bf16  dense fp32 vs transformers fp32: prefill logits <= 1e-3, greedy identical,
                          tokenizer and chat template identical
@@ -10,8 +10,12 @@ Runs the checks of tests/model/test_parity_default.py on the default model, in f
                          but for exact ties (the oracle scoring both tokens within 1e-3,
                          bench/parity_checks.TIE_TOL), decode logits <= 0.05 (the GEMV rounds
                          activations to int16 per block of 32; see PACKED_LOGITS_TOL)
+    auto --weights auto  the served configuration (--dtype auto; on a CPU with AVX512-BF16 or
+                         AMX float32 decode through the GEMV and bf16 dense weights for the
+                         prefill) vs transformers fp32: as the fp32 int4 row where it computes
+                         in one dtype, else >= 97% teacher-forced top-1 agreement
     bf16 --weights bf16  dense bf16 vs transformers bf16 (same weights, rounded alike)
-    bf16 --weights auto  the served configuration vs transformers bf16
+    bf16 --weights auto  --dtype bfloat16 --weights auto vs transformers bf16
 
 The bf16 rows compare two bf16 implementations whose sums round differently, so near-ties
 may flip; they pass at >= 97% teacher-forced top-1 agreement (the oracle's next-token pick on
@@ -79,7 +83,20 @@ def main() -> int:
     row = decode_parity(packed, hf_model, prompts)
     print(row.line("fp32 --weights int4"), flush=True)
     ok &= row.greedy_ok and row.max_abs_logit_diff <= PACKED_LOGITS_TOL
-    del packed, hf_model
+    del packed
+    stage("kvfence --dtype auto --weights auto (as served) vs the oracle", started)
+    served = load_model(path, progress=False)
+    row = decode_parity(served, hf_model, prompts)
+    dense = served.dense_dtype or served.dtype
+    print(row.line(f"auto --weights auto ({str(served.dtype)[6:]}, dense {str(dense)[6:]})"),
+          flush=True)
+    if served.dense_dtype is None:  # one dtype: as the rows above
+        ok &= row.greedy_ok and (
+            served.dtype != torch.float32 or row.max_abs_logit_diff <= PACKED_LOGITS_TOL
+        )
+    else:  # float32 decode, bf16 prefill: the prefill's bf16 rounding may flip near-ties
+        ok &= row.agree >= BF16_MIN_AGREEMENT * row.positions
+    del served, hf_model
     stage("loading the bf16 oracle", started)
     hf_bf16, _ = load_hf_oracle(path, torch.bfloat16)
     for weights in ("bf16", "auto"):
