@@ -87,8 +87,8 @@ def main() -> int:
     stage("kvfence --dtype auto --weights auto (as served) vs the oracle", started)
     served = load_model(path, progress=False)
     row = decode_parity(served, hf_model, prompts)
-    dense = served.dense_dtype or served.dtype
-    print(row.line(f"auto --weights auto ({str(served.dtype)[6:]}, dense {str(dense)[6:]})"),
+    stored = served.dense_dtype or served.dtype
+    print(row.line(f"auto --weights auto ({str(served.dtype)[6:]}, dense {str(stored)[6:]})"),
           flush=True)
     if served.dense_dtype is None:  # one dtype: as the rows above
         ok &= row.greedy_ok and (
