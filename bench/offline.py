@@ -328,7 +328,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     sweep: dict[str, float] = {}
     outputs: Outputs = {}
     checks: list[greedy_check.Agreement] = []
-    dtype = torch.float32
+    dtype = peer_dtype = torch.float32
     sizing: dict[str, Any] = {}
     try:
         from bench.kvfence_runner import Sizing, load_kvfence
@@ -336,12 +336,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         sizing = asdict(Sizing())
         loaded = load_kvfence(gguf)
         dtype = loaded.dtype
+        # transformers computes in the dtype of kvfence's dense weights: bf16 where the CPU
+        # has it, also where kvfence decodes in float32 (--dtype auto beside bf16 weights)
+        peer_dtype = loaded.dense_dtype or loaded.dtype
         _kvfence_runs(loaded, work, warm, runs, errors, outputs, checks)
         del loaded
     except ImportError as err:
         errors["kvfence"] = f"ImportError: {err}"
-    _peer_runs(dtype, work, warm, threads, runs, errors, sweep, outputs, checks)
-    return report(runs, errors, quick, threads, dtype, work, sizing, sweep, checks)
+    _peer_runs(peer_dtype, work, warm, threads, runs, errors, sweep, outputs, checks)
+    return report(runs, errors, quick, threads, dtype, work, sizing, sweep, checks, peer_dtype)
 
 
 def report(
@@ -354,8 +357,11 @@ def report(
     sizing: dict[str, Any],
     sweep: dict[str, float] | None = None,
     checks: list[greedy_check.Agreement] | None = None,
+    peer_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
+    """``dtype``: kvfence's compute dtype; ``peer_dtype`` transformers' (default the same)."""
     out = results_dir(quick)
+    peer_dtype = peer_dtype or dtype
     checks = checks or []
     sweep = sweep or {}
     groups = _by_system(runs)
@@ -432,7 +438,8 @@ def report(
             f"# Offline throughput{' (quick)' if quick else ''}",
             f"{len(work)} requests, {sum(len(w.prompt_ids) for w in work)} prompt and "
             f"{sum(w.max_tokens for w in work)} output tokens; greedy, ignore_eos; {threads} threads; "
-            f"dtype {str(dtype).removeprefix('torch.')} (kvfence, transformers), Q4_1 (llama.cpp). "
+            f"dtype {str(dtype).removeprefix('torch.')} (kvfence), "
+            f"{str(peer_dtype).removeprefix('torch.')} (transformers), Q4_1 (llama.cpp). "
             f"Median [min–max] of {REPEATS} runs per system.",
             md_table(
                 (
@@ -457,6 +464,7 @@ def report(
         "quick": quick,
         "machine": machine_info(threads),
         "dtype": str(dtype),
+        "transformers_dtype": str(peer_dtype),
         "kvfence_sizing": sizing,
         "runs": [r.as_dict() for r in runs],
         "systems": systems,
