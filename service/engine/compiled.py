@@ -73,7 +73,8 @@ def unavailable_reason(model: LlamaModel, pool: PagePool) -> str | None:
     if model.device.type != "cpu":
         return f"it runs on CPU (device is {model.device})"
     if model.dtype != torch.bfloat16:
-        return f"it needs bf16 compute (dtype is {str(model.dtype).removeprefix('torch.')})"
+        dtype = str(model.dtype).removeprefix("torch.")
+        return f"it needs bf16 compute (dtype is {dtype}: pass --dtype bfloat16)"
     if model.max_packed_rows == 0:
         return "it serves the packed decode weights (--weights auto, int4 or int8), and there are none"
     if cxx_compiler() is None:

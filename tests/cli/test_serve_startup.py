@@ -105,4 +105,4 @@ def test_compile_on_where_it_cannot_run_says_why(tenants: Path) -> None:
                             "--dtype", "float32", "--compile", "on")
     assert code == 2
     assert lines[-1] == ("kvfence: error: --compile on: the compiled decode path cannot run: "
-                         "it needs bf16 compute (dtype is float32)")
+                         "it needs bf16 compute (dtype is float32: pass --dtype bfloat16)")
