@@ -338,7 +338,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         dtype = loaded.dtype
         # transformers computes in the dtype of kvfence's dense weights: bf16 where the CPU
         # has it, also where kvfence decodes in float32 (--dtype auto beside bf16 weights)
-        peer_dtype = loaded.dense_dtype or loaded.dtype
+        peer_dtype = loaded.dense_weights_dtype
         _kvfence_runs(loaded, work, warm, runs, errors, outputs, checks)
         del loaded
     except ImportError as err:

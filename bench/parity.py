@@ -87,9 +87,8 @@ def main() -> int:
     stage("kvfence --dtype auto --weights auto (as served) vs the oracle", started)
     served = load_model(path, progress=False)
     row = decode_parity(served, hf_model, prompts)
-    stored = served.dense_dtype or served.dtype
-    print(row.line(f"auto --weights auto ({str(served.dtype)[6:]}, dense {str(stored)[6:]})"),
-          flush=True)
+    names = [str(d).removeprefix("torch.") for d in (served.dtype, served.dense_weights_dtype)]
+    print(row.line(f"auto --weights auto ({names[0]}, dense {names[1]})"), flush=True)
     if served.dense_dtype is None:  # one dtype: as the rows above
         ok &= row.greedy_ok and (
             served.dtype != torch.float32 or row.max_abs_logit_diff <= PACKED_LOGITS_TOL

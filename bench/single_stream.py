@@ -216,7 +216,7 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         INPROC_C: lambda ws: inproc(auto, ws, compiled),
         GRPC_C: lambda ws: grpc(ws, compiled),
         LLAMA: _llama_system(path, threads),
-        "transformers generate": _hf_system(path, auto.dense_dtype or auto.dtype),
+        "transformers generate": _hf_system(path, auto.dense_weights_dtype),
     }
     if auto.dtype != torch.bfloat16:
         # --compile on refuses to start without bf16 compute (service.engine.compiled).

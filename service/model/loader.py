@@ -44,6 +44,11 @@ class LoadedModel:
     weights: str = "bf16"  # resolved --weights mode: bf16 (dense only), file, int4 or int8
     dense_dtype: torch.dtype | None = None  # the dense projections' dtype where not ``dtype``
 
+    @property
+    def dense_weights_dtype(self) -> torch.dtype:
+        """The dtype prefill and large batches compute the projections in."""
+        return self.dense_dtype or self.dtype
+
 
 def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU has native bf16 matmul (AVX512-BF16 or AMX)."""
