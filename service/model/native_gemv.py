@@ -88,6 +88,10 @@ class Q4Kernel:
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
         self.simd = bool(lib.kvf_q4_simd())
+        # Weights packed with ``tiles`` run batches of amx_min_rows or more rows on the tile
+        # unit (AMX-BF16 CPUs): x and the weights are rounded to bf16 there, float32 sums.
+        self.amx = bool(lib.kvf_amx())
+        self.amx_min_rows = int(lib.kvf_amx_min_rows())
 
     def matmul(
         self,
@@ -95,6 +99,7 @@ class Q4Kernel:
         blocks: torch.Tensor,
         q8: bool = False,
         *,
+        tiles: bool = False,
         gated: bool = False,
         gamma: torch.Tensor | None = None,
         eps: float = 0.0,
@@ -109,7 +114,8 @@ class Q4Kernel:
         eps)``. The activation and the norm run inside the call, on the way to the GEMV.
         With ``into`` ``[M, N]`` float32 the product is added to it (a residual add) and
         ``into`` returned; with ``rope`` the first heads of each output row are rotated
-        by ``table`` (:class:`Rope`)."""
+        by ``table`` (:class:`Rope`). With ``tiles`` a batch of :attr:`amx_min_rows` or more
+        rows may run on the tile unit (:attr:`amx`), in the dense bf16 matmul's arithmetic."""
         m, width = x.shape
         k = width // 2 if gated else width
         n, row_bytes_ = blocks.shape
@@ -137,7 +143,7 @@ class Q4Kernel:
         norm = 0 if gamma is None else gamma.contiguous().data_ptr()
         heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
         status = self.fn(
-            x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), int(q8), int(gated),
+            x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), flags(q8, tiles), int(gated),
             norm, eps, int(into is not None), _pointer(table if rope else None), heads, dim,
         )
         if status != 0:
@@ -179,8 +185,8 @@ class MlpBlock:
         self._gamma = gamma  # kept alive for the pointer
         self._weights = (o.blocks, gate_up.blocks, down.blocks)
         self._args = (
-            o.blocks.data_ptr(), int(o.q8), gamma.data_ptr(), eps,
-            gate_up.blocks.data_ptr(), int(gate_up.q8), down.blocks.data_ptr(), int(down.q8),
+            o.blocks.data_ptr(), o.flags, gamma.data_ptr(), eps,
+            gate_up.blocks.data_ptr(), gate_up.flags, down.blocks.data_ptr(), down.flags,
         )
 
     def __call__(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +234,12 @@ def _padded(scales: torch.Tensor) -> torch.Tensor:
     converts them 8 at a time)."""
     pad = -scales.shape[1] % 8
     return torch.nn.functional.pad(scales, (0, pad)) if pad else scales
+
+
+def flags(q8: bool, tiles: bool) -> int:
+    """A weight's q8 argument to the kernel: bit 0 for 8-bit blocks, bit 1 (KVF_TILES in
+    q4_gemv.c) to let batches run on the tile unit."""
+    return int(q8) | (2 if tiles else 0)
 
 
 def row_bytes(k: int, q8: bool) -> int:
@@ -283,21 +295,29 @@ class Q4Linear:
     kernel: Q4Kernel
     q8: bool = False
     k: int = 0  # the kernel's input width (K * repeat, or K for q8)
-    # (C function, blocks pointer, k, q8) for the per-call fast path, set in __post_init__
+    # Batches of kernel.amx_min_rows or more may run on the tile unit (bf16 arithmetic):
+    # set where the model's larger batches run dense bf16 weights anyway.
+    tiles: bool = False
+    # (C function, blocks pointer, k, flags) for the per-call fast path, set in __post_init__
     _fast: tuple[Any, int, int, int] = field(init=False, repr=False, compare=False)
 
     @classmethod
-    def pack(cls, w: Int4Codes, kernel: Q4Kernel) -> Q4Linear:
+    def pack(cls, w: Int4Codes, kernel: Q4Kernel, tiles: bool = False) -> Q4Linear:
         q8 = q8_blocks(w)
         if q8 is not None:
-            return cls(q8, 1, kernel, q8=True, k=w.codes.shape[1] // 2)
-        return cls(to_blocks(w), w.repeat, kernel, k=w.codes.shape[1])
+            return cls(q8, 1, kernel, q8=True, k=w.codes.shape[1] // 2, tiles=tiles)
+        return cls(to_blocks(w), w.repeat, kernel, k=w.codes.shape[1], tiles=tiles)
 
     def __post_init__(self) -> None:
         # The blocks are checked once here, so a call checks only its input (below).
         self.kernel.matmul(torch.zeros(1, self.k), self.blocks, self.q8)
-        fast = (self.kernel.fn, self.blocks.data_ptr(), self.k, int(self.q8))
+        fast = (self.kernel.fn, self.blocks.data_ptr(), self.k, self.flags)
         object.__setattr__(self, "_fast", fast)
+
+    @property
+    def flags(self) -> int:
+        """This weight's q8 argument to the kernel (:func:`flags`)."""
+        return flags(self.q8, self.tiles)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.repeat > 1:
@@ -317,7 +337,7 @@ class Q4Linear:
     ) -> torch.Tensor:
         """One kernel call; ``norm`` is ``gamma``'s data pointer (0 without), checked by the
         caller once. NOTE: ~120 calls a decode step: the common case skips matmul's checks."""
-        fn, blocks, k, q8 = self._fast
+        fn, blocks, k, flag = self._fast
         m, n = x.shape[0], self.blocks.shape[0]
         if (
             x.dtype == torch.float32
@@ -334,13 +354,13 @@ class Q4Linear:
             out = torch.empty(m, n) if into is None else into
             heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
             if fn(
-                x.data_ptr(), m, k, blocks, n, out.data_ptr(), q8, gated, norm, eps,
+                x.data_ptr(), m, k, blocks, n, out.data_ptr(), flag, gated, norm, eps,
                 into is not None, _pointer(table if rope else None), heads, dim,
             ):
                 raise ValueError("the 4-bit GEMV kernel refused its shapes")
             return out
         return self.kernel.matmul(
-            x, self.blocks, self.q8, gated=gated, gamma=gamma, eps=eps, into=into, rope=rope,
+            x, self.blocks, self.q8, tiles=self.tiles, gated=gated, gamma=gamma, eps=eps, into=into, rope=rope,
             table=table,
         )
 
@@ -457,10 +477,10 @@ class DecoderStack:
         self._table = torch.tensor(
             [
                 [
-                    layer.qkv.blocks.data_ptr(), int(layer.qkv.q8), layer.attn_norm.data_ptr(),
-                    layer.o.blocks.data_ptr(), int(layer.o.q8), layer.mlp_norm.data_ptr(),
-                    layer.gate_up.blocks.data_ptr(), int(layer.gate_up.q8),
-                    layer.down.blocks.data_ptr(), int(layer.down.q8),
+                    layer.qkv.blocks.data_ptr(), layer.qkv.flags, layer.attn_norm.data_ptr(),
+                    layer.o.blocks.data_ptr(), layer.o.flags, layer.mlp_norm.data_ptr(),
+                    layer.gate_up.blocks.data_ptr(), layer.gate_up.flags,
+                    layer.down.blocks.data_ptr(), layer.down.flags,
                 ]
                 for layer in layers
             ],

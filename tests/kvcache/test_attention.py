@@ -283,7 +283,7 @@ def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
 
 def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_calls() -> None:
     """``StepAttention.native_attend`` (the step's attention for native model code) exists
-    only for an all-decode float32 step on the C kernel; layer by layer through its C
+    for float32 steps on the C kernel; for an all-decode step, layer by layer through its C
     function, the pool and the outputs are exactly those of ``StepAttention(layer, q, k, v)``."""
     import ctypes
 
@@ -294,11 +294,15 @@ def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_c
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
     )
 
-    def prefill_has_none(step: StepAttention) -> None:
-        assert step.native_attend(9) is None  # a prefill row
-
     def run(native: bool, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], torch.Tensor]:
-        pool, _, _, _, step = _three_decoding(dtype, 6, prefill_has_none)
+        def prefill(step: StepAttention) -> None:
+            plan = step.native_attend(9)  # float32: each prefill token a row of its own
+            if dtype != torch.float32:
+                assert plan is None
+            else:
+                assert plan is not None and plan.batch == step.metadata.num_tokens
+
+        pool, _, _, _, step = _three_decoding(dtype, 6, prefill)
         plan = step.native_attend(9)
         if dtype != torch.float32:
             assert plan is None
@@ -329,3 +333,67 @@ def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_c
     for got, want in zip(native_out, plain_out, strict=True):
         assert torch.equal(got, want)
     run(True, torch.bfloat16)
+
+
+def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A float32 step with prefill chunks is offered to native code as well, every token a
+    kernel row attending causally over its own sequence's pages: through its C function the
+    pool is written exactly as the per-layer calls write it, and the outputs agree with
+    theirs (SDPA for the chunks) to float32 rounding, for a chunk from position 0 beside a
+    decode row and for a chunk after computed tokens. Steps whose chunks would read more
+    than ``_NATIVE_CHUNK_KEYS`` keys between them are left to the per-layer calls."""
+    import ctypes
+
+    from kvcache.backends import torch_backend
+
+    attend_type = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
+    )
+
+    def layers(step: StepAttention, native: bool) -> list[torch.Tensor]:
+        t = step.metadata.num_tokens
+        plan = step.native_attend(9)
+        assert plan is not None and plan.batch == t
+        outs = []
+        for layer in range(2):
+            q, k, v = (torch.randn(t, h, HEAD_DIM) for h in (9, 3, 3))
+            if native:
+                out = torch.empty_like(q)
+                status = attend_type(plan.fn)(
+                    plan.ctx, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+                )
+                assert status == 0
+            else:
+                out = step(layer, q, k, v)
+            outs.append(out)
+        return outs
+
+    def run(native: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        pool, mgr, lens, entries, step = _three_decoding(torch.float32, 8)
+        outs = layers(step, native)
+        for s in entries:
+            lens[s.seq_id] += 1
+            mgr.commit(s.seq_id, range(lens[s.seq_id] + 1), lens[s.seq_id])
+        mgr.open("d", "t", list(range(9)), use_prefix_cache=False)
+        grow(mgr, "d", 5)
+        grow(mgr, "a", lens["a"] + 1)
+        outs += layers(attn_of(mgr, [StepEntry("a", lens["a"], 1), StepEntry("d", 0, 5)]), native)
+        mgr.commit("d", range(9), 5)
+        grow(mgr, "d", 8)
+        outs += layers(attn_of(mgr, [StepEntry("d", 5, 3)]), native)
+        return outs, pool.kv.clone()
+
+    native_out, native_pool = run(True)
+    plain_out, plain_pool = run(False)
+    assert torch.equal(native_pool, plain_pool)
+    for got, want in zip(native_out, plain_out, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setattr(torch_backend, "_NATIVE_CHUNK_KEYS", 24)  # a 5-token chunk reads 25
+    _, mgr, _, _, step = _three_decoding(torch.float32, 8)
+    assert step.native_attend(9) is not None  # all decode: no chunk keys at all
+    mgr.open("d", "t", list(range(9)), use_prefix_cache=False)
+    grow(mgr, "d", 5)
+    assert attn_of(mgr, [StepEntry("d", 0, 5)]).native_attend(9) is None

@@ -123,6 +123,63 @@ def test_kernel_reproduces_the_files_weights(
     _check(kernel, UNPACK[kind](data, n), reference)
 
 
+def _exact_weights(kind: GGMLQuantizationType, data: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """The blocks' weights in float64, each exactly ``d * q + m`` (``d * q`` for Q8_0)."""
+    b = data.reshape(n, k // 32, -1)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float64)
+    if kind == GGMLQuantizationType.Q8_0:
+        w = d * b[..., 2:].copy().view(np.int8).astype(np.float64)
+    else:
+        qs = b[..., 2:] if kind == GGMLQuantizationType.Q4_0 else b[..., 4:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float64)
+        if kind == GGMLQuantizationType.Q4_0:
+            m = -8 * d
+        else:
+            m = b[..., 2:4].copy().view(np.float16).astype(np.float64)
+        w = d * q + m
+    return torch.from_numpy(w.reshape(n, k))
+
+
+@pytest.mark.parametrize("kind", list(UNPACK), ids=lambda k: k.name)
+def test_tile_unit_batches_compute_the_dense_bf16_product(kind: GGMLQuantizationType) -> None:
+    """Weights packed with ``tiles`` run batches of ``amx_min_rows`` or more rows on the tile
+    unit (AMX-BF16 CPUs): the product of x and the weights each rounded to bf16 (the weight
+    computed in float32 first, as the dense bf16 copy is), summed in float32. A row's result
+    does not depend on the rest of its batch; smaller batches keep the integer path."""
+    kernel = _kernel()
+    if not kernel.amx:
+        pytest.skip("this CPU has no AMX-BF16 tile unit")
+    n, k = 37, 96  # 37 output rows: two whole 16-row panels and a partial one
+    data = _ggml(kind, n, k, 40 + int(kind))
+    codes = UNPACK[kind](data, n)
+    tiled = native_gemv.Q4Linear.pack(codes, kernel, tiles=True)
+    plain = native_gemv.Q4Linear.pack(codes, kernel)
+    w = _exact_weights(kind, data, n, k).float().bfloat16().double()
+    x = torch.randn(kernel.max_rows, k, generator=torch.Generator().manual_seed(7)) * 3
+    xb = x.bfloat16().double()
+    want = xb @ w.T
+    bound = 1e-5 * (xb.abs() @ w.abs().T) + 1e-30
+    full = tiled(x)
+    assert ((full.double() - want).abs() <= bound).all()
+    for m in (1, kernel.amx_min_rows - 1):
+        assert torch.equal(tiled(x[:m]), plain(x[:m]))
+    for m in (kernel.amx_min_rows, 16, 17, 40):  # partial and several 16-row tiles of x
+        assert torch.equal(tiled(x[:m]), full[:m])
+        assert not torch.equal(tiled(x[:m]), plain(x[:m]))
+    # fused forms: the residual add, and the norm and the SiLU gate before the product
+    residual = torch.randn(20, n, generator=torch.Generator().manual_seed(8))
+    into = residual.clone()
+    assert torch.equal(tiled.into(x[:20], into), residual + full[:20])
+    gamma = torch.rand(k, generator=torch.Generator().manual_seed(9)) + 0.5
+    normed = torch.nn.functional.rms_norm(x[:20], (k,), gamma, 1e-5)
+    got = tiled.normed(x[:20], gamma, 1e-5)
+    assert (got - tiled(normed)).abs().max().item() <= 1e-2 * got.abs().max().item()
+    bad = x[:8].clone()
+    bad[3, 5] = float("nan")
+    out = tiled(bad)
+    assert out[3].isnan().all() and out[[0, 1, 2, 4, 5, 6, 7]].isfinite().all()
+
+
 def test_codes_quantized_from_dense_weights_take_fp16_scales() -> None:
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
     codes = quantize_int4(w)
@@ -348,8 +405,8 @@ def test_fused_mlp_call_equals_its_three_calls() -> None:
 
 def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
     """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
-    kvcache's ``NativeAttend`` for the K/V write and attention); steps with a prefill row
-    keep the layer loop. Three sequences that finish at different steps decode the same
+    kvcache's ``NativeAttend`` for the K/V write and attention); steps with more tokens than
+    the packs take keep the layer loop. Three sequences that finish at different steps decode the same
     tokens with bit-identical logprobs either way, and the stack ran on exactly the
     all-decode steps."""
     from kvcache import CacheConfig
@@ -418,6 +475,87 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
     assert steps == 1 + len(batches)
 
 
+def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: Path) -> None:
+    """Steps that carry prefill chunks small enough for the packs run through the stack too,
+    each chunk token a row of kvcache's decode kernel over its own prefix: two prompts
+    prefilled together, then a third arriving beside their decodes, give the same greedy
+    tokens as the layer loop (SDPA for the chunks), with logprobs within 0.01."""
+    from kvcache import CacheConfig
+    from service.engine.factory import build_core
+    from service.engine.types import (
+        Delta,
+        EngineConfig,
+        EngineEvent,
+        Request,
+        SamplingParams,
+        StoppingParams,
+    )
+
+    lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    model = lm.model
+    stack = model._stack
+    assert isinstance(stack, native_gemv.DecoderStack)
+    batches: list[int] = []
+
+    def spy(x: torch.Tensor, rope: torch.Tensor, attend: object) -> torch.Tensor:
+        batches.append(x.shape[0])
+        return stack(x, rope, attend)  # type: ignore[arg-type]
+
+    Out = list[tuple[int, float]]
+
+    def run(use: bool) -> list[Out]:
+        model._stack = spy if use else None  # type: ignore[assignment]
+        config = EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=512, max_model_len=256, warmup=False
+        )
+        core = build_core(
+            lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32,
+            sampler_seed=0,
+        )
+        got: list[Out] = [[], [], []]
+
+        def add(i: int, prompt: int, n: int) -> None:
+            def sink(event: EngineEvent, out: Out = got[i]) -> None:
+                if isinstance(event, Delta):
+                    out.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
+
+            core.add(
+                Request(
+                    request_id=f"r{i}", tenant=f"t{i}",
+                    prompt_ids=tuple(range(300 + i, 300 + i + prompt)),
+                    sampling=SamplingParams(temperature=0.0),
+                    stopping=StoppingParams(max_tokens=n, ignore_eos=True), logprobs=1,
+                ),
+                sink,
+            )
+
+        add(0, 12, 6)
+        add(1, 9, 5)
+        with torch.inference_mode():
+            core.step()
+            core.step()
+            add(2, 7, 4)
+            while core.has_work():
+                core.step()
+        return got
+
+    try:
+        want = run(False)
+        assert not batches
+        got = run(True)
+    finally:
+        model._stack = stack
+    assert [len(g) for g in want] == [6, 5, 4]
+    assert [[t for t, _ in g] for g in got] == [[t for t, _ in g] for g in want]
+    for g, w in zip(got, want, strict=True):
+        # (float32 rounding in the attention, then the GEMV's int16 rounding of its input,
+        # through 30 layers: the decode tests above see logits within 0.01)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(g, w, strict=True)) < 1e-2
+    # the two prompts together (21 tokens), a decode step, then the third prompt's 7
+    # tokens beside the two decodes
+    assert batches[:3] == [21, 2, 9]
+
+
 def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) -> None:
     """The stack checks the step's attention against its own shapes before the native call,
     and a KV row outside the pool is refused by kvcache's call with nothing written (the
@@ -473,8 +611,14 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
     assert lm.dtype == torch.float32 and lm.dense_dtype == torch.bfloat16
     assert m.embed.dtype == torch.float32 and m.attn_norm.dtype == torch.float32
     assert {m.qkv.dtype, m.o.dtype, m.gate_up.dtype, m.down.dtype} == {torch.bfloat16}
-    # the packs go up to 4 rows (beside bf16 dense weights); float32 dense weights take 32
-    assert m.max_packed_rows == 4 < ref.max_packed_rows
+    # beside bf16 dense weights the packs take up to 4 rows, or 64 where the kernel runs
+    # batches on the tile unit (AMX); float32 dense weights take 32 (float32 throughout)
+    kernel = _kernel()
+    assert m.max_packed_rows == (64 if kernel.amx else 4)
+    assert ref.max_packed_rows == 32
+    assert m.packed is not None and ref.packed is not None
+    assert isinstance(m.packed.lm_head, native_gemv.Q4Linear) and m.packed.lm_head.tiles == kernel.amx
+    assert isinstance(ref.packed.lm_head, native_gemv.Q4Linear) and not ref.packed.lm_head.tiles
     assert m._stack is not None
 
     def logits(model: torch.nn.Module, n: int) -> torch.Tensor:
@@ -484,11 +628,13 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
 
     # decode-sized: the same float32 kernel calls as the float32 model, bit for bit
     assert torch.equal(logits(m, 4), logits(ref, 4))
-    # a prefill-sized batch runs the bf16 dense weights: close to float32, not equal to it
-    a, b = logits(m, 12), logits(ref, 12)
-    assert a.dtype == torch.float32
-    assert not torch.equal(a, b)
-    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+    # larger batches compute in bf16 (the tile unit from the blocks, or past 64 rows the
+    # dense bf16 weights): close to float32, not equal to it
+    for n in (12, 70):
+        a, b = logits(m, n), logits(ref, n)
+        assert a.dtype == torch.float32
+        assert not torch.equal(a, b)
+        assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
 
 
 def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
