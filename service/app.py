@@ -92,11 +92,11 @@ def check_shares_before_load(
     """Refuse (``ConfigError``, one line) KV quotas that the pool cannot hold, unless
     ``--kv-overcommit``; needs only the model's header. Returns the pool's pages as known
     before the load (exact for a byte budget, an upper bound for a fraction)."""
-    from service.model.loader import resolve_dtype
+    from service.model.loader import resolve_kv_dtype
 
     sizing = config.sizing
     pages = pool_pages(
-        sizing, model, resolve_dtype(sizing.dtype, sizing.device, sizing.weights), sizing.device
+        sizing, model, resolve_kv_dtype(sizing.dtype, sizing.device, sizing.weights), sizing.device
     )
     try:
         kv_shares(tenants, pages, config.options.kv_overcommit)
@@ -140,7 +140,7 @@ def build_server(
         engine_cfg = engine_config(sizing, cfg.max_position_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    pages = pool_pages(sizing, cfg, loaded.model.dtype, loaded.model.device)
+    pages = pool_pages(sizing, cfg, loaded.model.kv_dtype, loaded.model.device)
     try:  # before the warm-up; KVFenceServer applies the shares (and again on each reload)
         kv_shares(registry.tenants, pages, options.kv_overcommit)
     except KVShareError as err:

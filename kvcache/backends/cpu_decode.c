@@ -151,14 +151,24 @@ static inline __m512 sums16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
-/* One (sequence, KV head) job for float32 KV with AVX-512, 16 keys at a time: each head's 16
- * dot products summed together (sums16), and each V row read once for the whole group.
- * dim is a multiple of 16.
+/* 16 keys' or values' floats at element ``at`` of a pool stored in float32, or (kv16) in
+ * bf16, widened exactly. */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *kv, int64_t at,
+                                                              int kv16) {
+    if (kv16)
+        return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + at)));
+    return _mm512_loadu_ps((const float *)kv + at);
+}
+
+/* One (sequence, KV head) job for float32 q and out with AVX-512, over float32 KV or (kv16)
+ * bf16 KV widened as it is read, 16 keys at a time: each head's 16 dot products summed
+ * together (sums16), and each V row read once for the whole group. dim is a multiple of 16.
  * NOTE: measured on a 2-core AMX Xeon, offline (64 requests, float32 compute): job_avx2_f32
  * took ~21% of the run's CPU samples, the bf16 kernel (job_avx512) ~17% of a bf16 run's. */
-static void job_avx512_f32(const float *q, const float *kv, int first, int last,
-                           const int32_t *indices, int n, float *out, int group, int dim,
-                           int64_t row, int64_t half, int page_size, float scale) {
+static inline __attribute__((always_inline)) void job_avx512_f32q(
+    const float *q, const void *kv, int first, int last, const int32_t *indices, int n,
+    float *out, int group, int dim, int64_t row, int64_t half, int page_size, float scale,
+    const int kv16) {
     const int lanes = dim / 16;
     __m512 qv[MAX_GROUP][MAX_DIM / 16];
     __m512 acc[MAX_GROUP][MAX_DIM / 16];
@@ -174,8 +184,8 @@ static void job_avx512_f32(const float *q, const float *kv, int first, int last,
     }
     for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
         const int count = n - start < page_size ? n - start : page_size;
-        const float *k_page = kv + (int64_t)indices[p] * 2 * half;
-        const float *v_page = k_page + half;
+        const int64_t k_page = (int64_t)indices[p] * 2 * half; /* element offsets */
+        const int64_t v_page = k_page + half;
         for (int b0 = 0; b0 < count; b0 += 16) {
             const int nb = count - b0 < 16 ? count - b0 : 16;
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
@@ -184,9 +194,9 @@ static void job_avx512_f32(const float *q, const float *kv, int first, int last,
                 for (int o = 0; o < 16; ++o) {
                     __m512 d = _mm512_setzero_ps();
                     if (o < nb) {
-                        const float *k_row = k_page + (b0 + o) * row;
+                        const int64_t k_row = k_page + (b0 + o) * row;
                         for (int c = 0; c < lanes; ++c)
-                            d = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(k_row + 16 * c), d);
+                            d = _mm512_fmadd_ps(qv[g][c], kv_load16(kv, k_row + 16 * c, kv16), d);
                     }
                     dots[o] = d;
                 }
@@ -201,9 +211,9 @@ static void job_avx512_f32(const float *q, const float *kv, int first, int last,
                 for (int c = 0; c < lanes; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
             }
             for (int o = 0; o < nb; ++o) {
-                const float *v_row = v_page + (b0 + o) * row;
+                const int64_t v_row = v_page + (b0 + o) * row;
                 for (int c = 0; c < lanes; ++c) {
-                    const __m512 v = _mm512_loadu_ps(v_row + 16 * c);
+                    const __m512 v = kv_load16(kv, v_row + 16 * c, kv16);
                     for (int g = 0; g < group; ++g)
                         acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][o]), v, acc[g][c]);
                 }
@@ -215,6 +225,18 @@ static void job_avx512_f32(const float *q, const float *kv, int first, int last,
         for (int c = 0; c < lanes; ++c)
             _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], inv));
     }
+}
+
+static void job_avx512_f32(const float *q, const void *kv, int first, int last,
+                           const int32_t *indices, int n, float *out, int group, int dim,
+                           int64_t row, int64_t half, int page_size, float scale) {
+    job_avx512_f32q(q, kv, first, last, indices, n, out, group, dim, row, half, page_size, scale, 0);
+}
+
+static void job_avx512_bf16kv(const float *q, const void *kv, int first, int last,
+                              const int32_t *indices, int n, float *out, int group, int dim,
+                              int64_t row, int64_t half, int page_size, float scale) {
+    job_avx512_f32q(q, kv, first, last, indices, n, out, group, dim, row, half, page_size, scale, 1);
 }
 #endif
 
@@ -323,17 +345,18 @@ static void job_avx2_f32(const float *q, const float *kv, int first, int last,
 #endif
 
 /* One (sequence, KV head) job in plain C loops (vectorized by the compiler), for bf16 or
- * float32 (f32) q, kv and out; element offsets are the same for both. */
+ * float32 (q32) q and out, over bf16 or float32 (kv32) KV. */
 static void job_portable(const void *q_, const void *kv_, int first, int last,
                          const int32_t *indices, int n, void *out_, int group, int dim,
-                         int64_t row, int64_t half, int page_size, float scale, int f32) {
+                         int64_t row, int64_t half, int page_size, float scale, int q32,
+                         int kv32) {
     float qf[MAX_GROUP][MAX_DIM];
     float acc[MAX_GROUP][MAX_DIM];
     float s[MAX_GROUP][MAX_PAGE];
     float kf[MAX_DIM];
     float m[MAX_GROUP], l[MAX_GROUP];
     for (int g = 0; g < group; ++g) {
-        if (f32) {
+        if (q32) {
             const float *src = (const float *)q_ + (int64_t)g * dim;
             for (int d = 0; d < dim; ++d) qf[g][d] = src[d] * scale;
         } else {
@@ -350,7 +373,7 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
         const int64_t v_page = k_page + half;
         for (int o = 0; o < count; ++o) {
             const int64_t k_row = k_page + o * row;
-            if (f32) {
+            if (kv32) {
                 memcpy(kf, (const float *)kv_ + k_row, sizeof(float) * (size_t)dim);
             } else {
                 const uint16_t *src = (const uint16_t *)kv_ + k_row;
@@ -384,7 +407,7 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
         }
         for (int o = 0; o < count; ++o) {
             const int64_t v_row = v_page + o * row;
-            if (f32) {
+            if (kv32) {
                 memcpy(kf, (const float *)kv_ + v_row, sizeof(float) * (size_t)dim);
             } else {
                 const uint16_t *src = (const uint16_t *)kv_ + v_row;
@@ -400,7 +423,7 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
     }
     for (int g = 0; g < group; ++g) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        if (f32) {
+        if (q32) {
             float *dst = (float *)out_ + (int64_t)g * dim;
             for (int d = 0; d < dim; ++d) dst[d] = acc[g][d] * inv;
         } else {
@@ -410,44 +433,52 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
     }
 }
 
-/* Every (sequence, KV head) job of a step, bf16 or float32 (f32). */
+/* Every (sequence, KV head) job of a step: q and out bf16 or float32 (q32), KV bf16 or
+ * float32 (kv32). */
 static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
                         const int32_t *indices, const int32_t *lens, void *out, int batch,
-                        int hq, int hkv, int dim, int page_size, float scale, int f32) {
+                        int hq, int hkv, int dim, int page_size, float scale, int q32,
+                        int kv32) {
     const int group = hq / hkv;
     const int64_t row = (int64_t)hkv * dim;          /* one slot: all heads */
     const int64_t half = (int64_t)page_size * row;   /* K or V of one page */
-    const size_t elem = f32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t elem = q32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t kv_elem = kv32 ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int job = 0; job < batch * hkv; ++job) {
         const int b = job / hkv, h = job % hkv;
         const int n = lens[b];
         const size_t at = (size_t)(((int64_t)b * hq + h * group) * dim) * elem;
-        const char *qb = (const char *)q + at, *kvb = (const char *)kv + (size_t)(h * dim) * elem;
+        const char *qb = (const char *)q + at, *kvb = (const char *)kv + (size_t)(h * dim) * kv_elem;
         char *ob = (char *)out + at;
 #ifdef KVF_AVX512
-        if (!f32 && dim % 32 == 0) {
+        if (!q32 && !kv32 && dim % 32 == 0) {
             job_avx512((const uint16_t *)qb, (const uint16_t *)kvb, indptr[b], indptr[b + 1],
                        indices, n, (uint16_t *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
 #ifdef KVF_AVX512
-        if (f32 && dim % 16 == 0) {
-            job_avx512_f32((const float *)qb, (const float *)kvb, indptr[b], indptr[b + 1],
-                           indices, n, (float *)ob, group, dim, row, half, page_size, scale);
+        if (q32 && kv32 && dim % 16 == 0) {
+            job_avx512_f32((const float *)qb, kvb, indptr[b], indptr[b + 1], indices, n,
+                           (float *)ob, group, dim, row, half, page_size, scale);
+            continue;
+        }
+        if (q32 && !kv32 && dim % 16 == 0) {
+            job_avx512_bf16kv((const float *)qb, kvb, indptr[b], indptr[b + 1], indices, n,
+                              (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
 #ifdef KVF_AVX2
-        if (f32 && dim % 8 == 0) {
+        if (q32 && kv32 && dim % 8 == 0) {
             job_avx2_f32((const float *)qb, (const float *)kvb, indptr[b], indptr[b + 1],
                          indices, n, (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
         job_portable(qb, kvb, indptr[b], indptr[b + 1], indices, n, ob, group, dim, row, half,
-                     page_size, scale, f32);
+                     page_size, scale, q32, kv32);
     }
 }
 
@@ -455,14 +486,29 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
 void kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
                      const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
                      int hq, int hkv, int dim, int page_size, float scale) {
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0);
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0, 0);
 }
 
 /* The same for float32 q, kv and out (the float32 engine's decode rows). */
 void kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
                     const int32_t *indices, const int32_t *lens, float *out, int batch, int hq,
                     int hkv, int dim, int page_size, float scale) {
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1);
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 1);
+}
+
+/* Float32 q and out over bf16 KV (--dtype auto on bf16 CPUs: float32 compute, KV stored in
+ * the dense weights' bf16). */
+void kvf_decode_f32_bf16kv(const float *q, const uint16_t *kv, const int32_t *indptr,
+                           const int32_t *indices, const int32_t *lens, float *out, int batch,
+                           int hq, int hkv, int dim, int page_size, float scale) {
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 0);
+}
+
+/* 0 when every one of the 2 * batch rows is inside the layer, else -1. */
+static int rows_inside(const int64_t *rows, int64_t layer_rows, int batch) {
+    for (int i = 0; i < 2 * batch; ++i)
+        if (rows[i] < 0 || rows[i] >= layer_rows) return -1;
+    return 0;
 }
 
 /* Store k, v [B, Hkv, D] (contiguous, elem bytes a value) at the flat slots rows[b] (K) and
@@ -472,8 +518,7 @@ void kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
 static int write_rows(const void *k, const void *v, void *kv, const int64_t *rows,
                       int64_t layer_rows, int batch, int hkv, int dim, size_t elem) {
     const size_t row = (size_t)hkv * dim * elem;
-    for (int i = 0; i < 2 * batch; ++i)
-        if (rows[i] < 0 || rows[i] >= layer_rows) return -1;
+    if (rows_inside(rows, layer_rows, batch) != 0) return -1;
     for (int b = 0; b < batch; ++b) {
         memcpy((char *)kv + (size_t)rows[b] * row, (const char *)k + b * row, row);
         memcpy((char *)kv + (size_t)rows[batch + b] * row, (const char *)v + b * row, row);
@@ -489,6 +534,31 @@ int kvf_write_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int hq, int hkv, int dim, int page_size, float scale) {
     if (write_rows(k, v, kv, rows, layer_rows, batch, hkv, dim, sizeof(uint16_t)) != 0) return -1;
     kvf_decode_bf16(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
+    return 0;
+}
+
+/* write_rows for float32 k, v into a bf16 layer, each value rounded to nearest even (as
+ * torch's float32 -> bf16 conversion rounds it). */
+static int write_rows_to_bf16(const float *k, const float *v, uint16_t *kv, const int64_t *rows,
+                              int64_t layer_rows, int batch, int hkv, int dim) {
+    const size_t row = (size_t)hkv * dim;
+    if (rows_inside(rows, layer_rows, batch) != 0) return -1;
+    for (int b = 0; b < batch; ++b) {
+        uint16_t *kd = kv + (size_t)rows[b] * row, *vd = kv + (size_t)rows[batch + b] * row;
+        for (size_t j = 0; j < row; ++j) {
+            kd[j] = f32_to_bf16(k[b * row + j]);
+            vd[j] = f32_to_bf16(v[b * row + j]);
+        }
+    }
+    return 0;
+}
+
+int kvf_write_decode_f32_bf16kv(const float *q, const float *k, const float *v, uint16_t *kv,
+                                const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
+                                const int32_t *indices, const int32_t *lens, float *out,
+                                int batch, int hq, int hkv, int dim, int page_size, float scale) {
+    if (write_rows_to_bf16(k, v, kv, rows, layer_rows, batch, hkv, dim) != 0) return -1;
+    kvf_decode_f32_bf16kv(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
     return 0;
 }
 
@@ -508,7 +578,7 @@ int kvf_write_decode_f32(const float *q, const float *k, const float *v, float *
  * DecodeKernel.step_context from the step's checked metadata; the caller passes only the
  * layer index and its own q, k, v and output buffers. */
 typedef struct {
-    float *kv;              /* the pool [layers, pages, 2, page_size, Hkv, D] */
+    void *kv;               /* the pool [layers, pages, 2, page_size, Hkv, D], float32 or bf16 */
     int64_t layer_elems;    /* floats in one layer */
     int64_t layer_rows;     /* [Hkv, D] rows in one layer (pages x 2 x page_size) */
     const int64_t *rows;    /* [2, batch] this step's K rows, then V rows */
@@ -517,6 +587,7 @@ typedef struct {
     const int32_t *lens;    /* [batch] keys each sequence attends over */
     int32_t layers, batch, hq, hkv, dim, page_size;
     float scale;
+    int32_t kv16;           /* the pool holds bf16 (float32 q, k, v and out all the same) */
 } kvf_step_ctx;
 
 /* q [batch, Hq, D], k and v [batch, Hkv, D] contiguous float32; out [batch, Hq, D]. Returns
@@ -524,7 +595,12 @@ typedef struct {
 int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const float *k,
                         const float *v, float *out) {
     if (layer < 0 || layer >= c->layers) return -1;
-    return kvf_write_decode_f32(q, k, v, c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
+    if (c->kv16)
+        return kvf_write_decode_f32_bf16kv(q, k, v, (uint16_t *)c->kv + (size_t)layer * (size_t)c->layer_elems,
+                                           c->rows, c->layer_rows, c->indptr, c->indices, c->lens,
+                                           out, c->batch, c->hq, c->hkv, c->dim, c->page_size,
+                                           c->scale);
+    return kvf_write_decode_f32(q, k, v, (float *)c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
                                 c->layer_rows, c->indptr, c->indices, c->lens, out, c->batch,
                                 c->hq, c->hkv, c->dim, c->page_size, c->scale);
 }

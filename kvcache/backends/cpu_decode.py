@@ -52,6 +52,10 @@ class DecodeKernel:
         self._fn32 = lib.kvf_decode_f32
         self._fn32.restype = None
         self._fn32.argtypes = self._fn.argtypes
+        # float32 q and out over a bf16 pool (float32 compute with KV stored in bf16)
+        self._fn_bf16kv = lib.kvf_decode_f32_bf16kv
+        self._fn_bf16kv.restype = None
+        self._fn_bf16kv.argtypes = self._fn.argtypes
         fused_args = (
             [ctypes.c_void_p] * 5
             + [ctypes.c_int64]
@@ -59,9 +63,11 @@ class DecodeKernel:
             + [ctypes.c_int] * 5
             + [ctypes.c_float]
         )
+        # by (q, k, v and out dtype, pool dtype)
         self._fused = {
-            torch.bfloat16: lib.kvf_write_decode_bf16,
-            torch.float32: lib.kvf_write_decode_f32,
+            (torch.bfloat16, torch.bfloat16): lib.kvf_write_decode_bf16,
+            (torch.float32, torch.float32): lib.kvf_write_decode_f32,
+            (torch.float32, torch.bfloat16): lib.kvf_write_decode_f32_bf16kv,
         }
         for fn in self._fused.values():
             fn.restype = ctypes.c_int
@@ -96,10 +102,15 @@ class DecodeKernel:
         lens: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of ``q`` ``[B, Hq, D]`` (one token per sequence) over each sequence's
-        first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]``."""
+        first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]``. ``q`` has the
+        pool's dtype, or is float32 over a bf16 pool (the output is ``q``'s dtype)."""
         batch, hq, dim = q.shape
         _, _, page_size, hkv, kv_dim = kv_layer.shape
-        if not self.supports(hq, kv_layer) or kv_dim != dim or q.dtype != kv_layer.dtype:
+        if (
+            not self.supports(hq, kv_layer)
+            or kv_dim != dim
+            or (q.dtype, kv_layer.dtype) not in self._fused
+        ):
             raise ValueError("shape or dtype the CPU decode kernel does not take")
         for t in (indptr, indices, lens):
             if t.dtype != torch.int32 or not t.is_contiguous():
@@ -108,7 +119,11 @@ class DecodeKernel:
             raise ValueError("one indptr span and one length per sequence")
         q = q.contiguous()
         out = torch.empty_like(q)
-        (self._fn32 if q.dtype == torch.float32 else self._fn)(
+        if q.dtype == kv_layer.dtype:
+            fn = self._fn32 if q.dtype == torch.float32 else self._fn
+        else:
+            fn = self._fn_bf16kv
+        fn(
             q.data_ptr(),
             kv_layer.data_ptr(),
             indptr.data_ptr(),
@@ -166,12 +181,11 @@ class DecodeKernel:
         NOTE: measured on a 2-core AVX2 EPYC: the full checks cost ~15 us a call, 30 times
         a step."""
         batch, hq, q_dim = q.shape
-        fused = self._checked_step(batch, hq, kv_layer, rows, indptr, indices, lens)
+        fused = self._checked_step(batch, hq, kv_layer, rows, indptr, indices, lens, q.dtype)
         _, _, _, hkv, dim = kv_layer.shape
         if (
-            q.dtype != kv_layer.dtype
-            or k.dtype != kv_layer.dtype
-            or v.dtype != kv_layer.dtype
+            k.dtype != q.dtype
+            or v.dtype != q.dtype
             or q_dim != dim
             or k.shape != (batch, hkv, dim)
             or v.shape != (batch, hkv, dim)
@@ -188,10 +202,12 @@ class DecodeKernel:
         indptr: torch.Tensor,
         indices: torch.Tensor,
         lens: torch.Tensor,
+        dtype: torch.dtype,
     ) -> Callable[..., int]:
-        """The fused C call for ``kv_layer``'s dtype, after checking one all-decode step's
-        layer view and metadata (what the C code trusts, except the rows it checks itself)."""
-        fused = self._fused.get(kv_layer.dtype)
+        """The fused C call for q, k, v of ``dtype`` and ``kv_layer``'s dtype, after checking
+        one step's layer view and metadata (what the C code trusts, except the rows it
+        checks itself)."""
+        fused = self._fused.get((dtype, kv_layer.dtype))
         if (
             fused is None
             or kv_layer.dim() != 5
@@ -222,15 +238,15 @@ class DecodeKernel:
         model code (:class:`kvcache.attention.NativeAttend`): the pool ``kv``
         ``[L, pages, 2, page_size, Hkv, D]`` and the step's metadata are checked here, once;
         each layer's C call checks its layer index and every row it writes."""
-        if kv.dim() != 6 or kv.dtype != torch.float32 or kv.shape[0] < 1:
+        if kv.dim() != 6 or kv.dtype not in (torch.float32, torch.bfloat16) or kv.shape[0] < 1:
             raise ValueError("shape or dtype the CPU decode kernel does not take")
         batch = lens.numel()
-        self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens)
+        self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens, torch.float32)
         layers, pages, two, page_size, hkv, dim = kv.shape
         ctx = _StepContext(
             kv.data_ptr(), kv[0].numel(), pages * two * page_size, rows.data_ptr(),
             indptr.data_ptr(), indices.data_ptr(), lens.data_ptr(), layers, batch, q_heads,
-            hkv, dim, page_size, dim**-0.5,
+            hkv, dim, page_size, dim**-0.5, int(kv.dtype == torch.bfloat16),
         )
         return NativeAttend(
             fn=self._step_attend, ctx=ctypes.addressof(ctx), batch=batch, q_heads=q_heads,
@@ -257,6 +273,7 @@ class _StepContext(ctypes.Structure):
         ("dim", ctypes.c_int32),
         ("page_size", ctypes.c_int32),
         ("scale", ctypes.c_float),
+        ("kv16", ctypes.c_int32),
     ]
 
 
@@ -265,7 +282,7 @@ class LayerWriter:
     checked: ``(q, k, v, kv_layer) -> out``, each call checking only what can differ
     between layers (the tensors' shapes, dtype and layout) against the checked first layer."""
 
-    __slots__ = ("_args", "_dtype", "_fn", "_kv", "_layer", "_metadata", "_q")
+    __slots__ = ("_args", "_dtype", "_fn", "_kv", "_layer", "_metadata", "_pool_dtype", "_q")
 
     def __init__(
         self,
@@ -276,7 +293,7 @@ class LayerWriter:
         metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> None:
         self._fn = fn
-        self._dtype = q.dtype
+        self._dtype, self._pool_dtype = q.dtype, kv_layer.dtype
         self._q, self._kv, self._layer = q.shape, k.shape, kv_layer.shape
         self._metadata = metadata  # rows, indptr, indices, lens: kept alive for the pointers
         rows, indptr, indices, lens = (t.data_ptr() for t in metadata)
@@ -295,7 +312,8 @@ class LayerWriter:
             and k.shape == self._kv
             and v.shape == self._kv
             and kv_layer.shape == self._layer
-            and q.dtype == k.dtype == v.dtype == kv_layer.dtype == self._dtype
+            and q.dtype == k.dtype == v.dtype == self._dtype
+            and kv_layer.dtype == self._pool_dtype
             and q.is_contiguous()
             and k.is_contiguous()
             and v.is_contiguous()

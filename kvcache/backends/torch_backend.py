@@ -50,6 +50,10 @@ _CPU_UPCAST_DECODE_KEYS = 512
 # Steps with prefill chunks go to native model code (every token a decode-kernel row) while
 # their chunks' tokens read at most this many keys between them: 64 tokens at 1,024.
 _NATIVE_CHUNK_KEYS = 64 * 1024
+# Native model code computes float32; the pool holds float32, or bf16 where KV is stored in
+# the dense weights' dtype (--dtype auto on bf16 CPUs).
+_NATIVE_POOLS = (torch.float32, torch.bfloat16)
+_WIDE_Q_NARROW_POOL = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +265,7 @@ class TorchStep:
         through the per-layer Python path and 2.7 ms more this way (a 30-token chunk 17
         against 10 ms more)."""
         meta = self._meta
-        if kv.dtype != torch.float32 or kv.dim() != 6 or self._device.type != "cpu":
+        if kv.dtype not in _NATIVE_POOLS or kv.dim() != 6 or self._device.type != "cpu":
             return None
         kernel = cpu_decode.kernel()
         if kernel is None or not kernel.supports(q_heads, kv[0]):
@@ -313,7 +317,9 @@ class TorchStep:
         if len(self._chunks) != 1 or self._kernel is None:
             return False
         paged = self._chunks[0].paged
-        if paged is None or not q.dtype == k.dtype == v.dtype == kv_layer.dtype:
+        if paged is None or not q.dtype == k.dtype == v.dtype:
+            return False
+        if q.dtype != kv_layer.dtype and (q.dtype, kv_layer.dtype) != _WIDE_Q_NARROW_POOL:
             return False
         return self._kernel.layer_writer(q, k, v, kv_layer, rows, *paged)
 

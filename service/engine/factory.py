@@ -46,7 +46,7 @@ def build_cache(
         page_size=cache_config.page_size,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        dtype=model.dtype,
+        dtype=model.kv_dtype,
         device=model.device,
     )
     pool = on_fresh_thread(
@@ -56,7 +56,7 @@ def build_cache(
             cache_config.page_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            model.dtype,
+            model.kv_dtype,
             model.device,
         )
     )

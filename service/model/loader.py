@@ -95,8 +95,14 @@ def resolve_precision(
 
 
 def resolve_dtype(dtype: str, device: str, weights: str = "auto") -> torch.dtype:
-    """The compute dtype (see :func:`resolve_precision`): what the KV cache is stored in."""
+    """The compute dtype (see :func:`resolve_precision`)."""
     return resolve_precision(dtype, device, weights)[0]
+
+
+def resolve_kv_dtype(dtype: str, device: str, weights: str = "auto") -> torch.dtype:
+    """What the KV cache is stored in: the dense weights' dtype (see
+    :func:`resolve_precision`), bf16 under float32 compute on a bf16 CPU."""
+    return resolve_precision(dtype, device, weights)[1]
 
 
 @dataclass(frozen=True, slots=True)

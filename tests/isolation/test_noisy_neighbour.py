@@ -79,7 +79,7 @@ def small(loaded: Any, srv: ServerHandle) -> Iterator[ServerHandle]:
         srv.stack.engine.page_size,
         cfg.num_kv_heads,
         cfg.head_dim,
-        next(loaded.model.parameters()).dtype,
+        loaded.model.kv_dtype,
     )
     sizing = replace(_sizing(), kv_memory=str(one * POOL_PAGES))
     with running_server(loaded, TENANTS, sizing=sizing) as h:

@@ -11,6 +11,7 @@ import torch
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry, write_kv
 from kvcache.backends import cpu_decode, torch_backend
 from kvcache.dense import DenseAttention, causal_attention
+from kvcache.metadata import kv_rows
 from kvcache.step import StepAttention
 
 from .helpers import SECRET, FakeClock, attn_of, grow
@@ -211,12 +212,16 @@ def test_write_kv_places_tokens_in_slots() -> None:
 
 
 def _three_decoding(
-    dtype: torch.dtype, seed: int, on_prefill: Callable[[StepAttention], None] | None = None
+    dtype: torch.dtype,
+    seed: int,
+    on_prefill: Callable[[StepAttention], None] | None = None,
+    pool_dtype: torch.dtype | None = None,
 ) -> tuple[PagePool, KVCacheManager, dict[str, int], list[StepEntry], StepAttention]:
-    """Three sequences (9, 2 and 6 tokens) prefilled over 2 layers of a 4-token-page pool, then
-    the step that decodes one token of each: (pool, manager, lengths, entries, that step)."""
+    """Three sequences (9, 2 and 6 tokens) prefilled over 2 layers of a 4-token-page pool (of
+    ``pool_dtype``, default ``dtype``: q, k and v's), then the step that decodes one token of
+    each: (pool, manager, lengths, entries, that step)."""
     torch.manual_seed(seed)
-    pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=dtype)
+    pool = PagePool(2, 32, 4, 3, HEAD_DIM, dtype=pool_dtype or dtype)
     mgr = KVCacheManager(pool, CacheConfig(page_size=4, secret=SECRET), FakeClock())
     lens = {"a": 9, "b": 2, "c": 6}
     for s, n in lens.items():
@@ -281,10 +286,14 @@ def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
         assert torch.equal(got, want)
 
 
-def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_calls() -> None:
-    """``StepAttention.native_attend`` (the step's attention for native model code) exists
-    for float32 steps on the C kernel; for an all-decode step, layer by layer through its C
-    function, the pool and the outputs are exactly those of ``StepAttention(layer, q, k, v)``."""
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_native_attend_is_offered_for_float32_steps_and_matches_the_calls(
+    pool_dtype: torch.dtype,
+) -> None:
+    """``StepAttention.native_attend`` (the step's attention for native model code, which
+    computes float32) exists for steps on the C kernel over a float32 or bf16 pool; for an
+    all-decode step, layer by layer through its C function, the pool and the outputs are
+    exactly those of ``StepAttention(layer, q, k, v)``. A float16 pool has none."""
     import ctypes
 
     from kvcache.errors import InvalidRequest
@@ -294,19 +303,13 @@ def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_c
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
     )
 
-    def run(native: bool, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], torch.Tensor]:
-        def prefill(step: StepAttention) -> None:
-            plan = step.native_attend(9)  # float32: each prefill token a row of its own
-            if dtype != torch.float32:
-                assert plan is None
-            else:
-                assert plan is not None and plan.batch == step.metadata.num_tokens
+    def prefill(step: StepAttention) -> None:
+        plan = step.native_attend(9)  # each prefill token a row of its own
+        assert plan is not None and plan.batch == step.metadata.num_tokens
 
-        pool, _, _, _, step = _three_decoding(dtype, 6, prefill)
+    def run(native: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        pool, _, _, _, step = _three_decoding(torch.float32, 6, prefill, pool_dtype)
         plan = step.native_attend(9)
-        if dtype != torch.float32:
-            assert plan is None
-            return [], pool.kv
         assert plan is not None
         assert (plan.batch, plan.q_heads, plan.kv_heads, plan.head_dim, plan.num_layers) == (
             3, 9, 3, HEAD_DIM, 2,
@@ -329,24 +332,27 @@ def test_native_attend_is_offered_for_all_decode_float32_steps_and_matches_the_c
 
     native_out, native_pool = run(True)
     plain_out, plain_pool = run(False)
+    assert native_pool.dtype == pool_dtype
     assert torch.equal(native_pool, plain_pool)
     for got, want in zip(native_out, plain_out, strict=True):
         assert torch.equal(got, want)
-    run(True, torch.bfloat16)
+    _, _, _, _, half = _three_decoding(torch.float16, 6)
+    assert half.native_attend(9) is None
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
-    monkeypatch: pytest.MonkeyPatch,
+    pool_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A float32 step with prefill chunks is offered to native code as well, every token a
     kernel row attending causally over its own sequence's pages: through its C function the
     pool is written exactly as the per-layer calls write it, and the outputs agree with
     theirs (SDPA for the chunks) to float32 rounding, for a chunk from position 0 beside a
-    decode row and for a chunk after computed tokens. Steps whose chunks would read more
-    than ``_NATIVE_CHUNK_KEYS`` keys between them are left to the per-layer calls."""
+    decode row and for a chunk after computed tokens. The same holds over a bf16 pool
+    (float32 compute with KV stored in bf16: each value rounded to nearest even as torch
+    converts it, widened as it is read). Steps whose chunks would read more than
+    ``_NATIVE_CHUNK_KEYS`` keys between them are left to the per-layer calls."""
     import ctypes
-
-    from kvcache.backends import torch_backend
 
     attend_type = ctypes.CFUNCTYPE(
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
@@ -371,7 +377,8 @@ def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
         return outs
 
     def run(native: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-        pool, mgr, lens, entries, step = _three_decoding(torch.float32, 8)
+        pool, mgr, lens, entries, step = _three_decoding(torch.float32, 8, None, pool_dtype)
+        assert pool.kv.dtype == pool_dtype
         outs = layers(step, native)
         for s in entries:
             lens[s.seq_id] += 1
@@ -397,3 +404,40 @@ def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
     mgr.open("d", "t", list(range(9)), use_prefix_cache=False)
     grow(mgr, "d", 5)
     assert attn_of(mgr, [StepEntry("d", 0, 5)]).native_attend(9) is None
+
+
+def test_float32_queries_attend_over_a_bf16_pool_as_over_its_widened_copy() -> None:
+    """``DecodeKernel.run`` and ``layer_writer`` take float32 q (and k, v) over a bf16 pool:
+    k and v are stored rounded to bf16 (nearest even, as torch converts them) and the
+    result, float32, is the float32 kernel's over the pool widened to float32; a step of the
+    per-layer path over such a pool agrees with it too."""
+    kernel = cpu_decode.kernel()
+    assert kernel is not None, "a C compiler is here: the kernel must build"
+    pool, _, _, _, step = _three_decoding(torch.float32, 9, None, torch.bfloat16)
+    meta = step.metadata
+    paged = (
+        meta.kv_indptr,
+        meta.kv_indices,
+        torch.tensor(meta.kv_lens, dtype=torch.int32),
+    )
+    q = torch.randn(3, 9, HEAD_DIM)
+    layer = pool.kv[0]
+    got = kernel.run(q, layer, *paged)
+    assert got.dtype == torch.float32
+    want = kernel.run(q, layer.float().contiguous(), *paged)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    k, v = torch.randn(3, 3, HEAD_DIM), torch.randn(3, 3, HEAD_DIM)
+    rows = kv_rows(meta.slot_mapping, layer.shape[2])
+    wide = layer.float().contiguous()
+    out = kernel.layer_writer(q, k, v, layer, rows, *paged)(q, k, v, layer)
+    flat = layer.view(-1, 3, HEAD_DIM)
+    assert torch.equal(flat[rows[0]], k.bfloat16()) and torch.equal(flat[rows[1]], v.bfloat16())
+    wide.view(-1, 3, HEAD_DIM)[rows[0]] = k.bfloat16().float()
+    wide.view(-1, 3, HEAD_DIM)[rows[1]] = v.bfloat16().float()
+    torch.testing.assert_close(out, kernel.run(q, wide, *paged), rtol=1e-6, atol=1e-6)
+    # the per-layer path (the Python write, then the kernel) over the same kind of pool
+    _, _, _, _, again = _three_decoding(torch.float32, 9, None, torch.bfloat16)
+    plain = again(0, q, k, v)
+    torch.testing.assert_close(plain, out, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="does not take"):
+        kernel.run(q.bfloat16(), wide, *paged)  # bf16 queries over a float32 pool

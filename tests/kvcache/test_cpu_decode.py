@@ -67,9 +67,17 @@ def _has_avx2() -> bool:
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+@pytest.mark.parametrize(
+    ("dtype", "pool_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),  # float32 compute, KV stored in bf16
+    ],
+    ids=["bf16", "float32", "float32-over-bf16"],
+)
 def test_kernel_builds_and_matches_float32_attention(
-    build: str, dtype: torch.dtype, fresh: Path, tmp_path: Path
+    build: str, dtype: torch.dtype, pool_dtype: torch.dtype, fresh: Path, tmp_path: Path
 ) -> None:
     if build == "native":
         kernel = cpu_decode.kernel()
@@ -82,7 +90,7 @@ def test_kernel_builds_and_matches_float32_attention(
             pytest.skip("this CPU has no AVX2")
         kernel = _built_for(tmp_path, "x86-64-v3" if build == "avx2" else "x86-64-v2")
     torch.manual_seed(0)
-    layer = torch.randn(40, 2, PAGE, HKV, DIM).to(dtype)
+    layer = torch.randn(40, 2, PAGE, HKV, DIM).to(pool_dtype)
     # Lengths on and off page boundaries, one key, and scattered, out-of-order pages.
     lens = [1, 16, 17, 100, 250]
     order = torch.randperm(40).tolist()
@@ -113,7 +121,7 @@ def test_kernel_refuses_what_it_cannot_take(fresh: Path) -> None:
     q = torch.zeros(1, HKV * GROUP, DIM).bfloat16()
     good = _metadata([[0]], [3])
     with pytest.raises(ValueError, match="dtype"):
-        kernel.run(q.float(), layer, *good)
+        kernel.run(q, layer.float(), *good)  # bf16 queries over a float32 pool
     with pytest.raises(ValueError, match="int32"):
         kernel.run(q, layer, good[0].long(), good[1], good[2])
     with pytest.raises(ValueError, match="one length per sequence"):
@@ -271,7 +279,7 @@ def test_step_context_attends_each_layer_as_write_run() -> None:
     assert call(0, k * 2, v * 2, bad.ctx)[0] == -1
     assert torch.equal(pool, before)
     for args in (
-        (HKV * GROUP, pool.bfloat16(), rows, *meta),  # float32 pools only
+        (HKV * GROUP, pool.half(), rows, *meta),  # float32 or bf16 pools only
         (HKV * GROUP, pool[0], rows, *meta),  # the whole pool, not a layer
         (HKV * GROUP, pool, rows[:, :1].contiguous(), *meta),  # a row per sequence
         (HKV * GROUP + 1, pool, rows, *meta),  # query heads a multiple of the KV heads

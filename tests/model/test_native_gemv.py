@@ -620,6 +620,8 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
     assert isinstance(m.packed.lm_head, native_gemv.Q4Linear) and m.packed.lm_head.tiles == kernel.amx
     assert isinstance(ref.packed.lm_head, native_gemv.Q4Linear) and not ref.packed.lm_head.tiles
     assert m._stack is not None
+    # the KV cache is stored in the dense weights' dtype: bf16 here, float32 for the oracle
+    assert m.kv_dtype == torch.bfloat16 and ref.kv_dtype == torch.float32
 
     def logits(model: torch.nn.Module, n: int) -> torch.Tensor:
         ids = torch.arange(1, n + 1) * 97

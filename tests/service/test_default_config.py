@@ -27,7 +27,7 @@ from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2_grpc
 from service.app import EngineSizing
 from service.grpc_server import ServerOptions
-from service.model.loader import resolve_dtype
+from service.model.loader import resolve_kv_dtype
 from tests.serverutil import ROOT, SERVING_RE, TenantSpec, running_server, write_tenants_file
 from tests.service.rpc import request
 
@@ -46,7 +46,7 @@ def _pool_bytes(model_dir: Path) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     per_page = page_bytes(cfg["num_hidden_layers"], PAGE, cfg["num_key_value_heads"], head_dim,
-                          resolve_dtype("auto", "cpu"))
+                          resolve_kv_dtype("auto", "cpu"))
     return POOL_PAGES * per_page
 
 
