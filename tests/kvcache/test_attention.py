@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry, write_kv
+from kvcache.attention import NativeAttend
 from kvcache.backends import cpu_decode, torch_backend
 from kvcache.dense import DenseAttention, causal_attention
 from kvcache.metadata import kv_rows
@@ -240,6 +242,28 @@ def _three_decoding(
     return pool, mgr, lens, entries, attn_of(mgr, entries)
 
 
+_ATTEND = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4)
+
+
+def _two_layers(step: StepAttention, plan: NativeAttend, native: bool) -> list[torch.Tensor]:
+    """Both layers' attention of fresh float32 q, k, v for every token of ``step``: through
+    ``plan``'s C function (``native``), else through ``step`` itself."""
+    t = step.metadata.num_tokens
+    outs = []
+    for layer in range(2):
+        q, k, v = (torch.randn(t, h, HEAD_DIM) for h in (9, 3, 3))
+        if native:
+            out = torch.empty_like(q)
+            status = _ATTEND(plan.fn)(
+                plan.ctx, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+            )
+            assert status == 0
+        else:
+            out = step(layer, q, k, v)
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -294,14 +318,9 @@ def test_native_attend_is_offered_for_float32_steps_and_matches_the_calls(
     computes float32) exists for steps on the C kernel over a float32 or bf16 pool; for an
     all-decode step, layer by layer through its C function, the pool and the outputs are
     exactly those of ``StepAttention(layer, q, k, v)``. A float16 pool has none."""
-    import ctypes
-
     from kvcache.errors import InvalidRequest
 
     assert cpu_decode.kernel() is not None, "a C compiler is here: the kernel must build"
-    attend_type = ctypes.CFUNCTYPE(
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
-    )
 
     def prefill(step: StepAttention) -> None:
         plan = step.native_attend(9)  # each prefill token a row of its own
@@ -316,19 +335,7 @@ def test_native_attend_is_offered_for_float32_steps_and_matches_the_calls(
         )
         with pytest.raises(InvalidRequest, match="query heads"):
             step.native_attend(8)
-        outs = []
-        for layer in range(2):
-            q, k, v = (torch.randn(3, h, HEAD_DIM) for h in (9, 3, 3))
-            if native:
-                out = torch.empty_like(q)
-                status = attend_type(plan.fn)(
-                    plan.ctx, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-                )
-                assert status == 0
-            else:
-                out = step(layer, q, k, v)
-            outs.append(out)
-        return outs, pool.kv.clone()
+        return _two_layers(step, plan, native), pool.kv.clone()
 
     native_out, native_pool = run(True)
     plain_out, plain_pool = run(False)
@@ -352,29 +359,11 @@ def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
     (float32 compute with KV stored in bf16: each value rounded to nearest even as torch
     converts it, widened as it is read). Steps whose chunks would read more than
     ``_NATIVE_CHUNK_KEYS`` keys between them are left to the per-layer calls."""
-    import ctypes
-
-    attend_type = ctypes.CFUNCTYPE(
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4
-    )
 
     def layers(step: StepAttention, native: bool) -> list[torch.Tensor]:
-        t = step.metadata.num_tokens
         plan = step.native_attend(9)
-        assert plan is not None and plan.batch == t
-        outs = []
-        for layer in range(2):
-            q, k, v = (torch.randn(t, h, HEAD_DIM) for h in (9, 3, 3))
-            if native:
-                out = torch.empty_like(q)
-                status = attend_type(plan.fn)(
-                    plan.ctx, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-                )
-                assert status == 0
-            else:
-                out = step(layer, q, k, v)
-            outs.append(out)
-        return outs
+        assert plan is not None and plan.batch == step.metadata.num_tokens
+        return _two_layers(step, plan, native)
 
     def run(native: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         pool, mgr, lens, entries, step = _three_decoding(torch.float32, 8, None, pool_dtype)

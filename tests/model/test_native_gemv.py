@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -403,26 +404,13 @@ def test_fused_mlp_call_equals_its_three_calls() -> None:
         native_gemv.MlpBlock(o, gamma[:-1], 1e-5, gate_up, down)
 
 
-def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
-    """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
-    kvcache's ``NativeAttend`` for the K/V write and attention); steps with more tokens than
-    the packs take keep the layer loop. Three sequences that finish at different steps decode the same
-    tokens with bit-identical logprobs either way, and the stack ran on exactly the
-    all-decode steps."""
-    from kvcache import CacheConfig
-    from service.engine.factory import build_core
-    from service.engine.types import (
-        Delta,
-        EngineConfig,
-        EngineEvent,
-        Request,
-        SamplingParams,
-        StoppingParams,
-    )
-
-    lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
-    model = lm.model
-    stack = model._stack
+def _spied_stack(
+    path: Path,
+) -> tuple[Any, native_gemv.DecoderStack, list[int], Callable[..., torch.Tensor]]:
+    """The float32 ``auto`` model, its decoder stack, and a spy on it recording each call's
+    rows into the returned list: ``(loaded, stack, batches, spy)``."""
+    lm = load_model(path, dtype="float32", weights="auto", progress=False)
+    stack = lm.model._stack
     assert isinstance(stack, native_gemv.DecoderStack)
     batches: list[int] = []
 
@@ -430,15 +418,35 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
         batches.append(x.shape[0])
         return stack(x, rope, attend)  # type: ignore[arg-type]
 
+    return lm, stack, batches, spy
+
+
+def _small_core(lm: Any) -> Any:
+    """A thread-free engine core of 4 sequences over a 32-page pool, seeded."""
+    from kvcache import CacheConfig
+    from service.engine.factory import build_core
+    from service.engine.types import EngineConfig
+
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=256, warmup=False)
+    return build_core(
+        lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32, sampler_seed=0
+    )
+
+
+def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
+    """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
+    kvcache's ``NativeAttend`` for the K/V write and attention); steps with more tokens than
+    the packs take keep the layer loop. Three sequences that finish at different steps decode the same
+    tokens with bit-identical logprobs either way, and the stack ran on exactly the
+    all-decode steps."""
+    from service.engine.types import Delta, EngineEvent, Request, SamplingParams, StoppingParams
+
+    lm, stack, batches, spy = _spied_stack(default_model_path)
+    model = lm.model
+
     def run(use: bool) -> tuple[list[list[tuple[int, float, tuple[tuple[int, float], ...]]]], int]:
         model._stack = spy if use else None  # type: ignore[assignment]
-        config = EngineConfig(
-            max_num_seqs=4, max_num_batched_tokens=512, max_model_len=256, warmup=False
-        )
-        core = build_core(
-            lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32,
-            sampler_seed=0,
-        )
+        core = _small_core(lm)
         got: list[list[tuple[int, float, tuple[tuple[int, float], ...]]]] = [[], [], []]
         for i, (prompt, n) in enumerate(((20, 6), (33, 9), (47, 12))):
 
@@ -480,38 +488,16 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
     each chunk token a row of kvcache's decode kernel over its own prefix: two prompts
     prefilled together, then a third arriving beside their decodes, give the same greedy
     tokens as the layer loop (SDPA for the chunks), with logprobs within 0.01."""
-    from kvcache import CacheConfig
-    from service.engine.factory import build_core
-    from service.engine.types import (
-        Delta,
-        EngineConfig,
-        EngineEvent,
-        Request,
-        SamplingParams,
-        StoppingParams,
-    )
+    from service.engine.types import Delta, EngineEvent, Request, SamplingParams, StoppingParams
 
-    lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    lm, stack, batches, spy = _spied_stack(default_model_path)
     model = lm.model
-    stack = model._stack
-    assert isinstance(stack, native_gemv.DecoderStack)
-    batches: list[int] = []
-
-    def spy(x: torch.Tensor, rope: torch.Tensor, attend: object) -> torch.Tensor:
-        batches.append(x.shape[0])
-        return stack(x, rope, attend)  # type: ignore[arg-type]
 
     Out = list[tuple[int, float]]
 
     def run(use: bool) -> list[Out]:
         model._stack = spy if use else None  # type: ignore[assignment]
-        config = EngineConfig(
-            max_num_seqs=4, max_num_batched_tokens=512, max_model_len=256, warmup=False
-        )
-        core = build_core(
-            lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32,
-            sampler_seed=0,
-        )
+        core = _small_core(lm)
         got: list[Out] = [[], [], []]
 
         def add(i: int, prompt: int, n: int) -> None:
