@@ -116,13 +116,16 @@ def _chunk_beside_b_decode(
     prompt: int = 400,
     ahead_by: int = 0,
     other_done_ago: float | None = None,
+    packed_rows: int = 0,
 ) -> int:
     """The chunk a ``prompt``-token request of ``prefiller`` gets in its first step while
     tenant b's stream decodes, on a machine taught to take 20 ms a decode and 1 ms a token.
     ``ahead_by``: tokens the prefiller has had beyond its lift; ``other_done_ago``: a request
-    of tenant c finished that many seconds before b's arrived."""
+    of tenant c finished that many seconds before b's arrived; ``packed_rows``: the largest
+    batch the model's packed decode weights serve, as the scheduler is told it (0: none)."""
     clock = FakeClock()
     core = make_core(tiny, config=config, clock=clock)
+    core.scheduler.cost.packed_rows = packed_rows  # type: ignore[attr-defined]
     rec = Recorder()
     if other_done_ago is not None:
         core.add(req("c", prompt_ids(5, 10, V), tenant="c", max_tokens=1), rec.sink("c"))
@@ -165,6 +168,21 @@ def test_a_tenant_owed_service_is_held_only_to_max_step_ms(tiny: LoadedModel) ->
     assert _chunk_beside_a_decode(tiny, stretch=2.0, ahead_by=0, max_step_ms=100.0) == 50
     # Ahead of b by 1,000 tokens, the same chunk is held to the stretch.
     assert _chunk_beside_a_decode(tiny, stretch=2.0, ahead_by=1000, max_step_ms=100.0) == 20
+
+
+def test_a_timed_step_with_decodes_stays_a_batch_the_packed_weights_serve(
+    tiny: LoadedModel,
+) -> None:
+    config = EngineConfig(warmup=False, max_step_ms=100.0, decode_stretch=2.0)
+    # a is owed service: the time target alone gives its chunk 50 tokens (as above).
+    assert _chunk_beside_b_decode(tiny, config) == 50
+    # Packed weights serve batches of up to 40 tokens: beside b's one decode row the chunk
+    # is held to 39, so the step is not moved onto the dense weights with b's row waiting.
+    assert _chunk_beside_b_decode(tiny, config, packed_rows=40) == 39
+    # ... but never below the prefill floor.
+    assert _chunk_beside_b_decode(tiny, config, packed_rows=8) == 16
+    # Untimed (b's own tenant, nobody to guard) the step takes the whole prompt as before.
+    assert _chunk_beside_b_decode(tiny, config, prefiller="b", packed_rows=40) == 400
 
 
 def _chunk_beside_own_decode(
