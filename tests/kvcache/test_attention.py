@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -264,6 +264,19 @@ def _two_layers(step: StepAttention, plan: NativeAttend, native: bool) -> list[t
     return outs
 
 
+def _then_a_prompt(
+    mgr: KVCacheManager, lens: dict[str, int], entries: Sequence[StepEntry], prompt: int, chunk: int
+) -> None:
+    """After a decode step of ``entries``: their tokens are committed, a new sequence "d" of
+    ``prompt`` tokens gets pages for its first ``chunk``, and "a" for its next token."""
+    for s in entries:
+        lens[s.seq_id] += 1
+        mgr.commit(s.seq_id, range(lens[s.seq_id] + 1), lens[s.seq_id])
+    mgr.open("d", "t", list(range(prompt)), use_prefix_cache=False)
+    grow(mgr, "d", chunk)
+    grow(mgr, "a", lens["a"] + 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -291,12 +304,7 @@ def test_all_decode_step_writes_and_attends_in_one_call_like_the_two(
             for layer in range(2)
         ]
         decode_calls = len(calls)
-        for s in entries:
-            lens[s.seq_id] += 1
-            mgr.commit(s.seq_id, range(lens[s.seq_id] + 1), lens[s.seq_id])
-        mgr.open("d", "t", list(range(4)), use_prefix_cache=False)
-        grow(mgr, "d", 3)
-        grow(mgr, "a", lens["a"] + 1)
+        _then_a_prompt(mgr, lens, entries, prompt=4, chunk=3)
         mixed = attn_of(mgr, [StepEntry("d", 0, 3), StepEntry("a", lens["a"], 1)])
         mixed(0, *(torch.randn(4, h, HEAD_DIM, dtype=dtype) for h in (9, 3, 3)))
         assert len(calls) == decode_calls  # a prefill row: the Python write, then attention
@@ -369,12 +377,7 @@ def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
         pool, mgr, lens, entries, step = _three_decoding(torch.float32, 8, None, pool_dtype)
         assert pool.kv.dtype == pool_dtype
         outs = layers(step, native)
-        for s in entries:
-            lens[s.seq_id] += 1
-            mgr.commit(s.seq_id, range(lens[s.seq_id] + 1), lens[s.seq_id])
-        mgr.open("d", "t", list(range(9)), use_prefix_cache=False)
-        grow(mgr, "d", 5)
-        grow(mgr, "a", lens["a"] + 1)
+        _then_a_prompt(mgr, lens, entries, prompt=9, chunk=5)
         outs += layers(attn_of(mgr, [StepEntry("a", lens["a"], 1), StepEntry("d", 0, 5)]), native)
         mgr.commit("d", range(9), 5)
         grow(mgr, "d", 8)

@@ -433,13 +433,33 @@ def _small_core(lm: Any) -> Any:
     )
 
 
+def _add_greedy(
+    core: Any, i: int, first: int, prompt: int, n: int, logprobs: int, sink: Callable[..., None]
+) -> None:
+    """Request ``r{i}`` of tenant ``t{i}``: ``prompt`` ids from ``first + i``, ``n`` greedy
+    tokens (no EOS), ``logprobs`` alternatives a token, its events to ``sink``."""
+    from service.engine.types import Request, SamplingParams, StoppingParams
+
+    core.add(
+        Request(
+            request_id=f"r{i}",
+            tenant=f"t{i}",
+            prompt_ids=tuple(range(first + i, first + i + prompt)),
+            sampling=SamplingParams(temperature=0.0),
+            stopping=StoppingParams(max_tokens=n, ignore_eos=True),
+            logprobs=logprobs,
+        ),
+        sink,
+    )
+
+
 def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
     """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
     kvcache's ``NativeAttend`` for the K/V write and attention); steps with more tokens than
     the packs take keep the layer loop. Three sequences that finish at different steps decode the same
     tokens with bit-identical logprobs either way, and the stack ran on exactly the
     all-decode steps."""
-    from service.engine.types import Delta, EngineEvent, Request, SamplingParams, StoppingParams
+    from service.engine.types import Delta, EngineEvent
 
     lm, stack, batches, spy = _spied_stack(default_model_path)
     model = lm.model
@@ -454,15 +474,7 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
                 if isinstance(event, Delta):
                     out.extend((lp.token_id, lp.logprob, lp.top) for lp in event.logprobs)
 
-            core.add(
-                Request(
-                    request_id=f"r{i}", tenant=f"t{i}",
-                    prompt_ids=tuple(range(200 + i, 200 + i + prompt)),
-                    sampling=SamplingParams(temperature=0.0),
-                    stopping=StoppingParams(max_tokens=n, ignore_eos=True), logprobs=3,
-                ),
-                sink,
-            )
+            _add_greedy(core, i, 200, prompt, n, 3, sink)
         steps = 0
         with torch.inference_mode():
             while core.has_work():
@@ -488,7 +500,7 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
     each chunk token a row of kvcache's decode kernel over its own prefix: two prompts
     prefilled together, then a third arriving beside their decodes, give the same greedy
     tokens as the layer loop (SDPA for the chunks), with logprobs within 0.01."""
-    from service.engine.types import Delta, EngineEvent, Request, SamplingParams, StoppingParams
+    from service.engine.types import Delta, EngineEvent
 
     lm, stack, batches, spy = _spied_stack(default_model_path)
     model = lm.model
@@ -505,15 +517,7 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
                 if isinstance(event, Delta):
                     out.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
 
-            core.add(
-                Request(
-                    request_id=f"r{i}", tenant=f"t{i}",
-                    prompt_ids=tuple(range(300 + i, 300 + i + prompt)),
-                    sampling=SamplingParams(temperature=0.0),
-                    stopping=StoppingParams(max_tokens=n, ignore_eos=True), logprobs=1,
-                ),
-                sink,
-            )
+            _add_greedy(core, i, 300, prompt, n, 1, sink)
 
         add(0, 12, 6)
         add(1, 9, 5)
