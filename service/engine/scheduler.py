@@ -339,8 +339,9 @@ class Scheduler:
         TPOT p50 80, TTFT p50 817 (past capacity: served 5.4 of 6.4 req/s offered) to
         29 ms, 30 and 232 (5.6 of 6.5). Only timed steps are held so (``_timed``): one
         tenant's 64 offline requests held to it ran at 420 against 490 output tok/s, the
-        big dense steps carrying many decode rows at once; two tenants' at 425-450 against
-        400-500 (within this VM's drift)."""
+        big dense steps carrying many decode rows at once. Timed steps pay it too where a
+        long queue would fill big dense steps: the offline suite's two tenants sharing 64
+        requests ran at 414 against 459 output tok/s (2026-12-05 against the day before)."""
         packed = self.cost.packed_rows
         if decodes <= 0 or packed <= decodes:
             return tokens
