@@ -44,6 +44,9 @@ log = structlog.get_logger(__name__)
 # steps are, so a long prompt under a tight ``max_step_ms`` still finishes. Beside other
 # tenants' decodes only the least-served tenant's chunk gets it (``_fit_room``).
 _MIN_PREFILL_TOKENS = 16
+# With this many requests waiting for prefill, a timed step may leave the packed decode
+# weights' batch for a big dense step (``Scheduler._within_packed``).
+_DENSE_QUEUE = 4
 # A tenant counts as active this long after it last had work, so a stream's tenant between
 # two requests is still guarded by the step time target.
 _ACTIVE_FOR_S = 2.0
@@ -339,11 +342,17 @@ class Scheduler:
         TPOT p50 80, TTFT p50 817 (past capacity: served 5.4 of 6.4 req/s offered) to
         29 ms, 30 and 232 (5.6 of 6.5). Only timed steps are held so (``_timed``): one
         tenant's 64 offline requests held to it ran at 420 against 490 output tok/s, the
-        big dense steps carrying many decode rows at once. Timed steps pay it too where a
-        long queue would fill big dense steps: the offline suite's two tenants sharing 64
-        requests ran at 414 against 459 output tok/s (2026-12-05 against the day before)."""
+        big dense steps carrying many decode rows at once. So a step is not held while
+        ``_DENSE_QUEUE`` or more requests wait for prefill: their prompts fill a big dense
+        step, where a decode row costs a fraction of what it costs in a small packed one.
+        Held regardless, the offline suite's two tenants sharing 64 requests ran at 414
+        against 459 output tok/s; with the queue rule 429-474 against 400-408 held
+        (in process, interleaved), and the online run above unchanged (ITL p50 28.5-28.9)."""
         packed = self.cost.packed_rows
         if decodes <= 0 or packed <= decodes:
+            return tokens
+        prefilling = sum(1 for s in self.running if s.num_tokens - s.num_computed > 1)
+        if len(self.waiting) + prefilling >= _DENSE_QUEUE:
             return tokens
         return min(tokens, max(packed - decodes, _MIN_PREFILL_TOKENS))
 

@@ -117,12 +117,14 @@ def _chunk_beside_b_decode(
     ahead_by: int = 0,
     other_done_ago: float | None = None,
     packed_rows: int = 0,
+    queued: int = 0,
 ) -> int:
     """The chunk a ``prompt``-token request of ``prefiller`` gets in its first step while
     tenant b's stream decodes, on a machine taught to take 20 ms a decode and 1 ms a token.
     ``ahead_by``: tokens the prefiller has had beyond its lift; ``other_done_ago``: a request
     of tenant c finished that many seconds before b's arrived; ``packed_rows``: the largest
-    batch the model's packed decode weights serve, as the scheduler is told it (0: none)."""
+    batch the model's packed decode weights serve, as the scheduler is told it (0: none);
+    ``queued``: more requests of the prefiller waiting behind a's."""
     clock = FakeClock()
     core = make_core(tiny, config=config, clock=clock)
     core.scheduler.cost.packed_rows = packed_rows  # type: ignore[attr-defined]
@@ -136,6 +138,9 @@ def _chunk_beside_b_decode(
     core.add(b, rec.sink("b"))
     core.step()  # b is prefilled; it decodes from now on
     core.add(req("a", prompt_ids(1, prompt, V), tenant=prefiller, max_tokens=2), rec.sink("a"))
+    for i in range(queued):
+        q = req(f"q{i}", prompt_ids(20 + i, prompt, V), tenant=prefiller, max_tokens=2)
+        core.add(q, rec.sink(f"q{i}"))
     core.scheduler.counter.charge(prefiller, ahead_by)  # type: ignore[attr-defined]
     _teach_cost(core, decode_s=0.020, per_token_s=0.001)
     core.step()
@@ -181,6 +186,9 @@ def test_a_timed_step_with_decodes_stays_a_batch_the_packed_weights_serve(
     assert _chunk_beside_b_decode(tiny, config, packed_rows=40) == 39
     # ... but never below the prefill floor.
     assert _chunk_beside_b_decode(tiny, config, packed_rows=8) == 16
+    # With four requests waiting for prefill the queue fills a big dense step: not held.
+    assert _chunk_beside_b_decode(tiny, config, packed_rows=40, queued=2) == 39
+    assert _chunk_beside_b_decode(tiny, config, packed_rows=40, queued=3) == 50
     # Untimed (b's own tenant, nobody to guard) the step takes the whole prompt as before.
     assert _chunk_beside_b_decode(tiny, config, prefiller="b", packed_rows=40) == 400
 
