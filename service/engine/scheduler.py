@@ -148,11 +148,11 @@ class Scheduler:
                 seq, 1, entries, preempted, rejected
             ):
                 entries.append(ScheduledSeq(seq, 1))
-        room = self._room(entries, cost, guard_s)
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        room = self._room(entries, cost, guard_s, len(self.waiting) + len(prefilling))
         self._spent = {}
         decoding_tenants = {e.seq.tenant for e in entries}
         admitted: list[SeqState] = []
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         blocked: set[str] = set()  # tenants whose next request does not fit this step
         while room.is_open():
             prefilling = [s for s in prefilling if s.status is SeqStatus.RUNNING]
@@ -292,8 +292,11 @@ class Scheduler:
         rows.sort(key=lambda s: order[id(s)])  # admission order, as without the guard
         return rows, guard
 
-    def _room(self, decodes: list[ScheduledSeq], cost: StepCost | None, guard_s: float) -> StepRoom:
-        """What the step's prefill chunks may take once ``decodes`` are in.
+    def _room(
+        self, decodes: list[ScheduledSeq], cost: StepCost | None, guard_s: float, queued: int
+    ) -> StepRoom:
+        """What the step's prefill chunks may take once ``decodes`` are in, with ``queued``
+        requests waiting for prefill (waiting or running a prefill).
 
         Within ``max_num_batched_tokens``; with the step timed (``_timed``: ``cost`` is the
         fitted model), also within a time the cost model converts to tokens: the chunks add
@@ -327,10 +330,10 @@ class Scheduler:
             # against 130 untimed, the batch never grew past ~8 rows.
             stretch_s = max(0.0, guard_s - cost.decode_seconds(len(decodes), keys))
         cap_s = seconds / 2 if not alone and not config.long_prefill_threshold else math.inf
-        tokens = self._within_packed(max(hard - len(decodes), 0), len(decodes))
+        tokens = self._within_packed(max(hard - len(decodes), 0), len(decodes), queued)
         return StepRoom(tokens, cost, seconds, cap_tokens, cap_s, floor, stretch_s)
 
-    def _within_packed(self, tokens: int, decodes: int) -> int:
+    def _within_packed(self, tokens: int, decodes: int, queued: int) -> int:
         """``tokens`` of prefill, held so a step with ``decodes`` decode rows stays a batch
         the packed decode weights serve (``StepCostModel.packed_rows``), but never below
         ``_MIN_PREFILL_TOKENS``. A step past them runs every row on the dense weights, and
@@ -354,8 +357,7 @@ class Scheduler:
         packed = self.cost.packed_rows
         if decodes <= 0 or packed <= decodes:
             return tokens
-        prefilling = sum(1 for s in self.running if s.num_tokens - s.num_computed > 1)
-        if len(self.waiting) + prefilling >= _DENSE_QUEUE:
+        if queued >= _DENSE_QUEUE:
             return tokens
         return min(tokens, max(packed - decodes, _MIN_PREFILL_TOKENS))
 
