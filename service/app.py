@@ -200,8 +200,10 @@ def load_for_serving(
     path = Path(config.model) if config.model not in (None, "", "default") else None
     if path is not None and not named and not path.exists():
         raise ConfigError(f"--model: {path} does not exist")
+    template = None
     if named:
         model_path = ensure_model(str(config.model))
+        template = CATALOG[str(config.model)].chat_template
     else:
         model_path = path if path is not None else ensure_default_model()
     log.info("model.loading", path=str(model_path))
@@ -213,6 +215,7 @@ def load_for_serving(
         device=config.sizing.device,
         weights=config.sizing.weights,
         progress=sys.stderr.isatty(),
+        chat_template=template,
     )
     return loaded, registry
 

