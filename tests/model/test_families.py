@@ -15,6 +15,7 @@ from bench import parity_checks as parity
 from service.model import LoadedModel, load_model
 from service.model.families import FAMILIES
 from tests.fixtures import tiny_families as tf
+from tests.fixtures.tiny_gguf import write_gguf_from_hf
 
 SHORT = "Hello!"  # fewer tokens than the window
 LONG = "The quick brown fox jumps over the lazy dog. def main(): return 42\n" * 2
@@ -105,6 +106,23 @@ def test_each_feature_changes_the_output_it_is_matched_on(
     ids = ours.tokenizer.encode(LONG)
     diff = (parity.logits_ours(off, ids) - parity.logits_hf(hf_model, ids)).abs().max().item()
     assert diff > 1e-2
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen2_windowed", "llama_biased"])
+def test_a_llama_cpp_gguf_of_the_family_loads_identically(
+    tiny: dict[str, tuple[LoadedModel, Any]], tmp_path: Path, name: str
+) -> None:
+    """llama.cpp's GGUF names (Phi-3's fused attn_qkv and ffn_up included) give the model
+    the HF directory gives, windows and all."""
+    from_dir = tiny[name][0]
+    gguf = write_gguf_from_hf(from_dir.path, tmp_path / "m.gguf")
+    from_gguf = load_model(gguf, dtype="float32", progress=False)
+    assert from_gguf.model.config.arch == from_dir.model.config.arch
+    if name == "phi3":  # llama.cpp writes Phi-3's window; Qwen2's is not in its GGUF keys
+        assert from_gguf.model.config.layer_windows == from_dir.model.config.layer_windows
+    ids = from_dir.tokenizer.encode(SHORT)
+    a, b = parity.logits_ours(from_dir.model, ids), parity.logits_ours(from_gguf.model, ids)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
 
 
 def test_every_family_is_registered_once() -> None:

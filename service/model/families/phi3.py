@@ -7,7 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from service.model.config import ModelConfig
-from service.model.families.base import LLAMA_GGUF_LAYER_NAMES, Family, Source, Tokens
+from service.model.families.base import (
+    GGUF_HARMLESS,
+    LLAMA_GGUF_LAYER_NAMES,
+    Family,
+    Source,
+    Tokens,
+)
 from service.model.families.common import gguf_decoder, hf_decoder, hf_windows
 from service.model.families.keys import ConfigKeys
 
@@ -65,4 +71,7 @@ FAMILY = Family(
     gguf_config=gguf_config,
     source=source,
     gguf_layer_names=_GGUF_NAMES,
+    # The original context only describes the file where no LongRoPE factor tensors come
+    # with it; those (rope_factors_long/short) are refused as tensors nothing reads.
+    gguf_harmless=GGUF_HARMLESS | {"rope.scaling.original_context_length"},
 )
