@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify mutants bench model clean gpu-wheels \
+.PHONY: install protos lint typecheck test serve parity verify mutants bench docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -55,11 +55,17 @@ verify: $(STAMP) model
 
 # Switch off each stated guarantee in a scratch copy and check that its tests fail.
 mutants: $(STAMP) model
-	$(PY) -m tools.mutants --markdown bench/results/mutants.md
+	$(PY) -m tools.mutants --markdown docs/mutants.md
 
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:-$$($(PY) -m bench.llamacpp_flags)}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
+	$(PY) -m tools.benchmarks_doc
+
+# The generated pages under docs/ (tests/test_docs.py fails while configuration.md is stale).
+docs: $(STAMP)
+	$(PY) -m tools.configuration_doc
+	$(PY) -m tools.benchmarks_doc
 
 # Scale-out: 3 replicas + HAProxy (deploy/haproxy/haproxy.cfg) + Redis on 127.0.0.1.
 CLUSTER_TOOLS := haproxy redis-server
