@@ -91,7 +91,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "warn when one request holds more pages (0 = off)",
         type=int,
     )
-    # Tenant performance isolation (issue 12).
+    # Tenant performance isolation (README "Isolation guarantees").
     _add(
         p,
         "--max-step-ms",
