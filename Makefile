@@ -46,20 +46,17 @@ test: $(STAMP) model lint typecheck
 
 # The C kernels' tests against three more builds of the kernels: AddressSanitizer +
 # UndefinedBehaviorSanitizer (any finding aborts the run), AVX2 without AVX-512 or VNNI, and
-# plain C. Each run builds into its own scratch KVFENCE_HOME.
+# plain C. The flags and the ISA are part of each build's cache key.
 KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_boundary.py \
 	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py
 SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
 sanitize: $(STAMP) model
-	@scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && set -e && \
-	echo "kvfence: kernel tests, ASan + UBSan build" && \
-	KVFENCE_HOME=$$scratch/asan KVFENCE_KERNEL_CFLAGS="$(SANITIZE_FLAGS)" \
-		LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
-		UBSAN_OPTIONS=print_stacktrace=1 $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) && \
-	for isa in avx2 portable; do \
-		echo "kvfence: kernel tests, $$isa build" && \
-		KVFENCE_HOME=$$scratch/$$isa KVFENCE_KERNEL_ISA=$$isa \
-			$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	@echo "kvfence: kernel tests, ASan + UBSan build"
+	KVFENCE_KERNEL_CFLAGS="$(SANITIZE_FLAGS)" LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	@for isa in avx2 portable; do echo "kvfence: kernel tests, $$isa build" && \
+		KVFENCE_KERNEL_ISA=$$isa $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
 	done
 
 serve: $(STAMP) model

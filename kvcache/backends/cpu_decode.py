@@ -62,7 +62,8 @@ def _on_cpu(*tensors: torch.Tensor) -> bool:
 
 
 class DecodeKernel:
-    """The loaded kernel. :meth:`run` checks shapes; the C code trusts them."""
+    """The loaded kernel. The wrappers check dtypes, shapes, strides and devices; the C code
+    checks the step plan and rows; either refusal raises :class:`KernelRefused`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.kvf_decode_bf16
