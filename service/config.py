@@ -88,7 +88,7 @@ class EngineSizing:
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
-    # Fair compute (issue 12): prefill chunks add at most max_step_ms to a step (0 = the whole
+    # Fair compute: prefill chunks add at most max_step_ms to a step (0 = the whole
     # max_num_batched_tokens every step); prefill_chunk caps one request's chunk while others
     # have work (0 = half the step's budget).
     max_step_ms: float = 100.0

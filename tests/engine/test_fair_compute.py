@@ -1,4 +1,4 @@
-"""Fair compute and fair memory in the scheduler (issue 12).
+"""Fair compute and fair memory in the scheduler.
 
 A tenant's long prefills must not hold up another tenant's admission or its decodes; step
 tokens are shared by weighted processed-token counts; a tenant whose next request does not
