@@ -163,6 +163,7 @@ class KVFenceServer:
             on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
             client_certs=opts.tls is not None and opts.tls.client_ca is not None,
             pace=RefusalPace(),
+            cheap=RefusalPace(max_wait_s=2.0),
         )
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
