@@ -18,6 +18,7 @@ from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
+from service.model.families.base import refuse_unused
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.llama import LlamaModel
@@ -202,6 +203,13 @@ def load_model(
 
 
 def _read(p: Path) -> GGUFCheckpoint | HFCheckpoint:
+    checkpoint = _read_file(p)
+    needed = {checkpoint.file_name(n) for n in tensor_names(checkpoint.config)}
+    refuse_unused(checkpoint.family.name, checkpoint.file_tensors, needed, "the checkpoint")
+    return checkpoint
+
+
+def _read_file(p: Path) -> GGUFCheckpoint | HFCheckpoint:
     if p.is_dir():
         return read_hf_dir(p)
     if not p.exists():

@@ -30,9 +30,13 @@ def tensor_names(config: ModelConfig) -> list[str]:
             names.append(f"{p}self_attn.{proj}.weight")
         if config.attention_bias:
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.o_bias:
+            names.append(p + "self_attn.o_proj.bias")
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [f"{p}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+        if config.mlp_bias:
+            names += [f"{p}mlp.{proj}.bias" for proj in ("gate_proj", "up_proj", "down_proj")]
     return names
 
 
@@ -159,6 +163,13 @@ def _build_dense(
         n, [(mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
     )
     down = s.stacked(n, [(mlp + "down_proj.weight", (h, inter))])
+    o_bias = s.stacked(n, [(attn + "o_proj.bias", (h,))]) if c.o_bias else None
+    gate_up_bias = down_bias = None
+    if c.mlp_bias:
+        gate_up_bias = s.stacked(
+            n, [(mlp + "gate_proj.bias", (inter,)), (mlp + "up_proj.bias", (inter,))]
+        )
+        down_bias = s.stacked(n, [(mlp + "down_proj.bias", (h,))])
     return DecoderWeights(
         embed=embed,
         lm_head=lm_head,
@@ -171,4 +182,7 @@ def _build_dense(
         mlp_norm=mlp_norm.view(n, h),
         gate_up=gate_up,
         down=down,
+        o_bias=o_bias,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
     )
