@@ -63,6 +63,22 @@ class ModelConfig:
     # Per layer: how many most recent keys a query attends to (itself included); 0 = all.
     # Empty means every layer attends to every earlier key.
     layer_windows: tuple[int, ...] = ()
+    # Gemma: embeddings times ``embed_scale``; a norm on the attention output and on the MLP
+    # output before each residual add (``sandwich_norms``); the MLP gate's ``activation``;
+    # q times ``query_scale`` (so the kvcache's head_dim**-0.5 gives query_pre_attn_scalar's
+    # scale); a RoPE base per layer; logits softcapped as cap * tanh(logits / cap).
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    query_scale: float = 1.0
+    layer_rope_thetas: tuple[float, ...] = ()  # empty: rope_theta on every layer
+    final_softcap: float = 0.0  # 0: none
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load ((1 + w) norms)
+    # Mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is ``num_experts`` gated MLPs
+    # of ``intermediate_size``, ``experts_per_token`` picked per token by a router.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    normalize_top_k: bool = True
 
     @property
     def q_size(self) -> int:
@@ -71,6 +87,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is the plain Llama layer the fused native paths compute."""
+        return (
+            not self.sandwich_norms
+            and self.activation == "silu"
+            and not self.num_experts
+            and not self.layer_rope_thetas
+            and self.query_scale == 1.0
+        )
 
     @property
     def windowed(self) -> bool:

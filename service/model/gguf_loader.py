@@ -18,7 +18,7 @@ from service.model.families import ConfigKeys, Family, Source, Tokens, gguf_fami
 from service.model.families import llama as _llama
 from service.model.families.base import GGUF_GLOBAL_NAMES
 from service.model.families.keys import refuse_unread_gguf
-from service.model.gguf_tokenizer import build_bpe_tokenizer
+from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
 from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0
 from service.model.tokenizer import Tokenizer
 
@@ -223,15 +223,26 @@ def _tokenizer(meta: _Meta) -> tuple[Tokenizer, dict[str, str]]:
     if any(not 0 <= i < len(tokens) for i in named.values()):
         raise ModelLoadError("special token id out of vocabulary range")
     bos = named.get("bos_token")
-    backend = build_bpe_tokenizer(
-        model=meta.need("tokenizer.ggml.model"),
-        pre=meta.get("tokenizer.ggml.pre"),
-        tokens=tokens,
-        merges=list(meta.get("tokenizer.ggml.merges", [])),
-        token_types=types,
-        special_token_ids=sorted(set(named.values())),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        bos_token_id=bos,
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces"):
+        raise ModelLoadError("tokenizer.ggml.remove_extra_whitespaces is not served")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_prefix = meta.get("tokenizer.ggml.add_space_prefix")
+    backend = build_gguf_tokenizer(
+        GGUFVocab(
+            model=meta.need("tokenizer.ggml.model"),
+            pre=meta.get("tokenizer.ggml.pre"),
+            tokens=tokens,
+            token_types=types,
+            scores=list(meta.get("tokenizer.ggml.scores", [])),
+            merges=list(meta.get("tokenizer.ggml.merges", [])),
+            special_token_ids=sorted(set(named.values())),
+            bos_token_id=bos,
+            eos_token_id=named.get("eos_token"),
+            unk_token_id=named.get("unk_token"),
+            add_bos_token=None if add_bos is None else bool(add_bos),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=None if add_prefix is None else bool(add_prefix),
+        )
     )
     eos: list[int] = []
     for k in ("eos_token_id", "eot_token_id", "eom_token_id"):

@@ -113,7 +113,10 @@ def layers(model: LlamaModel, packed: PackedLinears | None) -> tuple[Layer, ...]
     # RoPE runs in the qkv call only where nothing comes between the projection and it
     plain_qk = (
         Rope(c.num_heads + c.num_kv_heads, c.head_dim)
-        if model.qkv_bias is None and model.qk_norm is None and model.rope.dtype == torch.float32
+        if model.qkv_bias is None
+        and model.qk_norm is None
+        and not c.layer_rope_thetas  # the fused call knows one RoPE table
+        and model.rope.dtype == torch.float32
         else None
     )
 
@@ -211,6 +214,10 @@ def stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | Non
         or model.rope.dtype != torch.float32
         or model.attn_norm.dtype != torch.float32
     ):
+        return None
+    if not c.plain_layers:
+        # NOTE: Gemma's norms, GeGLU and per-layer RoPE, and experts, run in the layer loop.
+        log.debug("native_stack_off", arch=c.arch, because="not the plain Llama layer")
         return None
     off = [
         name

@@ -8,6 +8,7 @@ Attention never happens here: every layer hands its RoPE'd q, k, v to the ``attn
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 
 from kvcache.attention import AttentionFn, NativeAttend
 from service.model.config import ModelConfig
-from service.model.layers import dense, layers, normed, stack
+from service.model.layers import Layer, dense, layers, normed, stack
+from service.model.moe import Activation, MoeRouting, moe_mlp
 from service.model.packed import PackedLinears
 from service.model.rope import attention_factor, cos_sin_table, inv_freq
 
@@ -40,6 +42,10 @@ class DecoderWeights:
     o_bias: torch.Tensor | None = None  # [L, H]
     gate_up_bias: torch.Tensor | None = None  # [L, 2*I]
     down_bias: torch.Tensor | None = None  # [L, H]
+    post_norms: torch.Tensor | None = None  # [L, 2, H]: attention-output, MLP-output norms
+    router: torch.Tensor | None = None  # [L, E, H]
+    experts_gate_up: torch.Tensor | None = None  # [L, E, 2*I, H]
+    experts_down: torch.Tensor | None = None  # [L, E, H, I]
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -83,20 +89,27 @@ class LlamaModel(torch.nn.Module):
         self.o_bias = _optional(weights.o_bias)
         self.gate_up_bias = _optional(weights.gate_up_bias)
         self.down_bias = _optional(weights.down_bias)
+        self.post_norms = _optional(weights.post_norms)
+        self.router = _optional(weights.router)
+        self.experts_gate_up = _optional(weights.experts_gate_up)
+        self.experts_down = _optional(weights.experts_down)
+        self.routing = (
+            MoeRouting(config.num_experts, config.experts_per_token, config.normalize_top_k)
+            if config.num_experts
+            else None
+        )
         self.packed = weights.packed
-        freqs = inv_freq(config)
-        if rope_freq_factors is not None:
-            # GGUF files of Llama-3.1+ carry the scaling as per-frequency divisors instead.
-            freqs = freqs / rope_freq_factors.float().cpu()
-        # NOTE: cos/sin are precomputed once for every position so a step is one gather.
-        table = cos_sin_table(freqs, config.max_position_embeddings)
-        # NOTE: rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1.., +1..]; folding the sign into
-        # the sin table makes RoPE three ops (roll, mul, addcmul) instead of five.
-        table[:, 1, : config.head_dim // 2] *= -1
-        table *= attention_factor(config)  # yarn / longrope scale cos and sin alike
-        # Stored in the compute dtype: the same values the step used to convert on every call.
-        rope = table.to(device=weights.embed.device, dtype=weights.embed.dtype)
+        rope = self._rope_table(config, config.rope_theta, rope_freq_factors, weights.embed)
         self.register_buffer("rope", rope, persistent=False)
+        # Per-layer RoPE bases (Gemma 3's local and global layers): one table per base.
+        thetas = config.layer_rope_thetas
+        tables = {config.rope_theta: rope}
+        for theta in thetas:
+            if theta not in tables:
+                tables[theta] = self._rope_table(config, theta, rope_freq_factors, weights.embed)
+        self._rope_bases = tuple(sorted(tables, key=lambda b: b != config.rope_theta))
+        self._ropes = tuple(tables[b] for b in self._rope_bases)
+        self._layer_rope = tuple(self._rope_bases.index(b) for b in thetas)
         # NOTE: indexing the stacked weights and choosing dense or packed per layer is done
         # here once; a step then walks a tuple instead of issuing ~6 select ops per layer.
         # Nothing moves the model after construction, so these views stay valid.
@@ -112,6 +125,23 @@ class LlamaModel(torch.nn.Module):
         self._small_head = self._dense_head if small_head is None else small_head
         self._normed_small_head = normed(small_head, self.final_norm, config.rms_norm_eps)
         self._stack = stack(self, self.packed)
+
+    @staticmethod
+    def _rope_table(
+        config: ModelConfig, theta: float, factors: torch.Tensor | None, like: torch.Tensor
+    ) -> torch.Tensor:
+        freqs = inv_freq(dataclasses.replace(config, rope_theta=theta))
+        if factors is not None:
+            # GGUF files of Llama-3.1+ carry the scaling as per-frequency divisors instead.
+            freqs = freqs / factors.float().cpu()
+        # NOTE: cos/sin are precomputed once for every position so a step is one gather.
+        table = cos_sin_table(freqs, config.max_position_embeddings)
+        # NOTE: rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1.., +1..]; folding the sign into
+        # the sin table makes RoPE three ops (roll, mul, addcmul) instead of five.
+        table[:, 1, : config.head_dim // 2] *= -1
+        table *= attention_factor(config)  # yarn / longrope scale cos and sin alike
+        # Stored in the compute dtype: the same values the step used to convert on every call.
+        return table.to(device=like.device, dtype=like.dtype)
 
     @property
     def max_packed_rows(self) -> int:
@@ -161,13 +191,17 @@ class LlamaModel(torch.nn.Module):
         qk_rows = c.q_size + c.kv_size
         hidden = (c.hidden_size,)
         rope = self.rope[positions]
-        cos, sin = rope[:, 0:1], rope[:, 1:2]  # [T, 1, D], broadcast over heads
+        rows = [rope] + [table[positions] for table in self._ropes[1:]]
+        # [T, 1, D] cos / sin per RoPE base, broadcast over heads
+        cos_sin = [(r[:, 0:1], r[:, 1:2]) for r in rows]
         half = d // 2
         # NOTE: decode batches read every weight once per token, so for a few rows the packed
         # integer GEMVs (3-4x fewer bytes) win; larger batches are compute bound and use dense.
         small = t <= self._max_packed_rows
         layers = self._small_layers if small else self._dense_layers
         x = F.embedding(input_ids, self.embed)
+        if c.embed_scale != 1.0:
+            x = x * c.embed_scale
         # An all-decode float32 step whose attention kvcache offers to native code runs every
         # layer in one native call (the same calls as the loop below, without Python between).
         native: Callable[[int], NativeAttend | None] | None = getattr(attn, "native_attend", None)
@@ -192,12 +226,18 @@ class LlamaModel(torch.nn.Module):
                 qk = qkv[:, :qk_rows].reshape(t, hq + hkv, d)
                 if layer.qk_norm is not None:
                     qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
+                cos, sin = cos_sin[self._layer_rope[i] if self._layer_rope else 0]
                 qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)
                 # Contiguous views so paged backends can copy/launch on them without restriding.
                 q = qk[:, :hq].contiguous()
                 k = qk[:, hq:].contiguous()
+            if c.query_scale != 1.0:
+                q = q * c.query_scale
             v = qkv[:, qk_rows:].reshape(t, hkv, d).contiguous()
             out = attn(i, q, k, v).reshape(t, c.q_size)
+            if not c.plain_layers:
+                self._gemma_or_moe_rest(i, layer, out, x)
+                continue
             if layer.mlp_into is not None:
                 layer.mlp_into(out, x)  # o, residual, norm, gate/up, SiLU, down: one call
                 continue
@@ -225,7 +265,46 @@ class LlamaModel(torch.nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         if x.shape[0] <= self._max_packed_rows and self._normed_small_head is not None:
-            return self._normed_small_head(x)
+            return self._softcapped(self._normed_small_head(x))
         x = F.rms_norm(x, hidden, self.final_norm, eps)
         head = self._small_head if x.shape[0] <= self._max_packed_rows else self._dense_head
-        return head(x).float()
+        return self._softcapped(head(x).float())
+
+    def _softcapped(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def _gemma_or_moe_rest(self, i: int, layer: Layer, out: torch.Tensor, x: torch.Tensor) -> None:
+        """A layer's rest after attention where it is not the plain Llama layer: the output
+        projection, then the MLP (dense or experts), each with its output norm (Gemma)."""
+        c = self.config
+        hidden, eps = (c.hidden_size,), c.rms_norm_eps
+        a = layer.o(out)
+        if layer.o_bias is not None:
+            a = a + layer.o_bias
+        post = self.post_norms
+        x.add_(a if post is None else F.rms_norm(a, hidden, post[i, 0], eps))
+        h = F.rms_norm(x, hidden, layer.mlp_norm, eps)
+        act = _ACTIVATIONS[c.activation]
+        if self.routing is not None:
+            assert self.router is not None
+            assert self.experts_gate_up is not None and self.experts_down is not None
+            m = moe_mlp(
+                h, self.router[i], self.experts_gate_up[i], self.experts_down[i], self.routing, act
+            )
+        else:
+            gate_up = layer.gate_up(h)
+            if layer.gate_up_bias is not None:
+                gate_up = gate_up + layer.gate_up_bias
+            gate, up = gate_up.chunk(2, dim=-1)
+            m = layer.down(act(gate) * up)
+            if layer.down_bias is not None:
+                m = m + layer.down_bias
+        x.add_(m if post is None else F.rms_norm(m, hidden, post[i, 1], eps))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Activation] = {"silu": F.silu, "gelu_tanh": _gelu_tanh}

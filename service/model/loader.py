@@ -135,8 +135,12 @@ def load_model(
     device: str = "cpu",
     progress: bool = True,
     weights: str = "auto",
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
+
+    ``chat_template`` is the template of a file that carries none (a pullable model's own,
+    :mod:`service.model.catalog`); the file's template wins where it has one.
 
     ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
     copies of the projections for decode-sized batches. ``path`` may be a file already
@@ -168,8 +172,8 @@ def load_model(
         finally:
             bar.close()
         template = None
-        if checkpoint.chat_template:
-            template = ChatTemplate(checkpoint.chat_template, checkpoint.special_tokens)
+        if text := checkpoint.chat_template or chat_template:
+            template = ChatTemplate(text, checkpoint.special_tokens)
     except ModelLoadError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     except ChatTemplateError as e:

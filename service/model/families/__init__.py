@@ -28,7 +28,7 @@ transformers (tests/model/test_families.py).
 from __future__ import annotations
 
 from service.model.errors import ModelLoadError
-from service.model.families import llama, mistral, phi3, qwen2, qwen3
+from service.model.families import gemma, llama, mistral, moe, phi3, qwen2, qwen3
 from service.model.families.base import Family, Source, Tokens
 from service.model.families.keys import ConfigKeys
 
@@ -38,6 +38,10 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.FAMILY,
     mistral.FAMILY,
     phi3.FAMILY,
+    gemma.GEMMA2,
+    gemma.GEMMA3,
+    moe.MIXTRAL,
+    moe.QWEN3_MOE,
 )
 
 
