@@ -6,6 +6,7 @@ Attention never happens here: every layer hands its RoPE'd q, k, v to the ``attn
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,9 +53,15 @@ class LlamaModel(torch.nn.Module):
         config: ModelConfig,
         weights: DecoderWeights,
         rope_freq_factors: torch.Tensor | None = None,
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: every step, of any size or mix of prefill and decode, runs
+        each token through the same native calls (:func:`invariant_packs`), so a token's
+        arithmetic does not depend on the batch; raises ValueError where the weights do not
+        allow it (see ``docs/batch-invariance.md``)."""
         super().__init__()
         self.config = config
+        self.batch_invariant = batch_invariant
         self.embed = _param(weights.embed)
         self.lm_head: torch.nn.Parameter = (
             self.embed if weights.lm_head is None else _param(weights.lm_head)
@@ -72,7 +79,7 @@ class LlamaModel(torch.nn.Module):
         self.mlp_norm = _param(weights.mlp_norm)
         self.gate_up = _param(weights.gate_up)
         self.down = _param(weights.down)
-        self.packed = weights.packed
+        self.packed = invariant_packs(weights.packed) if batch_invariant else weights.packed
         freqs = inv_freq(config)
         if rope_freq_factors is not None:
             # GGUF files of Llama-3.1+ carry the scaling as per-frequency divisors instead.
@@ -100,11 +107,15 @@ class LlamaModel(torch.nn.Module):
         self._small_head = self._dense_head if small_head is None else small_head
         self._normed_small_head = _normed(small_head, self.final_norm, config.rms_norm_eps)
         self._stack = _stack(self, self.packed)
+        if batch_invariant and self._stack is None:
+            raise ValueError("batch invariance needs every layer on the native decoder stack")
 
     @property
     def max_packed_rows(self) -> int:
-        """The largest batch (in tokens) the packed decode weights serve; 0 without them."""
-        return self._max_packed_rows
+        """The largest batch (in tokens) the packed decode weights serve; 0 without them,
+        and 0 where every batch runs on the same weights (``batch_invariant``): the
+        scheduler's cost model then has one regime."""
+        return 0 if self.batch_invariant else self._max_packed_rows
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,9 +169,18 @@ class LlamaModel(torch.nn.Module):
         x = F.embedding(input_ids, self.embed)
         # An all-decode float32 step whose attention kvcache offers to native code runs every
         # layer in one native call (the same calls as the loop below, without Python between).
-        native: Callable[[int], NativeAttend | None] | None = getattr(attn, "native_attend", None)
+        native: Callable[..., NativeAttend | None] | None = getattr(attn, "native_attend", None)
         stack = self._stack if small else None
-        plan = None if stack is None or native is None else native(hq)
+        if self.batch_invariant:
+            # Every token, prefill or decode, a decode-kernel row of the native stack.
+            plan = None if native is None or stack is None else native(hq, every_chunk=True)
+            if plan is None:
+                raise ValueError(
+                    "a batch-invariant step needs kvcache's native attention and at most "
+                    f"{self._max_packed_rows} tokens"
+                )
+        else:
+            plan = None if stack is None or native is None else native(hq)
         if stack is not None and plan is not None:
             stack(x, rope, plan)
         for i, layer in enumerate(() if plan is not None else layers):
@@ -372,6 +392,38 @@ def _gated_into(
     if isinstance(lin, Q4Linear) and lin.fuses:
         return lin.gated_into
     return None
+
+
+def invariant_packs(packed: PackedLinears | None) -> PackedLinears:
+    """``packed`` for batch-invariant steps: every projection and the head on kvfence's
+    float32 GEMV with the tile unit off, for batches of any size up to the kernel's row
+    limit. Each row's input is rounded to int16 per block of 32 on its own (no look across
+    rows), and its sums run over the blocks in one order whatever the batch (the kernel's
+    one-row loop and its 4-row tiles do the same arithmetic), so a row's output does not
+    depend on the rows beside it. Raises ValueError where a weight is not on that kernel.
+    NOTE: measured on a 2-core AMX Xeon (SmolLM2-135M, 30 layers' projections and the
+    head, shared machine): the tile unit ran 1 row in ~2x the GEMV's time, so one kernel
+    for every batch size had to be this one for single-stream decode to keep its speed."""
+    every = () if packed is None else (*packed.qkv, *packed.o, *packed.gate_up, *packed.down)
+    if packed is None or not all(isinstance(lin, Q4Linear) for lin in (*every, packed.lm_head)):
+        raise ValueError("batch invariance needs every projection on the 4-bit GEMV kernel")
+
+    def plain(lin: Linear | None) -> Q4Linear:
+        assert isinstance(lin, Q4Linear)
+        return dataclasses.replace(lin, tiles=False)
+
+    def layer(lins: tuple[Linear | None, ...]) -> tuple[Linear | None, ...]:
+        return tuple(plain(lin) for lin in lins)
+
+    head = plain(packed.lm_head)
+    return PackedLinears(
+        qkv=layer(packed.qkv),
+        o=layer(packed.o),
+        gate_up=layer(packed.gate_up),
+        down=layer(packed.down),
+        lm_head=head,
+        max_rows=head.kernel.max_rows,
+    )
 
 
 def _stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | None:
