@@ -171,16 +171,10 @@ class LlamaModel(torch.nn.Module):
         # layer in one native call (the same calls as the loop below, without Python between).
         native: Callable[..., NativeAttend | None] | None = getattr(attn, "native_attend", None)
         stack = self._stack if small else None
-        if self.batch_invariant:
-            # Every token, prefill or decode, a decode-kernel row of the native stack.
-            plan = None if native is None or stack is None else native(hq, every_chunk=True)
-            if plan is None:
-                raise ValueError(
-                    "a batch-invariant step needs kvcache's native attention and at most "
-                    f"{self._max_packed_rows} tokens"
-                )
-        else:
-            plan = None if stack is None or native is None else native(hq)
+        # Batch-invariant: every token, prefill or decode, a decode-kernel row of the native
+        # stack (kvcache's steps on CPU always offer it). An attention without a native path
+        # (DenseAttention: parity, tests) runs per layer below, on the same projections.
+        plan = None if stack is None or native is None else native(hq, self.batch_invariant)
         if stack is not None and plan is not None:
             stack(x, rope, plan)
         for i, layer in enumerate(() if plan is not None else layers):
