@@ -50,6 +50,10 @@ _DENSE_QUEUE = 4
 # A tenant counts as active this long after it last had work, so a stream's tenant between
 # two requests is still guarded by the step time target.
 _ACTIVE_FOR_S = 2.0
+# What one token is worth in CPU seconds before the cost model has seen a prefill chunk.
+# NOTE: a token of prefill on the default model costs ~0.5-2 ms on a 2-core CPU; charging
+# off-engine work at 1 ms a token errs toward charging it, until the fit says otherwise.
+_CPU_SECONDS_PER_TOKEN = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +400,17 @@ class Scheduler:
             e.seq.num_computed += e.num_new
             self.counter.charge(e.seq.tenant, e.num_new)
             self._cache.commit(e.seq.seq_id, e.seq.token_ids, e.seq.num_computed)
+
+    def charge_cpu(self, tenant: str, seconds: float) -> int:
+        """Charge ``tenant`` for CPU work done for it off the model's forward (a grammar
+        compile, its masks, a tokenization) in the fairness currency: the prefill tokens a
+        step could have computed in that time. Returns the tokens charged."""
+        cost = self.cost.fit()
+        per_token = cost.per_token_s if cost is not None and cost.per_token_s > 0 else 0.0
+        tokens = math.ceil(max(0.0, seconds) / (per_token or _CPU_SECONDS_PER_TOKEN))
+        if tokens:
+            self.counter.charge(tenant, tokens)
+        return tokens
 
     def append(self, seq: SeqState, token: int) -> None:
         """Record a sampled token (the sequence owns its tokens; the cache reads them at

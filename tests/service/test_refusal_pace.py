@@ -1,4 +1,4 @@
-"""Refused calls are paced per peer host (issue 12: the unauthenticated flood).
+"""Refused calls are paced per peer host (the unauthenticated flood).
 
 A client that retries at once on every refusal made the server read ~850 bodies a second;
 past a burst, each refusal now waits for its token, so such a client is slowed to the

@@ -1,4 +1,4 @@
-"""Tokenization is charged to the tenant that asks for it (findings 1 and 9 of issue 12).
+"""Tokenization is charged to the tenant that asks for it.
 
 ``Tokenize`` honours the tenant's ``models`` and its limits like ``Generate``; the input is
 charged by its size before the tokenizer runs; the tokenizer releases the GIL and tenants take

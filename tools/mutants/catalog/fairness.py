@@ -1,4 +1,4 @@
-"""Switch-offs of the fair-share rules (issue 12): compute, memory and the eviction channel."""
+"""Switch-offs of the fair-share rules: compute, memory and the eviction channel."""
 
 from tools.mutants.mutant import edit, mutant
 
