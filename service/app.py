@@ -219,6 +219,7 @@ def load_for_serving(
         dtype=config.sizing.dtype,
         device=config.sizing.device,
         weights=config.sizing.weights,
+        batch_invariant=config.sizing.batch_invariant,
         progress=sys.stderr.isatty(),
         chat_template=template,
     )

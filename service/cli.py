@@ -45,6 +45,7 @@ def check_device(text: str) -> str:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from service.config import EngineSizing
     from service.preflight import DTYPES
 
     p = add_command(sub, "serve", "run the gRPC inference server")
@@ -79,6 +80,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          "decode weights: auto keeps the file's 4/8-bit blocks on CPU (bf16 via torch's "
          "int4 kernel, float32 via kvfence's GEMV); bf16 dense, int4, int8",
          choices=["auto", "bf16", "int4", "int8"])
+    _add(p, "--batch-invariant", EngineSizing().batch_invariant,
+         "a request's tokens never depend on what else is in the batch: auto (on where "
+         "kvfence's 4-bit GEMV serves the model on CPU), on (refuse where it cannot), off "
+         "(faster batch-variant kernels; docs/batch-invariance.md)",
+         choices=["auto", "on", "off"])
     _add(p, "--compile", "off",
          "torch.compile small decode batches at start (CPU, bf16, a C++ compiler): "
          "auto where it can run, on (fail the start where it cannot), off",

@@ -18,7 +18,7 @@ Runs the checks of tests/model/test_parity_default.py on the default model, in f
     bf16 --weights auto  --dtype bfloat16 --weights auto vs transformers bf16
 
 A sixth row covers the second pullable model, Gemma 3 270M Q4_K_M (``kvfence models pull
-gemma-3-270m``, pulled here if absent; see bench/parity_second.py): dense fp32 against
+gemma-3-270m``, pulled here if absent; see tools/parity/second.py): dense fp32 against
 transformers fp32 on the same GGUF: tokenizer identical, greedy identical on the four
 prompts, and chat through its own template rendered and continued identically.
 
@@ -116,9 +116,9 @@ def main() -> int:
 
 
 def _second_model(started: float) -> bool:
-    from bench.parity_checks import load_hf_oracle
-    from bench.parity_second import load_second, second_model_parity
     from service.model.catalog import GEMMA3_270M, ensure_model
+    from tools.parity.checks import load_hf_oracle
+    from tools.parity.second import load_second, second_model_parity
 
     path = ensure_model(GEMMA3_270M.name)
     stage(f"loading {path.name} with transformers (the second model's fp32 oracle)", started)

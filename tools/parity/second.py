@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.parity_checks import GREEDY_TOKENS, greedy_ours, hf_agrees_with_greedy
-from bench.parity_corpus import CONVERSATIONS, PROMPTS, tokenizer_corpus
 from service.model import LoadedModel
+from tools.parity.checks import GREEDY_TOKENS, greedy_ours, hf_agrees_with_greedy
+from tools.parity.corpus import CONVERSATIONS, PROMPTS, tokenizer_corpus
 
 
 @dataclass(frozen=True, slots=True)
