@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import parity_checks as parity
+from tools.parity import checks as parity
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
 from service.app import EngineSizing
 from service.model import LoadedModel, ModelLoadError, load_model
