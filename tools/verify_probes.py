@@ -216,7 +216,7 @@ PROBES: tuple[Probe, ...] = (
           edit("service/auth.py",
                "        if _by_header(self._registry, metadata) is None and not client_certs:",
                "        if False:")),
-    probe("test_noisy_neighbour::issue-size hog request", "test_kv_pool_hog",
+    probe("test_noisy_neighbour::hog request over its KV share", "test_kv_pool_hog",
           "no fits-the-share check at admission",
           edit("service/engine/scheduler.py",
                "return RequestTooLarge(needed, limit, what) if needed > limit else None",

@@ -40,12 +40,14 @@ class WriteAttend(Protocol):
 
 
 class NativeAttendOf(Protocol):
-    """A step kernel's optional ``native_attend(q_heads, kv, rows)``: the step's attention
-    over the pool ``kv`` for native model code (:class:`kvcache.attention.NativeAttend`),
-    storing K/V at ``rows``; None when it has none for this step."""
+    """A step kernel's optional ``native_attend(q_heads, kv, rows, every_chunk)``: the
+    step's attention over the pool ``kv`` for native model code
+    (:class:`kvcache.attention.NativeAttend`), storing K/V at ``rows``; None when it has
+    none for this step. With ``every_chunk`` prefill chunks of any length are offered too
+    (each token a decode-kernel row: batch-invariant attention)."""
 
     def __call__(
-        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor
+        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor, every_chunk: bool = False
     ) -> NativeAttend | None: ...
 
 

@@ -277,12 +277,15 @@ class TorchStep:
         return None if self._writer is False else self._writer(q, k, v, kv_layer, window)
 
     def native_attend(
-        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor
+        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor, every_chunk: bool = False
     ) -> NativeAttend | None:
         """Where the step runs on the C kernel over a float32 pool ``kv`` (all layers), the
         step's attention for native model code (``DecodeKernel.step_context``), one kernel
         row per token: all-decode steps, and steps whose prefill chunks are short enough
-        (:meth:`_token_rows`); else None. ``rows`` as :meth:`write_attend`'s.
+        (:meth:`_token_rows`), or with ``every_chunk`` any steps; else None. ``rows`` as
+        :meth:`write_attend`'s. Each token is then one kernel job per KV head over its own
+        prefix, keys in page order, with no split across threads: its arithmetic does not
+        depend on the batch, the chunking or the token's place in the step.
         NOTE: measured on a 2-core Xeon (AMX), SmolLM2-135M, 13 sequences decoding at ~150
         keys: a step that also carried a 6-token chunk took 8.5 ms more than the decode step
         through the per-layer Python path and 2.7 ms more this way (a 30-token chunk 17
@@ -300,17 +303,19 @@ class TorchStep:
             return kernel.step_context(
                 q_heads, kv, rows, meta.kv_indptr, meta.kv_indices, lens, windows
             )
-        per_token = self._token_rows()
+        per_token = self._token_rows(None if every_chunk else _NATIVE_CHUNK_KEYS)
         if per_token is None:
             return None
         return kernel.step_context(q_heads, kv, rows, *per_token, windows)
 
-    def _token_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _token_rows(
+        self, max_keys: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The step's metadata with every token a row of its own, for the decode kernel: a
         prefill chunk's token at position p attends over its sequence's first p + 1 keys
         (causal), through that sequence's own pages. None where the chunks' tokens would
-        read more than ``_NATIVE_CHUNK_KEYS`` keys between them (each token reads its whole
-        prefix: cheap beside short contexts, not beside long ones)."""
+        read more than ``max_keys`` keys between them (each token reads its whole prefix:
+        cheap beside short contexts, not beside long ones); None for no limit."""
         meta = self._meta
         pages = meta.kv_indptr.tolist()
         indptr, lens, spans = [0], [], []
@@ -319,7 +324,7 @@ class TorchStep:
             first, last = pages[i], pages[i + 1]
             if n > 1:
                 keys += n * total
-                if keys > _NATIVE_CHUNK_KEYS:
+                if max_keys is not None and keys > max_keys:
                     return None
             for j in range(n):
                 lens.append(total - n + j + 1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvcache.attention import AttentionFn, NativeAttend
 from service.model.config import ModelConfig
+from service.model.invariance import invariant_packs
 from service.model.layers import Layer, dense, layers, normed, stack
 from service.model.moe import Activation, MoeRouting, moe_mlp
 from service.model.packed import PackedLinears
@@ -66,9 +67,15 @@ class LlamaModel(torch.nn.Module):
         config: ModelConfig,
         weights: DecoderWeights,
         rope_freq_factors: torch.Tensor | None = None,
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant``: every step, of any size or mix of prefill and decode, runs
+        each token through the same native calls (:func:`invariant_packs`), so a token's
+        arithmetic does not depend on the batch; raises ValueError where the weights do not
+        allow it (see ``docs/batch-invariance.md``)."""
         super().__init__()
         self.config = config
+        self.batch_invariant = batch_invariant
         self.embed = _param(weights.embed)
         self.lm_head: torch.nn.Parameter = (
             self.embed if weights.lm_head is None else _param(weights.lm_head)
@@ -98,7 +105,7 @@ class LlamaModel(torch.nn.Module):
             if config.num_experts
             else None
         )
-        self.packed = weights.packed
+        self.packed = invariant_packs(weights.packed) if batch_invariant else weights.packed
         self._plain = config.plain_layers  # read once: the property is per layer per step
         rope = self._rope_table(config, config.rope_theta, rope_freq_factors, weights.embed)
         self.register_buffer("rope", rope, persistent=False)
@@ -126,6 +133,8 @@ class LlamaModel(torch.nn.Module):
         self._small_head = self._dense_head if small_head is None else small_head
         self._normed_small_head = normed(small_head, self.final_norm, config.rms_norm_eps)
         self._stack = stack(self, self.packed)
+        if batch_invariant and self._stack is None:
+            raise ValueError("batch invariance needs every layer on the native decoder stack")
 
     @staticmethod
     def _rope_table(
@@ -146,8 +155,10 @@ class LlamaModel(torch.nn.Module):
 
     @property
     def max_packed_rows(self) -> int:
-        """The largest batch (in tokens) the packed decode weights serve; 0 without them."""
-        return self._max_packed_rows
+        """The largest batch (in tokens) the packed decode weights serve; 0 without them,
+        and 0 where every batch runs on the same weights (``batch_invariant``): the
+        scheduler's cost model then has one regime."""
+        return 0 if self.batch_invariant else self._max_packed_rows
 
     @property
     def dtype(self) -> torch.dtype:
@@ -205,9 +216,12 @@ class LlamaModel(torch.nn.Module):
             x = x * c.embed_scale
         # An all-decode float32 step whose attention kvcache offers to native code runs every
         # layer in one native call (the same calls as the loop below, without Python between).
-        native: Callable[[int], NativeAttend | None] | None = getattr(attn, "native_attend", None)
+        native: Callable[..., NativeAttend | None] | None = getattr(attn, "native_attend", None)
         stack = self._stack if small else None
-        plan = None if stack is None or native is None else native(hq)
+        # Batch-invariant: every token, prefill or decode, a decode-kernel row of the native
+        # stack (kvcache's steps on CPU always offer it). An attention without a native path
+        # (DenseAttention: parity, tests) runs per layer below, on the same projections.
+        plan = None if stack is None or native is None else native(hq, self.batch_invariant)
         if stack is not None and plan is not None:
             stack(x, rope, plan)
         for i, layer in enumerate(() if plan is not None else layers):

@@ -44,6 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "bf16"  # resolved --weights mode: bf16 (dense only), file, int4 or int8
     dense_dtype: torch.dtype | None = None  # the dense projections' dtype where not ``dtype``
+    batch_invariant: bool = False  # resolved --batch-invariant (LlamaModel.batch_invariant)
 
     @property
     def dense_weights_dtype(self) -> torch.dtype:
@@ -136,6 +137,7 @@ def load_model(
     progress: bool = True,
     weights: str = "auto",
     chat_template: str | None = None,
+    batch_invariant: str = "auto",
 ) -> LoadedModel:
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
 
@@ -143,12 +145,17 @@ def load_model(
     :mod:`service.model.catalog`); the file's template wins where it has one.
 
     ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
-    copies of the projections for decode-sized batches. ``path`` may be a file already
-    opened by :func:`open_model`."""
+    copies of the projections for decode-sized batches. ``batch_invariant``
+    (``auto|on|off``, ``kvfence serve``'s default is ``auto`` too) makes every step compute
+    each token the same way whatever the batch: ``auto`` where kvfence's 4-bit GEMV
+    serves every projection (the default model on CPU), ``on`` refuses a model or flags
+    that cannot, ``off`` keeps the faster batch-variant paths (docs/batch-invariance.md).
+    ``path`` may be a file already opened by :func:`open_model`."""
     p = path.path if isinstance(path, ModelFile) else Path(path).expanduser()
     try:
         torch_dtype, dense_dtype = resolve_precision(dtype, device, weights)
         mode = resolve_weights(weights, torch_dtype, device)
+        invariant = _wants_invariance(batch_invariant, torch_dtype, device, mode)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     started = time.monotonic()
@@ -179,9 +186,19 @@ def load_model(
     except ChatTemplateError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     factors = checkpoint.rope_freq_factors if isinstance(checkpoint, GGUFCheckpoint) else None
-    model = on_fresh_thread(
-        lambda: LlamaModel(checkpoint.config, built, rope_freq_factors=factors).eval()
-    )
+
+    def build(invariant: bool) -> LlamaModel:
+        return LlamaModel(
+            checkpoint.config, built, rope_freq_factors=factors, batch_invariant=invariant
+        ).eval()
+
+    try:
+        model = on_fresh_thread(lambda: build(invariant))
+    except ValueError as e:
+        if batch_invariant == "on":
+            raise ModelLoadError(f"{p}: --batch-invariant on: {e}") from None
+        invariant = False  # auto: this checkpoint's weights are not all on the GEMV
+        model = on_fresh_thread(lambda: build(False))
     name = p.name if p.is_file() else p.resolve().name
     log.info(
         "model_loaded",
@@ -190,6 +207,7 @@ def load_model(
         dtype=str(torch_dtype),
         dense_dtype=str(dense_dtype),
         weights=mode,
+        batch_invariant=invariant,
         packed_mb=round((built.packed.nbytes if built.packed else 0) / 2**20, 1),
         device=device,
         seconds=round(time.monotonic() - started, 2),
@@ -203,7 +221,33 @@ def load_model(
         dtype=torch_dtype,
         weights=mode,
         dense_dtype=None if dense_dtype == torch_dtype else dense_dtype,
+        batch_invariant=invariant,
     )
+
+
+BATCH_INVARIANT_MODES = ("auto", "on", "off")
+
+
+def _wants_invariance(flag: str, dtype: torch.dtype, device: str, mode: str) -> bool:
+    """Whether to build the model batch-invariant (``load_model``'s ``batch_invariant``):
+    only kvfence's float32 4-bit GEMV and C decode attention give every row one
+    arithmetic at every batch size; ``on`` without them is refused in one line."""
+    if flag not in BATCH_INVARIANT_MODES:
+        raise ValueError(f"unknown --batch-invariant {flag!r}; use auto, on or off")
+    if flag == "off":
+        return False
+    able = (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and mode in ("file", "int4")
+        and native_gemv.kernel() is not None
+    )
+    if flag == "on" and not able:
+        raise ValueError(
+            "--batch-invariant on runs on CPU through kvfence's 4-bit GEMV only (--dtype auto "
+            "or float32, --weights auto or int4, a C compiler); use --batch-invariant off"
+        )
+    return able
 
 
 def _read(p: Path) -> GGUFCheckpoint | HFCheckpoint:

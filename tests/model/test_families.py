@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from bench import parity_checks as parity
 from service.model import LoadedModel, load_model
 from service.model.families import FAMILIES
 from tests.fixtures import tiny_families as tf
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
+from tools.parity import checks as parity
 
 SHORT = "Hello!"  # fewer tokens than the window
 LONG = "The quick brown fox jumps over the lazy dog. def main(): return 42\n" * 2

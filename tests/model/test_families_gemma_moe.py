@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from bench import parity_checks as parity
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
 from service.app import EngineSizing
 from service.model import LoadedModel, ModelLoadError, load_model
 from tests.fixtures import tiny_families as tf
 from tests.serverutil import TenantSpec, running_server
+from tools.parity import checks as parity
 
 SHORT = "Hello!"
 LONG = "The quick brown fox jumps over the lazy dog. def main(): return 42\n" * 2

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from bench.parity_corpus import tokenizer_corpus
 from service.model import ModelFile, open_model
+from tools.parity.corpus import tokenizer_corpus
 
 _EXTRA = (
     "a  b   c    d",  # whitespace runs: user-defined pieces rebuilt from "▁"

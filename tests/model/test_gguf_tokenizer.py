@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Regex, pre_tokenizers
 
-from bench.parity_corpus import tokenizer_corpus
 from service.model.errors import ModelLoadError
 from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
 from service.model.pretokenizers import SPLITS, byte_level_pre_tokenizer
 from service.model.tokenizer import Tokenizer
+from tools.parity.corpus import tokenizer_corpus
 
 spm = pytest.importorskip("sentencepiece")
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench import parity_checks as parity
 from service.model import ModelLoadError, load_model, open_model
 from tests.fixtures import tiny_families as tf
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tests.fixtures.tiny_models import write_tiny_llama
+from tools.parity import checks as parity
 
 TEXTS = ("Hello, world! The quick brown fox jumps over the lazy dog.", "def main(): pass\n" * 4)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import parity_checks as parity
 from service.model import load_model
 from tests.fixtures import tiny_families as tf
 from tests.serverutil import TenantSpec, running_server
 from tests.service.rpc import generate, request
+from tools.parity import checks as parity
 
 WRITERS: dict[str, Callable[[Path], Path]] = {
     "llama_biased": tf.write_llama_biased,

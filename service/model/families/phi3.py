@@ -1,6 +1,6 @@
-"""Phi-3 / Phi-3.5 / Phi-4-mini (full rotary only): fused ``qkv_proj`` and ``gate_up_proj``,
-``sliding_window`` on every layer, RoPE ``longrope`` (served up to the original context,
-where its short factors apply)."""
+"""Phi-3 / Phi-3.5: fused ``qkv_proj`` and ``gate_up_proj``, ``sliding_window`` on every
+layer, RoPE ``longrope`` (served up to the original context, where its short factors
+apply). Phi-4-mini's partial rotary embedding is refused (``partial_rotary_factor``)."""
 
 from __future__ import annotations
 
