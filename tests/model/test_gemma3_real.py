@@ -55,3 +55,27 @@ def test_the_gemma3_metadata_gives_local_and_global_layers(gemma3: tuple[ModelFi
     assert {c.layer_rope_thetas[i] for i in (5, 11, 17)} == {1_000_000.0}
     assert c.layer_rope_thetas[0] == 10_000.0 and c.norm_offset == 0.0
     assert c.qk_norm and c.sandwich_norms and c.tie_word_embeddings
+
+
+def test_kvfence_serve_by_name_serves_gemma3_over_grpc(tmp_path: Path) -> None:
+    import grpc
+
+    from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+    from tests.serverutil import TenantSpec, start_server_process, write_tenants_file
+
+    keys = write_tenants_file(tmp_path / "tenants.toml", {"a": TenantSpec()})
+    proc = start_server_process(Path("gemma-3-270m"), tmp_path / "tenants.toml", timeout=900.0)
+    try:
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(proc.target))
+        req = inference_pb2.GenerateRequest(
+            text="The capital of France is",
+            sampling=inference_pb2.SamplingParams(temperature=0.0),
+            stopping=inference_pb2.StoppingParams(max_tokens=8, ignore_eos=True),
+        )
+        auth = [("authorization", f"Bearer {keys['a']}")]
+        text = "".join(r.chunk.text for r in stub.Generate(req, metadata=auth) if r.HasField("chunk"))
+        # float32 greedy, as transformers continues the same file (tools/parity/second.py)
+        assert text == " the capital of the country of France."
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(60)
