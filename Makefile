@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify mutants bench docs model clean gpu-wheels \
+.PHONY: install protos lint typecheck test test-fast serve parity verify mutants bench docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -42,7 +42,12 @@ typecheck: $(STAMP)
 
 test: $(STAMP) model lint typecheck
 	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --durations=10
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow --durations=10
+
+# The fast tier alone (every test but those marked slow), for the edit-test loop.
+test-fast: $(STAMP) model
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
 
 serve: $(STAMP) model
 	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
