@@ -38,6 +38,15 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def served_model(default_model_path: Path) -> LoadedModel:
+    """The default model loaded as ``kvfence serve`` loads it (every flag at its default:
+    the fast paths and, on CPU, batch invariance)."""
+    from service.model import load_model
+
+    return load_model(default_model_path, progress=False)
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_path: Path) -> LoadedModel:
     """The default model loaded by our runtime, dense fp32 on CPU: the oracle's weights and
     math, so parity holds to 1e-3. (In float32 ``--weights auto`` serves decode-sized batches
