@@ -106,6 +106,7 @@ class LlamaModel(torch.nn.Module):
             else None
         )
         self.packed = invariant_packs(weights.packed) if batch_invariant else weights.packed
+        self._plain = config.plain_layers  # read once: the property is per layer per step
         rope = self._rope_table(config, config.rope_theta, rope_freq_factors, weights.embed)
         self.register_buffer("rope", rope, persistent=False)
         # Per-layer RoPE bases (Gemma 3's local and global layers): one table per base.
@@ -249,7 +250,7 @@ class LlamaModel(torch.nn.Module):
                 q = q * c.query_scale
             v = qkv[:, qk_rows:].reshape(t, hkv, d).contiguous()
             out = attn(i, q, k, v).reshape(t, c.q_size)
-            if not c.plain_layers:
+            if not self._plain:
                 self._gemma_or_moe_rest(i, layer, out, x)
                 continue
             if layer.mlp_into is not None:

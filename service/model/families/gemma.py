@@ -82,7 +82,9 @@ def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:
     if keys.get("attention_bias"):
         raise ModelLoadError(f"{keys.source}: attention_bias on gemma is not served")
     types = _layer_types(keys, layers, gemma3)
-    window = int(keys.need("sliding_window")) if _LOCAL in types else 0
+    window = int(keys.get("sliding_window") or 0)
+    if _LOCAL in types and not window:
+        raise ModelLoadError(f"{keys.source}: sliding_attention layers without sliding_window")
     theta, local_theta = _rope_bases(keys, types)
     scalar = float(keys.get("query_pre_attn_scalar", head_dim))
     return hf_decoder(
@@ -119,7 +121,7 @@ def gguf_config(
     local = [(i + 1) % pattern != 0 for i in range(layers)]
     config = gguf_decoder(keys, "gemma3", "gemma3", shapes, tokens)
     scale_dim = hidden / heads if layers == 62 else config.head_dim  # llama.cpp's 27B rule
-    return _replace(
+    return dataclasses.replace(
         config,
         layer_windows=tuple(window if lo else 0 for lo in local),
         embed_scale=math.sqrt(hidden),
@@ -129,10 +131,6 @@ def gguf_config(
         layer_rope_thetas=tuple(local_theta if lo else theta for lo in local),
         final_softcap=final_cap,
     )
-
-
-def _replace(config: ModelConfig, **fields: Any) -> ModelConfig:
-    return dataclasses.replace(config, **fields)
 
 
 # decoder norm name -> the file's (HF) name: Gemma's "post_attention_layernorm" is the norm on
