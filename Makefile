@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify mutants bench docs model clean gpu-wheels \
+.PHONY: install protos lint typecheck test sanitize serve parity verify mutants bench docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -43,6 +43,21 @@ typecheck: $(STAMP)
 test: $(STAMP) model lint typecheck
 	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+# The C kernels' tests against three more builds of the kernels: AddressSanitizer +
+# UndefinedBehaviorSanitizer (any finding aborts the run), AVX2 without AVX-512 or VNNI, and
+# plain C. The flags and the ISA are part of each build's cache key.
+KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_boundary.py \
+	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
+sanitize: $(STAMP) model
+	@echo "kvfence: kernel tests, ASan + UBSan build"
+	KVFENCE_KERNEL_CFLAGS="$(SANITIZE_FLAGS)" LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	@for isa in avx2 portable; do echo "kvfence: kernel tests, $$isa build" && \
+		KVFENCE_KERNEL_ISA=$$isa $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 serve: $(STAMP) model
 	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)

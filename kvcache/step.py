@@ -29,6 +29,7 @@ class StepAttention:
         # backend's, for an all-decode step on the CPU kernel) answers None when it cannot.
         self._write_attend: WriteAttend | None = getattr(kernel, "write_attend", None)
         self._native: NativeAttendOf | None = getattr(kernel, "native_attend", None)
+        self._windows = metadata.windows or (0,) * pool.num_layers
 
     def native_attend(self, q_heads: int, every_chunk: bool = False) -> NativeAttend | None:
         """This step's attention for native model code (:class:`NativeAttend`), where the
@@ -57,9 +58,10 @@ class StepAttention:
         if not 0 <= layer < pool.num_layers:
             raise InvalidRequest(f"layer {layer} out of range")
         kv_layer = pool.layer(layer)
+        window = self._windows[layer]
         if self._write_attend is not None:
-            out = self._write_attend(q, k, v, kv_layer, self._rows)
+            out = self._write_attend(q, k, v, kv_layer, self._rows, window)
             if out is not None:
                 return out
         write_kv_rows(kv_layer, k, v, self._rows)
-        return self._kernel(q, kv_layer)
+        return self._kernel(q, kv_layer, window)

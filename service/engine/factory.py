@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from kvcache import CacheConfig, KVCacheManager, PagePool, size_pool
+from kvcache.attention import LayerAttention
 from kvcache.backends import AttentionBackend
 from service.engine.core import EngineCore
 from service.engine.engine import Engine
@@ -58,6 +59,7 @@ def build_cache(
             cfg.head_dim,
             model.kv_dtype,
             model.device,
+            tuple(LayerAttention(window=w) for w in cfg.layer_windows),
         )
     )
     return KVCacheManager(pool, cache_config, clock, backend)

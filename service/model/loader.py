@@ -18,6 +18,7 @@ from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
+from service.model.families.base import refuse_unused
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.llama import LlamaModel
@@ -135,9 +136,13 @@ def load_model(
     device: str = "cpu",
     progress: bool = True,
     weights: str = "auto",
+    chat_template: str | None = None,
     batch_invariant: str = "auto",
 ) -> LoadedModel:
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
+
+    ``chat_template`` is the template of a file that carries none (a pullable model's own,
+    :mod:`service.model.catalog`); the file's template wins where it has one.
 
     ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
     copies of the projections for decode-sized batches. ``batch_invariant``
@@ -174,8 +179,8 @@ def load_model(
         finally:
             bar.close()
         template = None
-        if checkpoint.chat_template:
-            template = ChatTemplate(checkpoint.chat_template, checkpoint.special_tokens)
+        if text := checkpoint.chat_template or chat_template:
+            template = ChatTemplate(text, checkpoint.special_tokens)
     except ModelLoadError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     except ChatTemplateError as e:
@@ -246,6 +251,13 @@ def _wants_invariance(flag: str, dtype: torch.dtype, device: str, mode: str) -> 
 
 
 def _read(p: Path) -> GGUFCheckpoint | HFCheckpoint:
+    checkpoint = _read_file(p)
+    needed = {checkpoint.file_name(n) for n in tensor_names(checkpoint.config)}
+    refuse_unused(checkpoint.family.name, checkpoint.file_tensors, needed, "the checkpoint")
+    return checkpoint
+
+
+def _read_file(p: Path) -> GGUFCheckpoint | HFCheckpoint:
     if p.is_dir():
         return read_hf_dir(p)
     if not p.exists():

@@ -8,8 +8,6 @@ tenant most over its share is the one preempted.
 
 from __future__ import annotations
 
-import math
-
 from kvcache import TenantCachePolicy
 from service.engine.types import EngineConfig, TenantSchedPolicy
 from service.model import LoadedModel
@@ -297,4 +295,7 @@ def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
     fit = core.scheduler.cost.fit()
     assert fit is not None and fit.per_token_s > 0
     # Once prefill is measured, a second is what that many prefill tokens would take.
-    assert core.charge_cpu("a", 0.25) == math.ceil(0.25 / fit.per_token_s)
+    assert core.charge_cpu("a", 0.25) == int(0.25 / fit.per_token_s + 1e-9)
+    # A fraction of a token is carried: four charges of a quarter token make one.
+    quarter = fit.per_token_s / 4
+    assert [core.charge_cpu("c", quarter) for _ in range(4)] == [0, 0, 0, 1]

@@ -185,6 +185,20 @@ MUTANTS = (
         tests="tests/engine/test_threads.py",
     ),
     mutant(
+        "q4-tiny-block-step",
+        "a block of tiny inputs keeps its sign and size in the 4-bit GEMV",
+        edit("service/model/q4_gemv.c", "            if (top > 0.0f && top < TINY_TOP) {", "            if (0) {"),
+        tests="tests/model/test_native_gemv_numerics.py::test_tiny_blocks_keep_their_sign_and_size",
+    ),
+    mutant(
+        "q4-gamma-copy-alive",
+        "a strided norm weight's contiguous copy outlives the 4-bit GEMV call",
+        edit("service/model/native_gemv.py",
+             "        gamma = None if gamma is None else gamma.contiguous()\n        norm = 0 if gamma is None else gamma.data_ptr()",
+             "        norm = 0 if gamma is None else gamma.contiguous().data_ptr()"),
+        tests="tests/model/test_native_gemv_numerics.py::test_a_strided_norm_weight_is_read_as_its_values",
+    ),
+    mutant(
         "batch-invariant-default-off",
         "`kvfence serve` and load_model are batch-invariant by default on CPU",
         edit("service/config.py", 'batch_invariant: str = "auto"', 'batch_invariant: str = "off"'),
