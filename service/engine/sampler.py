@@ -195,7 +195,12 @@ class Sampler:
                 ranks = torch.arange(vocab, device=self.device)[None, :]
                 remove |= ranks >= ks[:, None]
             if use_p:
-                ps = torch.tensor([r.params.top_p for r in rows], device=self.device)
+                # Rows without top-p keep every token (inf, not 1.0: a cumsum may round
+                # past 1.0), so their draw does not depend on other rows asking for it.
+                ps = torch.tensor(
+                    [r.params.top_p if r.params.top_p < 1.0 else float("inf") for r in rows],
+                    device=self.device,
+                )
                 probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
                 before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
                 remove |= before > ps[:, None]
