@@ -711,7 +711,7 @@ typedef struct {
     float scale;
     int32_t kv16;           /* the pool holds bf16 (float32 q, k, v and out all the same) */
     int64_t n_indices;      /* page indices in the plan */
-    const int32_t *windows; /* [layers] each layer's window (0: every key) */
+    const int32_t *windows; /* [layers] each layer's window (0: every key), or NULL: none */
 } kvf_step_ctx;
 
 /* q [batch, Hq, D], k and v [batch, Hkv, D] contiguous float32; out [batch, Hq, D]. Returns
@@ -719,13 +719,14 @@ typedef struct {
 int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const float *k,
                         const float *v, float *out) {
     if (layer < 0 || layer >= c->layers) return -1;
+    const int window = c->windows ? c->windows[layer] : 0;
     if (c->kv16)
         return kvf_write_decode_f32_bf16kv(q, k, v, (uint16_t *)c->kv + (size_t)layer * (size_t)c->layer_elems,
                                            c->rows, c->layer_rows, c->indptr, c->indices, c->lens,
                                            out, c->batch, c->hq, c->hkv, c->dim, c->page_size,
-                                           c->scale, c->n_indices, c->windows[layer]);
+                                           c->scale, c->n_indices, window);
     return kvf_write_decode_f32(q, k, v, (float *)c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
                                 c->layer_rows, c->indptr, c->indices, c->lens, out, c->batch,
                                 c->hq, c->hkv, c->dim, c->page_size, c->scale, c->n_indices,
-                                c->windows[layer]);
+                                window);
 }

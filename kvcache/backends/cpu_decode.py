@@ -316,11 +316,12 @@ class DecodeKernel:
             or not kv.is_contiguous()  # the C code steps from layer to layer by one size
         ):
             raise KernelRefused("a pool the CPU decode kernel does not take")
-        if windows is None:
-            windows = torch.zeros(kv.shape[0], dtype=torch.int32)
-        if windows.dtype != torch.int32 or windows.shape != (kv.shape[0],):
+        if windows is not None and (
+            windows.dtype != torch.int32
+            or windows.shape != (kv.shape[0],)
+            or not windows.is_contiguous()
+        ):
             raise KernelRefused("one int32 window per layer")
-        windows = windows.contiguous()
         batch = lens.numel()
         self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens, torch.float32)
         layers, pages, two, page_size, hkv, dim = kv.shape
@@ -328,7 +329,7 @@ class DecodeKernel:
             kv.data_ptr(), kv[0].numel(), pages * two * page_size, rows.data_ptr(),
             indptr.data_ptr(), indices.data_ptr(), lens.data_ptr(), layers, batch, q_heads,
             hkv, dim, page_size, dim**-0.5, int(kv.dtype == torch.bfloat16), indices.numel(),
-            windows.data_ptr(),
+            None if windows is None else windows.data_ptr(),
         )
         return NativeAttend(
             fn=self._step_attend, ctx=ctypes.addressof(ctx), batch=batch, q_heads=q_heads,

@@ -296,7 +296,8 @@ class TorchStep:
         kernel = cpu_decode.kernel()
         if kernel is None or not kernel.supports(q_heads, kv[0]):
             return None
-        windows = torch.tensor(meta.windows or (0,) * kv.shape[0], dtype=torch.int32)
+        # None where no layer has a window: nothing to build per step
+        windows = torch.tensor(meta.windows, dtype=torch.int32) if meta.windows else None
         if all(n == 1 for n in meta.qo_lens):
             # The step's own CSR metadata (what _build's one decode chunk slices out of it)
             lens = torch.tensor(meta.kv_lens, dtype=torch.int32)

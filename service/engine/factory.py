@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvcache import CacheConfig, KVCacheManager, PagePool, size_pool
-from kvcache.attention import LayerAttention
+from kvcache import CacheConfig, KVCacheManager, LayerAttention, PagePool, size_pool
 from kvcache.backends import AttentionBackend
 from service.engine.core import EngineCore
 from service.engine.engine import Engine

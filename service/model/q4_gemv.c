@@ -258,7 +258,8 @@ int64_t kvf_q4_scratch_threads(void) { return __atomic_load_n(&scratch_threads, 
 
 /* A tiny block (0 < top < TINY_TOP) as int16 with the exact step 2^(e - 14), e = ilogb(top),
  * fewer if top would round past 32767: x / step is exact (a power of two) and only the
- * rounding to integers is lost, as in the ordinary path. Answers the step. */
+ * rounding to integers is lost, as in the ordinary path. Answers the step (below ~2^-135 it
+ * underflows to 0 and the block adds nothing, as float32 products of such inputs do). */
 static float tiny_block_to_int16(const float *xp, float top, int16_t *qp) {
     int shift = 14 - ilogbf(top);
     if (ldexpf(top, shift) > INT16_STEPS) --shift;

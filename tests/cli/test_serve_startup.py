@@ -100,6 +100,7 @@ def test_empty_tenants_file_is_refused(tmp_path: Path) -> None:
         f"`kvfence tenants add NAME --file {empty}` creates a tenant and prints its key"])
 
 
+@pytest.mark.slow
 def test_compile_on_where_it_cannot_run_says_why(tenants: Path) -> None:
     code, lines, _ = _serve("--port", str(free_port()), "--tenants", str(tenants),
                             "--dtype", "float32", "--compile", "on")

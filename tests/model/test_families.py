@@ -108,7 +108,7 @@ def test_each_feature_changes_the_output_it_is_matched_on(
     assert diff > 1e-2
 
 
-@pytest.mark.parametrize("name", ["phi3", "qwen2_windowed", "llama_biased"])
+@pytest.mark.parametrize("name", ["phi3", "qwen2_windowed", "llama_biased", "llama_linear"])
 def test_a_llama_cpp_gguf_of_the_family_loads_identically(
     tiny: dict[str, tuple[LoadedModel, Any]], tmp_path: Path, name: str
 ) -> None:
@@ -120,7 +120,8 @@ def test_a_llama_cpp_gguf_of_the_family_loads_identically(
     assert from_gguf.model.config.arch == from_dir.model.config.arch
     if name == "phi3":  # llama.cpp writes Phi-3's window; Qwen2's is not in its GGUF keys
         assert from_gguf.model.config.layer_windows == from_dir.model.config.layer_windows
-    ids = from_dir.tokenizer.encode(SHORT)
+    assert from_gguf.model.config.rope_scaling == from_dir.model.config.rope_scaling
+    ids = from_dir.tokenizer.encode(SHORT if name == "qwen2_windowed" else LONG)
     a, b = parity.logits_ours(from_dir.model, ids), parity.logits_ours(from_gguf.model, ids)
     assert torch.allclose(a, b, atol=1e-5, rtol=0)
 

@@ -4,7 +4,7 @@ compile has ended (otherwise cancelled calls would keep compile threads busy pas
 
 from __future__ import annotations
 
-import random
+import threading
 import time
 
 import grpc
@@ -14,27 +14,37 @@ from tests.serverutil import ServerHandle
 from tests.service.rpc import request
 
 
-def _expensive_grammar(seed: int) -> str:
-    """~58 KB of unique literals: over a second to compile here, never a cache hit."""
-    rng = random.Random(seed)
-    words = {"".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(8)) for _ in range(4500)}
-    return "start: " + " | ".join(f'"{w}"' for w in words)
-
-
 def test_a_cancelled_compile_keeps_the_stream_slot_until_it_ends(srv: ServerHandle) -> None:
+    grammars = srv.stack.grammars
+    assert grammars is not None
+    release = threading.Event()
+    started = threading.Event()
+    compile_ = grammars.compile
+
+    def slow_compile(tenant: str, spec: object) -> object:  # a compile that takes a while
+        started.set()
+        release.wait(30)
+        return compile_(tenant, spec)  # type: ignore[arg-type]
+
+    grammars.compile = slow_compile  # type: ignore[method-assign]
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
     auth = srv.auth("one_stream")
-    slow = request("x", max_tokens=1)
-    slow.response_format.lark_grammar = _expensive_grammar(time.monotonic_ns())
-    call = stub.Generate(slow, metadata=auth, timeout=60)
-    time.sleep(0.3)  # the compile is under way
-    call.cancel()
     try:
-        list(stub.Generate(request("Hi", max_tokens=1), metadata=auth, timeout=30))
-        refused = None
-    except grpc.RpcError as err:
-        refused = err.code()
-    assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
+        slow = request("x", max_tokens=1)
+        slow.response_format.regex = "[a-z]{1,4}"
+        call = stub.Generate(slow, metadata=auth, timeout=60)
+        assert started.wait(30)
+        call.cancel()
+        time.sleep(0.2)  # the cancel has reached the server
+        try:
+            list(stub.Generate(request("Hi", max_tokens=1), metadata=auth, timeout=30))
+            refused = None
+        except grpc.RpcError as err:
+            refused = err.code()
+        assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        release.set()
+        del grammars.compile
     deadline = time.monotonic() + 60
     while True:  # once the compile thread ends, the slot is free again
         try:

@@ -163,9 +163,14 @@ def gguf_decoder(
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    scaling = keys.get(key("rope.scaling.type"), "none")
-    if scaling != "none":
-        raise ModelLoadError(f"{keys.source}: rope scaling {scaling!r} is not served from GGUF")
+    kind = keys.get(key("rope.scaling.type"), "none")
+    rope_scaling = None
+    if kind == "linear":  # what llama.cpp's converter writes for rope_type linear
+        factor = float(keys.need(key("rope.scaling.factor")))
+        context = int(keys.get(key("context_length"), 4096))
+        rope_scaling = RopeScaling(factor, original_max_position_embeddings=context, kind="linear")
+    elif kind != "none":
+        raise ModelLoadError(f"{keys.source}: rope scaling {kind!r} is not served from GGUF")
     hidden = int(keys.need(key("embedding_length")))
     heads = int(keys.need(key("attention.head_count")))
     head_dim = int(keys.get(key("attention.key_length"), hidden // heads))
@@ -191,7 +196,7 @@ def gguf_decoder(
         head_dim=head_dim,
         rms_norm_eps=float(keys.need(key("attention.layer_norm_rms_epsilon"))),
         rope_theta=float(keys.get(key("rope.freq_base"), 10000.0)),
-        rope_scaling=None,
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(keys.get(key("context_length"), 4096)),
         tie_word_embeddings="lm_head.weight" not in shapes,
         attention_bias=layer0 + "self_attn.q_proj.bias" in shapes,
