@@ -18,6 +18,9 @@ from tests.fixtures import tiny_families as tf
 from tests.serverutil import TenantSpec, running_server
 from tools.parity import checks as parity
 
+# slow: four transformers oracles, four servers
+pytestmark = pytest.mark.slow
+
 SHORT = "Hello!"
 LONG = "The quick brown fox jumps over the lazy dog. def main(): return 42\n" * 2
 W = tf.WINDOW

@@ -11,6 +11,9 @@ import pytest
 from service.model import ModelFile, open_model
 from tools.parity.corpus import tokenizer_corpus
 
+# slow: the 262k-token GGUF parsed twice (ours, transformers') and a served 270M model
+pytestmark = pytest.mark.slow
+
 _EXTRA = (
     "a  b   c    d",  # whitespace runs: user-defined pieces rebuilt from "▁"
     "\n\n\ntabs\t\tand\r\nreturns",
