@@ -68,8 +68,11 @@ class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.kvf_decode_bf16
         self._fn.restype = ctypes.c_int
+        # (q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale,
+        #  n_indices, num_pages, window)
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_float]
         self._fn.argtypes += [ctypes.c_int64] * 2
+        self._fn.argtypes += [ctypes.c_int]
         self._fn32 = lib.kvf_decode_f32
         self._fn32.restype = ctypes.c_int
         self._fn32.argtypes = self._fn.argtypes
@@ -83,6 +86,7 @@ class DecodeKernel:
             + [ctypes.c_void_p] * 4
             + [ctypes.c_int] * 5
             + [ctypes.c_float, ctypes.c_int64]
+            + [ctypes.c_int]
         )
         # by (q, k, v and out dtype, pool dtype)
         self._fused: dict[tuple[torch.dtype, torch.dtype], Callable[..., int]] = {
@@ -95,7 +99,7 @@ class DecodeKernel:
             getattr(lib, name).argtypes = fused_args
         self._check = lib.kvf_check_step
         self._check.restype = ctypes.c_int
-        self._check.argtypes = fused_args[4:9] + fused_args[10:15] + fused_args[16:]
+        self._check.argtypes = fused_args[4:9] + fused_args[10:15] + fused_args[16:17]
         attend = ctypes.cast(lib.kvf_step_attend_f32, ctypes.c_void_p).value
         assert attend is not None
         self._step_attend: int = attend  # an address, called by native model code only
@@ -124,11 +128,13 @@ class DecodeKernel:
         indptr: torch.Tensor,
         indices: torch.Tensor,
         lens: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
         """Attention of ``q`` ``[B, Hq, D]`` (one token per sequence) over each sequence's
-        first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]``. ``q`` has the
-        pool's dtype, or is float32 over a bf16 pool (the output is ``q``'s dtype). Raises
-        :class:`KernelRefused` for anything the kernel does not take, nothing read."""
+        first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]`` (the last
+        ``window`` of them where ``window`` > 0). ``q`` has the pool's dtype, or is float32
+        over a bf16 pool (the output is ``q``'s dtype). Raises :class:`KernelRefused` for
+        anything the kernel does not take, nothing read."""
         try:
             batch, hq, dim = q.shape
             pages, _, page_size, hkv, kv_dim = kv_layer.shape
@@ -167,6 +173,7 @@ class DecodeKernel:
             dim**-0.5,
             indices.numel(),
             pages,
+            window,
         )
         if status != 0:
             raise refused(status)
@@ -183,6 +190,7 @@ class DecodeKernel:
         indptr: torch.Tensor,
         indices: torch.Tensor,
         lens: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
         """Store ``k``/``v`` ``[B, Hkv, D]`` at ``rows`` ``[2, B]`` (K rows, then V rows, as
         :func:`kvcache.metadata.kv_rows` computes them) of layer ``layer`` of the pool tensor
@@ -195,7 +203,7 @@ class DecodeKernel:
             raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         q, k, v, kv_layer = q.contiguous(), k.contiguous(), v.contiguous(), kv[layer]
         writer = self._layer_writer(q, k, v, kv_layer, (rows, indptr, indices, lens), False)
-        return writer(q, k, v, kv_layer)
+        return writer(q, k, v, kv_layer, window)
 
     def layer_writer(
         self,
@@ -294,11 +302,13 @@ class DecodeKernel:
         indptr: torch.Tensor,
         indices: torch.Tensor,
         lens: torch.Tensor,
+        windows: torch.Tensor | None = None,
     ) -> NativeAttend:
         """A float32 all-decode step's attention as a C function and context for native
         model code (:class:`kvcache.attention.NativeAttend`): the pool ``kv``
         ``[L, pages, 2, page_size, Hkv, D]`` and the step's metadata are checked here, once;
-        each layer's C call checks its layer index and every row it writes."""
+        each layer's C call checks its layer index and every row it writes. ``windows``
+        ``[L]`` int32: each layer's window (0 or None: every key)."""
         if (
             kv.dim() != 6
             or kv.dtype not in (torch.float32, torch.bfloat16)
@@ -306,6 +316,12 @@ class DecodeKernel:
             or not kv.is_contiguous()  # the C code steps from layer to layer by one size
         ):
             raise KernelRefused("a pool the CPU decode kernel does not take")
+        if windows is not None and (
+            windows.dtype != torch.int32
+            or windows.shape != (kv.shape[0],)
+            or not windows.is_contiguous()
+        ):
+            raise KernelRefused("one int32 window per layer")
         batch = lens.numel()
         self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens, torch.float32)
         layers, pages, two, page_size, hkv, dim = kv.shape
@@ -313,11 +329,12 @@ class DecodeKernel:
             kv.data_ptr(), kv[0].numel(), pages * two * page_size, rows.data_ptr(),
             indptr.data_ptr(), indices.data_ptr(), lens.data_ptr(), layers, batch, q_heads,
             hkv, dim, page_size, dim**-0.5, int(kv.dtype == torch.bfloat16), indices.numel(),
+            None if windows is None else windows.data_ptr(),
         )
         return NativeAttend(
             fn=self._step_attend, ctx=ctypes.addressof(ctx), batch=batch, q_heads=q_heads,
             kv_heads=hkv, head_dim=dim, num_layers=layers,
-            keep=(ctx, kv, rows, indptr, indices, lens),
+            keep=(ctx, kv, rows, indptr, indices, lens, windows),
         )
 
 
@@ -341,6 +358,7 @@ class _StepContext(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("kv16", ctypes.c_int32),
         ("n_indices", ctypes.c_int64),
+        ("windows", ctypes.c_void_p),
     ]
 
 
@@ -372,8 +390,14 @@ class LayerWriter:
         )
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
+        """``window`` > 0: each row attends over its sequence's last ``window`` keys."""
         if not (
             q.shape == self._q
             and k.shape == self._kv
@@ -395,7 +419,7 @@ class LayerWriter:
         rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim, page, scale, nnz = self._args
         status = self._fn(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_layer.data_ptr(), rows, layer_rows,
-            indptr, indices, lens, out.data_ptr(), batch, hq, hkv, dim, page, scale, nnz,
+            indptr, indices, lens, out.data_ptr(), batch, hq, hkv, dim, page, scale, nnz, window,
         )
         if status != 0:
             raise refused(status)

@@ -34,7 +34,10 @@
 #define BLOCK 32
 /* In a weight's q8 argument: bit 0 says 8-bit blocks; KVF_TILES allows the tile path. */
 #define KVF_TILES 2
-#define MAX_ROWS 64
+/* Rows (a step's tokens) in one call: the per-row work is the same at any count (the
+ * scratch is on the heap), so a batch-invariant step sends all its tokens in one call; the
+ * packs' max_rows picks how many a batch-variant step sends here. */
+#define MAX_ROWS 65536
 #define INT16_STEPS 32767.0f
 #define MAX_GROUPS 2048 /* k <= 65536: the SIMD path keeps a tile's scales on the stack */
 

@@ -198,4 +198,20 @@ MUTANTS = (
              "        norm = 0 if gamma is None else gamma.contiguous().data_ptr()"),
         tests="tests/model/test_native_gemv_numerics.py::test_a_strided_norm_weight_is_read_as_its_values",
     ),
+    mutant(
+        "batch-invariant-default-off",
+        "`kvfence serve` and load_model are batch-invariant by default on CPU",
+        edit("service/config.py", 'batch_invariant: str = "auto"', 'batch_invariant: str = "off"'),
+        edit("service/model/loader.py", 'batch_invariant: str = "auto",\n) -> LoadedModel:',
+             'batch_invariant: str = "off",\n) -> LoadedModel:'),
+        tests=("tests/service/test_serve_config.py", "tests/engine/test_batch_invariance.py"),
+    ),
+    mutant(
+        "batch-invariant-prefill-through-sdpa",
+        "a batch-invariant step's prefill tokens attend as decode-kernel rows, never through SDPA",
+        edit("kvcache/backends/torch_backend.py",
+             "per_token = self._token_rows(None if every_chunk else _NATIVE_CHUNK_KEYS)",
+             "per_token = self._token_rows(_NATIVE_CHUNK_KEYS)"),
+        tests="tests/kvcache/test_attention.py",
+    ),
 )
