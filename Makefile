@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify mutants bench model clean gpu-wheels \
+.PHONY: install protos lint typecheck test test-fast sanitize serve parity verify mutants bench docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -42,24 +42,52 @@ typecheck: $(STAMP)
 
 test: $(STAMP) model lint typecheck
 	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --durations=10
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow --durations=10
+
+# The fast tier alone (every test but those marked slow), for the edit-test loop.
+test-fast: $(STAMP) model
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
+
+# The C kernels' tests against three more builds of the kernels: AddressSanitizer +
+# UndefinedBehaviorSanitizer (any finding aborts the run), AVX2 without AVX-512 or VNNI, and
+# plain C. The flags and the ISA are part of each build's cache key. (The two tests left out
+# check how --weights auto picks dense bf16 batches, not the kernels.)
+KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_boundary.py \
+	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py \
+	-k "not auto_on_a_bf16_cpu"
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
+sanitize: $(STAMP) model
+	@echo "kvfence: kernel tests, ASan + UBSan build"
+	KVFENCE_KERNEL_CFLAGS="$(SANITIZE_FLAGS)" LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	@for isa in avx2 portable; do echo "kvfence: kernel tests, $$isa build" && \
+		KVFENCE_KERNEL_ISA=$$isa $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 serve: $(STAMP) model
 	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
 
 parity: $(STAMP) model
-	$(PY) bench/parity.py
+	$(PY) -m tools.parity
 
 verify: $(STAMP) model
 	$(PY) -m tests.verify_report
 
 # Switch off each stated guarantee in a scratch copy and check that its tests fail.
 mutants: $(STAMP) model
-	$(PY) -m tools.mutants --markdown bench/results/mutants.md
+	$(PY) -m tools.mutants --markdown docs/mutants.md
 
 bench: $(STAMP) model
 	CMAKE_ARGS="$${CMAKE_ARGS:-$$($(PY) -m bench.llamacpp_flags)}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
+	$(PY) -m tools.benchmarks_doc
+
+# The generated pages under docs/ (tests/test_docs.py fails while configuration.md is stale).
+docs: $(STAMP)
+	$(PY) -m tools.configuration_doc
+	$(PY) -m tools.benchmarks_doc
 
 # Scale-out: 3 replicas + HAProxy (deploy/haproxy/haproxy.cfg) + Redis on 127.0.0.1.
 CLUSTER_TOOLS := haproxy redis-server
@@ -74,15 +102,15 @@ cluster-deps:
 	else echo "kvfence: needs$$missing: install with 'sudo apt-get install$$missing'"; exit 1; fi
 
 cluster: $(STAMP) model cluster-deps
-	$(PY) -m bench.cluster up
+	$(PY) -m tools.cluster up
 
 cluster-down: $(STAMP)
-	$(PY) -m bench.cluster down
+	$(PY) -m tools.cluster down
 
 cluster-verify: $(STAMP) model cluster-deps
-	$(PY) -m bench.cluster_verify
+	$(PY) -m tools.cluster_verify
 
-# The GPU check (bench/gpu_check.py). It runs where the GPU is, under that machine's own
+# The GPU check (tools/gpu_check.py). It runs where the GPU is, under that machine's own
 # python3 and torch (no venv, no network): packages missing there travel as wheels in .whl/
 # (git-ignored), fetched here by `make gpu-wheels` and installed there into GPU_SITE.
 # On a GPU dev box with the venv: make gpu-check GPU_PYTHON=.venv/bin/python
@@ -93,7 +121,7 @@ WHEEL_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_24 many
 
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-		--implementation cp $(WHEEL_PLATFORMS) -d $(WHEEL_DIR) -r bench/gpu/wheels.txt
+		--implementation cp $(WHEEL_PLATFORMS) -d $(WHEEL_DIR) -r tools/gpu/wheels.txt
 	@du -sh $(WHEEL_DIR)
 
 gpu-check:
@@ -101,7 +129,7 @@ gpu-check:
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 			--upgrade --target $(GPU_SITE) $(WHEEL_DIR)/*.whl; fi
 	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
-		$(GPU_PYTHON) bench/gpu_check.py
+		$(GPU_PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .cluster

@@ -222,7 +222,24 @@ def machine_info(threads: int) -> dict[str, Any]:
         "llama_cpp_system_info": llama_info,
         "platform": platform.platform(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str | None:
+    """The checkout's commit, ``-dirty`` when tracked files differ from it (docs/benchmarks.md
+    names the code each result ran on); None outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty.strip() else "")
 
 
 def random_work(

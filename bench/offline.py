@@ -142,7 +142,7 @@ def _kvfence_runs(
         outputs["kvfence gRPC"] = [t.token_ids for t in traces]
         return throughput("kvfence gRPC", work, wall, "AsyncClient, all requests concurrent")
 
-    # The fair-compute step budget as served (issue 12): what it costs offline throughput,
+    # The fair-compute step budget as served: what it costs offline throughput,
     # for one tenant (untimed: nobody to guard) and for two sharing the same requests.
     fair = Sizing(max_step_ms=SERVED.max_step_ms, decode_stretch=SERVED.decode_stretch)
     _attempt_rounds(

@@ -6,11 +6,11 @@ First an unlimited-rate run capped at 32 concurrent requests measures capacity C
 then Poisson arrivals at RATE_FRACTIONS of C. Rates are set relative to the measured
 capacity so the curve spans light load to near saturation on any machine; the absolute
 rates are recorded. The whole plan is run RUNS times, each run at fractions of its own
-capacity run's C; every figure is the median [min–max] of its runs. Target (issue 13): the
-inter-token p50 at 0.9 x capacity at most 40 ms (half of the 80 ms measured before it), on
-the worst run. Every request bypasses the prefix cache: the same prompts repeat in every run
-and rate, and hits on them would skip their prefill (before stop 33 they did, so the later
-runs and rates saw mostly cached prompts while each run's capacity run saw few).
+capacity run's C; every figure is the median [min–max] of its runs. Target: the inter-token
+p50 at 0.9 x capacity at most 40 ms, on the worst run. Every request bypasses the prefix
+cache: the same prompts repeat in every run and rate, and hits on them would skip their
+prefill, so the later runs and rates would see mostly cached prompts while each run's
+capacity run saw few.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def itl_targets(rates: list[dict[str, Any]]) -> list[Target]:
-    """Issue 13's online target: ITL p50 at 0.9 x capacity, judged on the worst run."""
+    """The online target: ITL p50 at 0.9 x capacity, judged on the worst run."""
     label = rate_label(ITL_TARGET_FRACTION)
     return [
         worst_target(

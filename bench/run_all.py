@@ -1,6 +1,6 @@
 """Run every benchmark suite one after another: `python -m bench.run_all [--quick] [--only S]`.
 
-Full-run sizing targets about 25 minutes on 2 cores (see bench/results/README.md for what
+Full-run sizing targets about 25 minutes on 2 cores (see docs/benchmarks.md for what
 each suite runs). Systems never run concurrently; each suite reports its own targets.
 Each suite runs in its own interpreter: a suite that ran torch on the main thread leaves an
 OpenMP pool there, which slows every engine thread started after it (service.model.threads;

@@ -1,4 +1,6 @@
-"""Collects every suite's results/<suite>.json into summary.md and README.md."""
+"""Renders a run's suites as markdown: printed by ``bench.run_all``, written to ``summary.md``
+for a ``--quick`` run; ``tools.benchmarks_doc`` renders the committed results into
+``docs/benchmarks.md`` with the same sections."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import fmt_spread, md_table
+from bench.common import RESULTS_DIR, fmt_spread, md_table
 
 SUITE_ORDER = (
     "single_stream",
@@ -20,35 +22,6 @@ SUITE_ORDER = (
     "prefix",
     "isolation_cost",
 )
-
-README_HEAD = """# Benchmark results
-
-Produced by `make bench` (`python -m bench.run_all`; `--quick` writes a smoke-sized run to
-`quick/`, `--only SUITE` reruns one suite). Each suite writes `<suite>.json` (all numbers plus
-the machine: CPU model and flags, cores, library versions, thread counts), `<suite>.md` and
-PNG plots. Every system uses the same model (SmolLM2-135M-Instruct, the default Q4_1 GGUF),
-all cores as threads, and runs alone after its own warm-up pass.
-
-| suite | what it measures |
-|---|---|
-| [single_stream](single_stream.md) | one request at a time (32-token prompt, 128 tokens greedy, 3 interleaved runs after a warm-up): TTFT and decode tok/s of kvfence in process (`--weights auto` and `bf16`) and over gRPC, llama.cpp n_seq=1, transformers `generate()`; median [min–max] |
-| [offline](offline.md) | 64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, ignore_eos: kvfence engine in process, kvfence over gRPC, transformers `generate()` in static left-padded batches of 8 and 32 (dense weights in kvfence's dtype), llama.cpp batched `llama_decode`: swept over n_seq in {1, 2, 4, 8, 16, 32} x (library defaults; flash attention on with split or unified KV) on a quarter of the work, then its best configuration timed in full. Every system timed 3 times: median [min–max]; ratio targets use kvfence's worst run against the peer's best. |
-| [overhead](overhead.md) | engine decode step vs the raw batched forward, B in {1, 8, 32}, context in {128, 512}: 3 runs per point, each the median of 15 steps; median [min–max], target on the worst run |
-| [memory](memory.md) | each `--weights` mode (auto, bf16, int8, int4) in a fresh process: RSS after loading the default GGUF, peak RSS after the engine's start and one 128-token stream, the packed copies' size, that stream's decode tok/s; 3 processes per mode, median [min–max] |
-| [continuous](continuous.md) | 64 x 128-token prompts, outputs Exponential(mean 64) capped at 256, max batch 16: the engine vs static batches on the same forward; 3 interleaved runs each, median [min–max] |
-| [online](online.md) | gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): unlimited rate capped at 32 concurrent, then Poisson at 0.5/0.7/0.9 x that capacity; the whole plan 3 times, each run from its own capacity, median [min–max] |
-| [online_http](online_http.md) | the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, 3 interleaved rounds (median [min–max]); output tok/s unconstrained vs JSON-schema-constrained |
-| [online_guidellm](online_guidellm.md) | GuideLLM (its `concurrent` then `poisson` profiles) on the HTTP front vs the gRPC client on the same prompt texts and output lengths, each load generator in its own process: throughput, TTFT, ITL |
-| [prefix](prefix.md) | TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant (stays cold); 5 repetitions, median [min–max], target on the worst |
-| [isolation_cost](isolation_cost.md) | 3 tenants, 48 requests, a 384-page pool so pages pass between tenants, 3 interleaved rounds: the time the KV manager spends zeroing pages (µs per page x pages zeroed) and in prefix-cache lookups and inserts, over the run's wall time (targets, worst round); engine throughput with scrub off and the prefix cache off, paired by round (figures) |
-
-Sizing: the whole run is meant to take about 20-25 minutes on 2 cores. The request counts
-are the ones asked for; repetitions were cut to fit, never below 3 timed runs per figure
-(overhead: 3 runs of 15 steps per point; prefix: 5 repetitions; isolation: 3 rounds; online
-rates are fractions of each run's own measured capacity so no run waits on a trickle of
-arrivals). Every figure is the median [min–max] of its runs, and a target passes only if its
-worst run passes. Targets are reported, never asserted.
-"""
 
 
 def load_results(out: Path) -> dict[str, dict[str, Any]]:
@@ -239,7 +212,7 @@ def write_summary(out: Path, failures: dict[str, str]) -> str:
         text += "\n\n## Suites that failed in the last run\n\n" + "\n".join(
             f"- {s}: {msg}" for s, msg in failures.items()
         )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(text + "\n")
-    (out / "README.md").write_text(README_HEAD + "\n" + text + "\n")
+    if out != RESULTS_DIR:  # full runs are rendered into docs/benchmarks.md instead
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text(text + "\n")
     return text

@@ -4,7 +4,8 @@ Page pool, allocator with generation fences, per-tenant prefix cache, TTL/LRU ev
 quotas, scrubbing, attention metadata and the paged-attention backends. No gRPC, no model.
 
 Modules (one noun each):
-- ``attention``: the AttentionFn protocol the model calls.
+- ``attention``: the AttentionFn protocol the model calls; LayerAttention, a layer's
+  attention facts (its sliding window) that the pool holds and every backend honours.
 - ``dense``: contiguous single-sequence reference attention (test oracle).
 - ``config``: CacheConfig, TenantCachePolicy.
 - ``errors``: KVCacheError and its typed subclasses (raised only on bugs).
@@ -17,18 +18,20 @@ Modules (one noun each):
 - ``metadata``: StepEntry, AttentionMetadata (FlashInfer CSR), write_kv.
 - ``step``: StepAttention, the per-step AttentionFn.
 - ``graph_step``: GraphDecodeAttention, the AttentionFn of a captured CUDA-graph decode step.
-- ``backends``: torch (default) and flashinfer paged attention.
+- ``backends``: torch (default) and flashinfer paged attention; the C decode kernel.
+- ``native_build``: builds C kernels into a private, owner-only cache and loads them.
 - ``stats``: TenantUsage, CacheStats.
 - ``manager``: KVCacheManager, the engine's only entry point.
 """
 
 from kvcache.allocator import PageRef
-from kvcache.attention import AttentionFn
+from kvcache.attention import AttentionFn, LayerAttention
 from kvcache.backends import AttentionBackend, TorchBackend
 from kvcache.config import CacheConfig, ScrubPolicy, TenantCachePolicy
 from kvcache.errors import (
     FenceViolation,
     InvalidRequest,
+    KernelRefused,
     KVCacheError,
     UnknownSequence,
 )
@@ -50,6 +53,8 @@ __all__ = [
     "InvalidRequest",
     "KVCacheError",
     "KVCacheManager",
+    "KernelRefused",
+    "LayerAttention",
     "PagePool",
     "PageRef",
     "ScrubPolicy",

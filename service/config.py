@@ -27,6 +27,7 @@ from service.health import DEFAULT_MAX_WATCHES
 if TYPE_CHECKING:
     from kvcache import CacheConfig
     from service.engine.types import EngineConfig
+    from service.http.guard import HttpGuard
 
 MiB = 1024 * 1024
 
@@ -67,6 +68,7 @@ class ServerOptions:
     http_host: str | None = None  # None = ``host``
     http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
     cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
+    http_guard: HttpGuard | None = None  # None = HttpGuard(): the HTTP front's bounds
     otlp_endpoint: str | None = None  # None = no tracing (opentelemetry is not even imported)
 
 
@@ -82,12 +84,14 @@ class EngineSizing:
     dtype: str = "auto"
     device: str = "cpu"
     weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
+    # --batch-invariant: auto | on | off (service/model/loader.py, docs/batch-invariance.md)
+    batch_invariant: str = "auto"
     compile: str = "off"  # --compile: auto | on | off (service/engine/compiled.py)
     scrub_policy: Literal["reassign", "always", "off"] = "reassign"
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
-    # Fair compute (issue 12): prefill chunks add at most max_step_ms to a step (0 = the whole
+    # Fair compute: prefill chunks add at most max_step_ms to a step (0 = the whole
     # max_num_batched_tokens every step); prefill_chunk caps one request's chunk while others
     # have work (0 = half the step's budget).
     max_step_ms: float = 100.0
@@ -156,6 +160,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         dtype=args.dtype,
         device=args.device,
         weights=args.weights,
+        batch_invariant=args.batch_invariant,
         compile=args.compile,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,

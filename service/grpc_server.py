@@ -30,6 +30,8 @@ from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.engine.grammar import GrammarCompiler
 from service.health import BoundedHealth
 from service.http.front import FrontDeps, OpenAIFront
+from service.http.guard import HttpGuard
+from service.http.pacing import PacedAnswers
 from service.http.server import HttpServer
 from service.inference_servicer import InferenceOptions, InferenceServicer
 from service.interceptor import AuthInterceptor
@@ -121,8 +123,10 @@ class KVFenceServer:
         self.http_front: OpenAIFront | None = None
         self._apply(registry)
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
+        # Tokenizer time is charged to the tenant's fair share of the engine, like compiles.
+        self._tokenizer_pool = TokenizerPool(options.tokenizer_threads, on_cost=engine.charge_cpu)
         self._prompts = PromptBuilder(
-            model.tokenizer, model.chat_template, limits, TokenizerPool(options.tokenizer_threads)
+            model.tokenizer, model.chat_template, limits, self._tokenizer_pool
         )
         self.tracing = (
             Tracing.otlp(options.otlp_endpoint) if options.otlp_endpoint else Tracing.off()
@@ -165,6 +169,7 @@ class KVFenceServer:
             on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
             client_certs=opts.tls is not None and opts.tls.client_ca is not None,
             pace=RefusalPace(),
+            cheap=RefusalPace(max_wait_s=2.0),
         )
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
@@ -222,13 +227,22 @@ class KVFenceServer:
             )
         )
         tls = opts.tls
-        self.http = HttpServer(
+        guard = opts.http_guard or HttpGuard()
+        authenticator = self.authenticator
+        app = PacedAnswers(
             self.http_front.app(),
+            lambda headers: authenticator.authenticate(headers, {}),
+            peers=guard.pace(),
+            tenants=guard.pace(),
+        )
+        self.http = HttpServer(
+            app,
             opts.http_host or opts.host,
             opts.http_port or 0,
             tls_cert=tls.cert if tls else None,
             tls_key=tls.key if tls else None,
             client_ca=tls.client_ca if tls else None,
+            guard=guard,
         )
         await self.http.start()
 
@@ -305,6 +319,7 @@ class KVFenceServer:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+        self._tokenizer_pool.shutdown()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -1,15 +1,15 @@
 """Structured outputs at the service boundary: the wire's ``ResponseFormat`` -> a compiled
-grammar for the engine, compiled in a worker thread with the tenant's own cache.
+grammar for the engine, compiled on the compile executor with the tenant's own cache.
 
 Both fronts (gRPC and the OpenAI-compatible HTTP front) call ``compile_response_format``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol
 
 from protos.kvfence.v1 import inference_pb2
+from service.engine.compile_executor import CompileExecutor
 from service.engine.grammar import (
     CompiledGrammar,
     GrammarCompiler,
@@ -19,6 +19,7 @@ from service.engine.grammar import (
     Vocabulary,
 )
 from service.errors import invalid_argument
+from service.held_work import outlive_cancel
 
 FIELD = "response_format"
 
@@ -62,7 +63,7 @@ async def compile_spec(
         raise invalid_argument([(field, reason)])
     try:
         # NOTE: llguidance drops the GIL while it compiles, so the loop keeps serving.
-        return await asyncio.to_thread(compiler.compile, tenant, spec)
+        return await outlive_cancel(compiler.submit(tenant, spec))
     except GrammarError as err:
         raise invalid_argument([(field, str(err))]) from None
 
@@ -83,8 +84,10 @@ def build_grammar_compiler(
     vocab_size: int,
     extra_eos_ids: tuple[int, ...] = (),
     limits: GrammarLimits | None = None,
+    executor: CompileExecutor | None = None,
 ) -> GrammarCompiler:
-    """A compiler for the model's vocabulary (``vocab_size`` = the logits width)."""
+    """A compiler for the model's vocabulary (``vocab_size`` = the logits width), compiling
+    on ``executor`` (None: in the caller's thread)."""
 
     def token_bytes(i: int) -> bytes:
         try:
@@ -99,4 +102,4 @@ def build_grammar_compiler(
         special_token_ids=tuple(sorted(i for i in tokenizer.special_ids() if i < vocab_size)),
         encode=lambda text: tokenizer.encode(text, False),
     )
-    return GrammarCompiler(vocab, limits or GrammarLimits())
+    return GrammarCompiler(vocab, limits or GrammarLimits(), executor)

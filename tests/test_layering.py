@@ -1,4 +1,4 @@
-"""The import arrows of ARCHITECTURE.md, checked on the source.
+"""The import arrows of docs/architecture.md, checked on the source.
 
 Only kvcache reads or writes KV memory; that argument is short only while these hold.
 """

@@ -5,8 +5,8 @@
     python -m tests.verify_report -- -k soak # extra pytest arguments after --
 
 Prints one table of every figure (pass/fail against its expected value), writes
-``bench/results/verify.json`` and ``bench/results/verify.md``, and exits non-zero if any
-figure or test fails.
+``verify.json`` and the page ``verify.md`` (``docs/`` for a full run; a short run writes them
+only where ``--results`` says), and exits non-zero if any check or test fails.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", action="store_true", help="run the short sizes")
     parser.add_argument(
         "--results",
-        default=str(ROOT / "bench" / "results"),
-        help="where verify.json and verify.md go",
+        default=None,
+        help="where verify.json and verify.md go (default: docs/ for a full run, a temporary "
+        "directory for --short)",
     )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
@@ -37,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.verify.plugin import VerifyReport
 
-    report = VerifyReport(results_dir=Path(args.results))
+    if args.results is not None:
+        results = Path(args.results)
+    elif args.short:  # short sizes must not overwrite the full report the docs link to
+        results = Path(tempfile.mkdtemp(prefix="kvfence-verify-"))
+    else:
+        results = ROOT / "docs"
+    report = VerifyReport(results_dir=results)
     code = pytest.main(
         ["-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *SUITES, *args.pytest_args],
         plugins=[report],

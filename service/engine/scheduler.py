@@ -50,6 +50,10 @@ _DENSE_QUEUE = 4
 # A tenant counts as active this long after it last had work, so a stream's tenant between
 # two requests is still guarded by the step time target.
 _ACTIVE_FOR_S = 2.0
+# What one token is worth in CPU seconds before the cost model has seen a prefill chunk.
+# NOTE: a token of prefill on the default model costs ~0.5-2 ms on a 2-core CPU; charging
+# off-engine work at 1 ms a token errs toward charging it, until the fit says otherwise.
+_CPU_SECONDS_PER_TOKEN = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,7 @@ class Scheduler:
         self.counter = TokenCounter(lambda t: policy(t).weight)
         self.cost = StepCostModel(packed_rows)  # packed_rows: the model's max_packed_rows
         self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
+        self._cpu_owed: dict[str, float] = {}  # tenant -> a fraction of a token charge_cpu owes
         self._last_active: dict[str, float] = {}  # tenant -> when it last had work (_room)
         # tenant -> admit_order of its last decode row that ran beside the guard
         self._decode_cursor: dict[str, int] = {}
@@ -258,8 +263,11 @@ class Scheduler:
         streams (and those of any tenant tied with it) always decode, and the step is held
         to ``decode_stretch`` times what their rows alone cost (the guard): other tenants'
         rows join, least-served tenant first and each tenant's rows in turn,
-        while the step stays within it, and the rest wait a step. Returns the rows and the
-        guard (infinite when there is none).
+        while the step stays within it, and the rest wait a step. A row's cost includes its
+        measured sampling cost (a grammar's mask can cost far more than the forward: 170 ms
+        a token for an ambiguous grammar), so an expensive row runs beside others' decodes
+        only when its tenant is the least served, and what it costs is charged to it.
+        Returns the rows and the guard (infinite when there is none).
         NOTE: with every row in every step, a tenant's eight streams at 1,000 keys made a
         victim's one stream decode at 80-90 ms a token against 30 ms alone (one thread)."""
         stretch = self._config.decode_stretch
@@ -269,7 +277,10 @@ class Scheduler:
         least = min(served.values())
         first = [s for s in decoding if served[s.tenant] <= least]
         keys = sum(s.num_computed + 1 for s in first)
-        guard = max(1.0, stretch) * cost.decode_seconds(len(first), keys)
+        # A row's sampling cost (its grammar mask, penalties, truncation, logprobs) is part
+        # of what it adds to the step, measured per row (``SeqState.sample_s``).
+        sampling = sum(s.sample_s for s in first)
+        guard = max(1.0, stretch) * (cost.decode_seconds(len(first), keys) + sampling)
         if len(first) == len(decoding):
             return decoding, guard
         rows = list(first)
@@ -284,9 +295,10 @@ class Scheduler:
             )
             for seq in own:
                 more = keys + seq.num_computed + 1
-                if cost.decode_seconds(len(rows) + 1, more) <= guard:
+                if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:
                     rows.append(seq)
                     keys = more
+                    sampling += seq.sample_s
                     self._decode_cursor[tenant] = seq.admit_order
         order = {id(s): i for i, s in enumerate(decoding)}
         rows.sort(key=lambda s: order[id(s)])  # admission order, as without the guard
@@ -396,6 +408,21 @@ class Scheduler:
             e.seq.num_computed += e.num_new
             self.counter.charge(e.seq.tenant, e.num_new)
             self._cache.commit(e.seq.seq_id, e.seq.token_ids, e.seq.num_computed)
+
+    def charge_cpu(self, tenant: str, seconds: float) -> int:
+        """Charge ``tenant`` for CPU work done for it off the model's forward (a grammar
+        compile, its masks and sampling stages, a tokenization) in the fairness currency:
+        the prefill tokens a step could have computed in that time. Fractions of a token
+        are carried to the next charge. Returns the whole tokens charged now."""
+        cost = self.cost.fit()
+        per_token = cost.per_token_s if cost is not None and cost.per_token_s > 0 else 0.0
+        per_token = per_token or _CPU_SECONDS_PER_TOKEN
+        owed = self._cpu_owed.get(tenant, 0.0) + max(0.0, seconds) / per_token
+        tokens = int(owed + 1e-9)
+        self._cpu_owed[tenant] = owed - tokens
+        if tokens:
+            self.counter.charge(tenant, tokens)
+        return tokens
 
     def append(self, seq: SeqState, token: int) -> None:
         """Record a sampled token (the sequence owns its tokens; the cache reads them at

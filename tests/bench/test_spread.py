@@ -90,7 +90,7 @@ def test_online_groups_each_rate_over_its_runs() -> None:
     assert rates[0]["overall"]["req_s"].runs == (10.0, 11.0, 12.0)
     assert rates[1]["overall"]["ttft_p50_ms"].runs == (12.0, 15.0, 18.0)
     assert rates[1]["per_tenant"]["a"]["req_s"].runs == (4.0, 3.0, 2.0)
-    # issue 13's target: ITL p50 at 0.9x capacity, on the worst run (7 x (4, 5, 6) ms here)
+    # the online target: ITL p50 at 0.9x capacity, on the worst run (7 x (4, 5, 6) ms here)
     (itl,) = online.itl_targets(rates)
     assert (itl.value, itl.threshold, itl.higher_is_better, itl.passed) == (42.0, 40.0, False, False)
     assert "worst of 3 runs" in itl.name

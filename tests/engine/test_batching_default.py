@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 
-from bench.parity_corpus import PROMPTS, tokenizer_corpus
 from service.engine.types import EngineConfig, Request, SamplingParams, StoppingParams
 from service.model import LoadedModel
 from tests.engine.conftest import (
@@ -23,6 +22,10 @@ from tests.engine.conftest import (
     run_all,
     run_one_at_a_time,
 )
+from tools.parity.corpus import PROMPTS, tokenizer_corpus
+
+# 48 requests on the default model, each run alone and in three batched configurations.
+pytestmark = pytest.mark.slow
 
 N = 48
 

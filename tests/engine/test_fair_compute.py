@@ -1,4 +1,4 @@
-"""Fair compute and fair memory in the scheduler (issue 12).
+"""Fair compute and fair memory in the scheduler.
 
 A tenant's long prefills must not hold up another tenant's admission or its decodes; step
 tokens are shared by weighted processed-token counts; a tenant whose next request does not
@@ -275,3 +275,27 @@ def test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream(
     assert [got[f"a{i}"] for i in range(4)] == [6, 6, 6, 6]
     # Without the guard every row decodes every step.
     assert set(_decodes_beside_a_heavy_tenant(tiny, stretch=0.0).values()) == {8}
+
+
+
+def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
+    tiny: LoadedModel,
+) -> None:
+    core = make_core(tiny, config=EngineConfig(warmup=False, max_num_batched_tokens=64))
+    core.set_tenant_policy("heavy", sched=TenantSchedPolicy(weight=2.0))
+    counter = core.scheduler.counter
+    assert core.charge_cpu("a", 0.25) == 250  # no prefill fitted yet: 1 ms a token
+    assert core.charge_cpu("heavy", 0.25) == 250
+    assert counter["a"] == 250 and counter["heavy"] == 125  # weighted, as processed tokens
+    rec = Recorder()
+    r = req("p", prompt_ids(1, 200, V), tenant="b", max_tokens=2)
+    core.add(r, rec.sink("p"))
+    for _ in range(3):
+        core.step()
+    fit = core.scheduler.cost.fit()
+    assert fit is not None and fit.per_token_s > 0
+    # Once prefill is measured, a second is what that many prefill tokens would take.
+    assert core.charge_cpu("a", 0.25) == int(0.25 / fit.per_token_s + 1e-9)
+    # A fraction of a token is carried: four charges of a quarter token make one.
+    quarter = fit.per_token_s / 4
+    assert [core.charge_cpu("c", quarter) for _ in range(4)] == [0, 0, 0, 1]

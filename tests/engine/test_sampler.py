@@ -211,7 +211,7 @@ class _Untouchable(tuple[int, ...]):
 
 
 def test_penalty_cost_is_the_penalized_rows_own_tokens() -> None:
-    """Finding 10: one penalized row must not make the sampler read (and pad to) every other
+    """One penalized row must not make the sampler read (and pad to) every other
     row's prompt; it used to build a batch x longest-prompt tensor each step."""
     huge = _Untouchable(range(8000))
     plain = SamplingParams(temperature=0.0)

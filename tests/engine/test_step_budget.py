@@ -1,4 +1,4 @@
-"""The step cost model behind ``--max-step-ms`` and the decode stretch (issue 12)."""
+"""The step cost model behind ``--max-step-ms`` and the decode stretch."""
 
 from __future__ import annotations
 

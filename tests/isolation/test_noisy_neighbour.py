@@ -1,7 +1,7 @@
 """Noisy neighbours: can tenant A, within its own limits, starve, stall or observe tenant B?
 
-Issue 12's attacks, each against a victim tenant B sending short greedy requests one at a
-time, on a real gRPC server with default tenant settings (``make verify``: the default model
+Attacks by a noisy tenant A, each against a victim tenant B sending short greedy requests one
+at a time, on a real gRPC server with default tenant settings (``make verify``: the default model
 and ``kvfence serve``'s default sizing; ``make test``: the tiny model, short runs). B's TTFT and
 inter-token gap medians under each attack are held to its own baseline from the same run:
 median TTFT <= 2x baseline + 0.2 s, median gap <= 2x baseline + 30 ms (judged in `make verify`;
@@ -260,8 +260,8 @@ def test_unauthenticated_flood(srv: ServerHandle, baseline: Latency, record: Rec
 
 
 def test_kv_pool_hog(small: ServerHandle, small_baseline: Latency, record: Recorder) -> None:
-    """Issue 12's hog (two streams of 480-token prompts and 500 outputs in a 64-page pool)
-    no longer fits the attacker's share and is refused; the hog that fills its share runs."""
+    """A KV hog (two streams of 480-token prompts and 500 outputs in a 64-page pool)
+    does not fit the attacker's share and is refused; the hog that fills its share runs."""
     lo, hi = _vocab(small)
     stub = inference_pb2_grpc.InferenceStub(small.channel())
     usage = cache_pb2_grpc.CacheStub(small.channel()).GetUsage(
@@ -278,7 +278,7 @@ def test_kv_pool_hog(small: ServerHandle, small_baseline: Latency, record: Recor
         code = grpc.StatusCode.OK.name
     except grpc.RpcError as err:  # NOTE: caught, not pytest.raises: an OK answer is a row too
         code = err.code().name
-    assert record("issue-size hog request", code, "RESOURCE_EXHAUSTED", code == "RESOURCE_EXHAUSTED")
+    assert record("hog request over its KV share", code, "RESOURCE_EXHAUSTED", code == "RESOURCE_EXHAUSTED")
     # Two streams that together fill the share: prompt and output a quarter of it each.
     quarter = share * small.stack.engine.page_size // 4 - 1
     worker = generate_loop(

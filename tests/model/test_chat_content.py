@@ -1,4 +1,4 @@
-"""Chat message content never yields control tokens (finding 7 of issue 12).
+"""Chat message content never yields control tokens.
 
 On the default model's own template: text in a message that spells ``<|im_end|>`` or
 ``<|im_start|>`` must stay plain text, so content relayed from an end user cannot close its

@@ -58,7 +58,7 @@ CASES: list[tuple[str, Case, str]] = [
     ("min_p < 0", _with(sampling__min_p=-0.1), "sampling.min_p"),
     ("top_k < 0", _with(sampling__top_k=-1), "sampling.top_k"),
     ("repetition 0", _with(sampling__repetition_penalty=0.0), "sampling.repetition_penalty"),
-    # Finding 8: degenerate values that used to give NaN logprobs or empty text.
+    # Degenerate values that could give NaN logprobs or empty text.
     ("temperature 1e-45", _with(sampling__temperature=1e-45), "sampling.temperature"),
     ("temperature 0.009", _with(sampling__temperature=0.009), "sampling.temperature"),
     ("repetition 1e-45", _with(sampling__repetition_penalty=1e-45), "sampling.repetition_penalty"),

@@ -155,7 +155,7 @@ def test_replace_swaps_the_registry_atomically() -> None:
     assert auth.authenticate([("authorization", f"Bearer {KEY_B}")], {}).name == "beta"
 
 
-# Finding 6: a key hash under two tenants, or a certificate naming two tenants, must never be
+# A key hash under two tenants, or a certificate naming two tenants, must never be
 # resolved by file order; a SAN matches only an identity of its own type.
 
 
@@ -220,7 +220,7 @@ def test_untyped_identity_is_refused_at_load(entry: str) -> None:
         parse_tenants({"tenants": {"a": {"mtls_identities": [entry]}}})
 
 
-# Finding 11: quotas travel as uint32 in GetUsage; a larger value must fail at load, not as
+# Quotas travel as uint32 in GetUsage; a larger value must fail at load, not as
 # UNKNOWN on every GetUsage.
 
 

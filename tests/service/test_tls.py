@@ -119,7 +119,8 @@ def test_mtls_client_certificate_names_the_tenant(
 def test_mtls_san_types_and_ambiguous_certificates(
     tiny_model: Any, pki: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Finding 6 over a real handshake: gRPC's typed SAN properties reach the matcher."""
+    """A certificate naming two tenants, over a real handshake: gRPC's typed SAN properties
+    reach the matcher."""
     cert, key = pki["server"]
     options = ServerOptions(tls=TlsFiles(cert, key, pki["dir"] / "ca.crt"))
     tenants = {

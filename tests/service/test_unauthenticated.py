@@ -1,4 +1,4 @@
-"""What a caller without credentials can make the server do (finding 11 of issue 12).
+"""What a caller without credentials can make the server do.
 
 A call with a bad or missing API key is refused before its body is parsed, and the one
 unauthenticated service, health, caps its long-lived ``Watch`` streams.

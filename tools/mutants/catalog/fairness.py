@@ -1,4 +1,4 @@
-"""Switch-offs of the fair-share rules (issue 12): compute, memory and the eviction channel."""
+"""Switch-offs of the fair-share rules: compute, memory and the eviction channel."""
 
 from tools.mutants.mutant import edit, mutant
 
@@ -107,7 +107,9 @@ MUTANTS = (
     mutant(
         "decode-guard-off",
         "beside a less-served tenant's streams, other tenants' decode rows fit within its guard",
-        edit(SCHEDULER, "if cost.decode_seconds(len(rows) + 1, more) <= guard:", "if True:"),
+        edit(SCHEDULER,
+             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
+             "if True:"),
         tests=f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
     ),
     mutant(

@@ -1,0 +1,58 @@
+"""The generated pages under docs/ match their sources, and the README stays a user's page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools import benchmarks_doc, configuration_doc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_configuration_page_is_regenerated_from_the_argparse_definitions() -> None:
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == configuration_doc.render(), (
+        "docs/configuration.md is stale: run `make docs`")
+
+
+def test_every_serve_flag_is_on_the_configuration_page() -> None:
+    from service.cli import build_parser
+
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    page = configuration_doc.render()
+    flags = [o for a in serve._actions for o in a.option_strings if o.startswith("--")]
+    assert "--kv-memory" in flags and "--scrub-policy" in flags
+    missing = [f for f in flags if f not in ("--help",) and f"`{f}`" not in page]
+    assert missing == []
+
+
+def test_benchmark_results_are_one_per_suite_and_machine() -> None:
+    results = benchmarks_doc.load()
+    assert {r.suite for r in results} >= {"single_stream", "offline", "online"}
+    assert benchmarks_doc.duplicates(results) == []
+
+
+def test_a_second_result_of_a_suite_on_the_same_machine_is_refused(tmp_path: Path) -> None:
+    source = benchmarks_doc.RESULTS / "offline.json"
+    (tmp_path / "offline.json").write_text(source.read_text())
+    (tmp_path / "offline_again.json").write_text(source.read_text())
+    assert len(benchmarks_doc.duplicates(benchmarks_doc.load(tmp_path))) == 1
+
+
+def test_readme_is_a_users_page_of_at_most_500_lines() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 500
+    links = [part.split(")")[0] for part in "\n".join(lines).split("](")[1:]]
+    local = [link.split("#")[0] for link in links if not link.startswith(("http", "#"))]
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert missing == [], f"README links to missing files: {missing}"
+
+
+def test_every_suite_and_every_result_file_reaches_the_benchmarks_page() -> None:
+    import json
+
+    from bench.summary import SUITE_ORDER
+
+    assert tuple(benchmarks_doc.SUITES) == SUITE_ORDER
+    named = {json.loads(p.read_text()).get("suite") for p in benchmarks_doc.RESULTS.glob("*.json")}
+    assert named - {None} <= set(benchmarks_doc.SUITES)
