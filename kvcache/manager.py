@@ -92,9 +92,16 @@ class KVCacheManager:
 
     # -- sequences -----------------------------------------------------------------------
     def open(
-        self, seq_id: str, tenant: str, token_ids: Sequence[int], *, use_prefix_cache: bool = True
+        self,
+        seq_id: str,
+        tenant: str,
+        token_ids: Sequence[int],
+        *,
+        use_prefix_cache: bool = True,
+        salt: str = "",
     ) -> int:
-        """Register a sequence and reuse the tenant's cached full pages of its prefix.
+        """Register a sequence and reuse the tenant's cached full pages of its prefix that
+        were cached under the same ``salt`` (a sub-namespace inside the tenant's).
 
         At least one token is always left uncomputed (its logits are needed). Takes a
         reference on every hit page. Returns the number of cached tokens.
@@ -106,7 +113,7 @@ class KVCacheManager:
         if not token_ids:
             raise InvalidRequest("token_ids must be non-empty")
         self.evict_expired()
-        table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)
+        table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache, salt)
         cached = 0
         if self._caching(table):
             started = time.perf_counter()
@@ -121,9 +128,10 @@ class KVCacheManager:
     def _self_match(self, table: PageTable, token_ids: Sequence[int]) -> None:
         """Take refs on the tenant's cached pages of the table's prefix, in chain order."""
         tenant = table.tenant
+        ns = table.namespace
         try:
             for index in range((len(token_ids) - 1) // self.page_size):
-                entry = self.prefix.lookup(tenant, table.chain, table.page_tokens(token_ids, index))
+                entry = self.prefix.lookup(ns, table.chain, table.page_tokens(token_ids, index))
                 if entry is None:
                     break
                 # NOTE: share() is the owner check behind the key-space separation.
@@ -255,7 +263,7 @@ class KVCacheManager:
             index = table.num_cached_pages
             page_id = table.pages[index].page_id
             tokens = table.page_tokens(token_ids, index)
-            entry = self.prefix.insert(table.tenant, table.chain, tokens, page_id)
+            entry = self.prefix.insert(table.namespace, table.chain, tokens, page_id)
             if entry is None:
                 table.chain_open = False  # collision: stop caching this sequence's pages
                 break

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvcache.allocator import PageRef
 from kvcache.errors import InvalidRequest
 from kvcache.metadata import SeqSpan
-from kvcache.prefix_cache import ChainPos
+from kvcache.prefix_cache import ChainPos, Namespace
 
 
 @dataclass(slots=True)
@@ -22,10 +22,15 @@ class PageTable:
     tenant: str
     page_size: int
     use_prefix_cache: bool
+    salt: str = ""  # the caller's cache salt: a sub-namespace of the tenant's prefix cache
     pages: list[PageRef] = field(default_factory=list)
     num_cached_pages: int = 0  # leading pages already matched or inserted in the prefix cache
     chain: ChainPos = field(default_factory=ChainPos)  # set by the manager as pages are cached
     chain_open: bool = True  # False after a collision: later pages are not cached
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.tenant, salt=self.salt)
 
     @property
     def num_slots(self) -> int:

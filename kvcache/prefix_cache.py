@@ -1,15 +1,18 @@
 """Per-tenant prefix cache over full pages, keyed by a chained, length-framed HMAC.
 
-Keys: ``tenant_key = HMAC-SHA256(secret, frame("kvfence-prefix-v1", tenant))`` and, page by
-page, ``key_i = HMAC-SHA256(tenant_key, frame(key_{i-1}, tokens_i))``. Every field is
+A namespace is (tenant, adapter, salt): the tenant from the credential, the adapter the
+request runs with ("" = the base model) and the caller's cache salt ("" = none). Keys:
+``ns_key = HMAC-SHA256(secret, frame("kvfence-prefix-v2", tenant, adapter, salt))`` and, page
+by page, ``key_i = HMAC-SHA256(ns_key, frame(key_{i-1}, tokens_i))``. Every field is
 length-framed, so no two different field tuples serialise to the same bytes. Each tenant
-has its own key space (a dict per tenant) and its own HMAC key, so a tenant can neither
-look up nor compute another tenant's keys.
+has its own key space (a dict per tenant) and each namespace its own HMAC key, so a tenant
+can neither look up nor compute another tenant's keys, and a salt only ever selects keys
+inside its own tenant's space.
 
-A key hit is never trusted alone: the stored page's token ids must equal the request's and
-its parent must be the exact entry matched one page earlier (entry serials are never reused),
-so even a forced hash collision cannot splice a foreign prefix in. ``key_fn`` lets tests
-swap in a deliberately weak hash to prove that.
+A key hit is never trusted alone: the stored page's namespace and token ids must equal the
+request's and its parent must be the exact entry matched one page earlier (entry serials are
+never reused), so even a forced hash collision cannot splice a foreign prefix in. ``key_fn``
+lets tests swap in a deliberately weak hash to prove that.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ KeyFn = Callable[[bytes, bytes, Sequence[int]], bytes]
 
 ROOT_KEY = b""
 ROOT_SERIAL = 0
+# Namespace keys held at once. NOTE: salts are caller-chosen and unbounded in number, so the
+# memo is cleared when full rather than growing with every salt ever seen.
+MAX_NAMESPACE_KEYS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Whose cached pages a sequence may match and fill."""
+
+    tenant: str
+    adapter: str = ""  # "" = the base model
+    salt: str = ""  # "" = the tenant's default namespace
 
 
 def frame(*fields: bytes) -> bytes:
@@ -37,8 +52,9 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
     return array("q", token_ids).tobytes()
 
 
-def derive_tenant_key(secret: bytes, tenant: str) -> bytes:
-    return hmac.new(secret, frame(b"kvfence-prefix-v1", tenant.encode()), hashlib.sha256).digest()
+def derive_namespace_key(secret: bytes, ns: Namespace) -> bytes:
+    fields = (b"kvfence-prefix-v2", ns.tenant.encode(), ns.adapter.encode(), ns.salt.encode())
+    return hmac.new(secret, frame(*fields), hashlib.sha256).digest()
 
 
 def chain_key(tenant_key: bytes, parent_key: bytes, token_ids: Sequence[int]) -> bytes:
@@ -52,6 +68,7 @@ def chain_key(tenant_key: bytes, parent_key: bytes, token_ids: Sequence[int]) ->
 class CacheEntry:
     """One cached full page. ``serial`` is unique for the cache's lifetime."""
 
+    namespace: Namespace
     key: bytes
     page_id: int
     token_ids: tuple[int, ...]
@@ -68,53 +85,59 @@ class ChainPos:
 
 
 class PrefixCache:
-    """Maps (tenant, chained key) to a cached page. Holds no refcounts and no KV."""
+    """Maps (tenant, chained key) to a cached page; the key chain starts from the namespace's
+    key. Holds no refcounts and no KV."""
 
     def __init__(self, secret: bytes, key_fn: KeyFn = chain_key) -> None:
         self._secret = secret
         self._key_fn = key_fn
-        self._tenant_keys: dict[str, bytes] = {}
+        self._ns_keys: dict[Namespace, bytes] = {}
         self._spaces: dict[str, dict[bytes, CacheEntry]] = {}
         self._by_page: dict[int, tuple[str, CacheEntry]] = {}
         self._next_serial = ROOT_SERIAL + 1
         self.collisions = 0  # key hits rejected by the token / parent comparison
 
-    def key(self, tenant: str, parent_key: bytes, token_ids: Sequence[int]) -> bytes:
-        tkey = self._tenant_keys.get(tenant)
-        if tkey is None:
-            tkey = self._tenant_keys[tenant] = derive_tenant_key(self._secret, tenant)
-        return self._key_fn(tkey, parent_key, token_ids)
+    def key(self, ns: Namespace, parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+        nkey = self._ns_keys.get(ns)
+        if nkey is None:
+            if len(self._ns_keys) >= MAX_NAMESPACE_KEYS:
+                self._ns_keys.clear()
+            nkey = self._ns_keys[ns] = derive_namespace_key(self._secret, ns)
+        return self._key_fn(nkey, parent_key, token_ids)
 
-    def _verified(self, entry: CacheEntry, pos: ChainPos, token_ids: Sequence[int]) -> bool:
-        if entry.parent_serial == pos.serial and entry.token_ids == tuple(token_ids):
+    def _verified(
+        self, entry: CacheEntry, ns: Namespace, pos: ChainPos, token_ids: Sequence[int]
+    ) -> bool:
+        same_namespace = entry.namespace == ns
+        if entry.parent_serial == pos.serial and same_namespace and entry.token_ids == tuple(token_ids):
             return True
         self.collisions += 1
         return False
 
-    def lookup(self, tenant: str, pos: ChainPos, token_ids: Sequence[int]) -> CacheEntry | None:
-        """The tenant's entry for the page after ``pos`` holding ``token_ids``, if any."""
-        space = self._spaces.get(tenant)
+    def lookup(self, ns: Namespace, pos: ChainPos, token_ids: Sequence[int]) -> CacheEntry | None:
+        """The namespace's entry for the page after ``pos`` holding ``token_ids``, if any."""
+        space = self._spaces.get(ns.tenant)
         if not space:
             return None
-        entry = space.get(self.key(tenant, pos.key, token_ids))
-        if entry is None or not self._verified(entry, pos, token_ids):
+        entry = space.get(self.key(ns, pos.key, token_ids))
+        if entry is None or not self._verified(entry, ns, pos, token_ids):
             return None
         return entry
 
     def insert(
-        self, tenant: str, pos: ChainPos, token_ids: Sequence[int], page_id: int
+        self, ns: Namespace, pos: ChainPos, token_ids: Sequence[int], page_id: int
     ) -> CacheEntry | None:
         """Cache ``page_id`` after ``pos``. If the key is taken, returns the existing entry
         when it holds the same prefix, and None (nothing inserted) on a collision."""
-        key = self.key(tenant, pos.key, token_ids)
-        space = self._spaces.setdefault(tenant, {})
+        key = self.key(ns, pos.key, token_ids)
+        space = self._spaces.setdefault(ns.tenant, {})
         existing = space.get(key)
         if existing is not None:
-            return existing if self._verified(existing, pos, token_ids) else None
-        entry = CacheEntry(key, page_id, tuple(token_ids), pos.serial, self._next_serial)
+            return existing if self._verified(existing, ns, pos, token_ids) else None
+        entry = CacheEntry(ns, key, page_id, tuple(token_ids), pos.serial, self._next_serial)
         self._next_serial += 1
         space[key] = entry
-        self._by_page[page_id] = (tenant, entry)
+        self._by_page[page_id] = (ns.tenant, entry)
         return entry
 
     def entry_for_page(self, page_id: int) -> tuple[str, CacheEntry] | None:

@@ -61,7 +61,9 @@ class CacheServicer:
         return cache_pb2.PurgeResponse(pages_purged=purged)
 
     def _count(self, tenant: Tenant, method: str) -> None:
-        self._metrics.requests.labels(self._metrics.label(tenant.name), method, "OK").inc()
+        self._metrics.requests.labels(
+            self._metrics.label(tenant.name), method, "OK", "grpc"
+        ).inc()
 
     def _quotas(self, tenant: Tenant, share: int | None) -> cache_pb2.Quotas:
         q = tenant.quotas

@@ -93,6 +93,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          choices=["reassign", "always", "off"])
     _add(p, "--prefix-ttl", 600.0, "default prefix-cache TTL in seconds", type=float)
     _add(p, "--alert-tenant-kv-pages", 0, "warn when a tenant holds more pages (0 = off)", type=int)
+    _add(p, "--otlp-endpoint", None,
+         "export OpenTelemetry request spans over OTLP/gRPC to this host:port (off when unset)")
     _add(
         p,
         "--alert-request-kv-pages",

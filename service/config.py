@@ -69,6 +69,7 @@ class ServerOptions:
     http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
     cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
     http_guard: HttpGuard | None = None  # None = HttpGuard(): the HTTP front's bounds
+    otlp_endpoint: str | None = None  # None = no tracing (opentelemetry is not even imported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kv_overcommit=args.kv_overcommit,
         http_port=args.http_port,
         cluster_limits=cluster,
+        otlp_endpoint=args.otlp_endpoint,
     )
     sizing = EngineSizing(
         kv_memory=args.kv_memory,

@@ -41,8 +41,10 @@ from service.metrics import EngineGauges, Metrics, MetricsServer
 from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import EngineLike
 from service.refusal_pace import RefusalPace
+from service.request_metrics import PageAlert
 from service.tenants import TenantRegistry, TenantsFileError, load_tenants
 from service.tokenizer_pool import TokenizerPool
+from service.tracing import Tracing
 from service.validation import ModelLimits
 from service.wire import add_cache_service, add_inference_service
 
@@ -126,6 +128,9 @@ class KVFenceServer:
         self._prompts = PromptBuilder(
             model.tokenizer, model.chat_template, limits, self._tokenizer_pool
         )
+        self.tracing = (
+            Tracing.otlp(options.otlp_endpoint) if options.otlp_endpoint else Tracing.off()
+        )
         self.inference = InferenceServicer(
             engine,
             self._prompts,
@@ -147,6 +152,7 @@ class KVFenceServer:
             lambda: self._draining,
             clock,
             grammars,
+            self.tracing,
         )
 
     @property
@@ -216,6 +222,8 @@ class KVFenceServer:
                 grammars=self._grammars,
                 is_draining=lambda: self._draining,
                 clock=self._clock,
+                alert=PageAlert(self._engine.page_size, opts.alert_request_kv_pages),
+                tracing=self.tracing,
             )
         )
         tls = opts.tls

@@ -24,7 +24,10 @@ from service.metrics import Metrics
 from service.prepare import check_request, finish_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
+from service.request_metrics import PageAlert, RequestMetrics
 from service.tenants import Tenant
+from service.tool_calls import CallsMade, ToolSplitter
+from service.tracing import Tracing
 from service.validation import (
     Violations,
     prompt_token_limit,
@@ -54,7 +57,9 @@ class InferenceServicer:
         is_draining: Callable[[], bool],
         clock: Callable[[], float],
         grammars: GrammarCompiler | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing if tracing is not None else Tracing.off()
         self._engine = engine
         self._prompts = prompts
         self._limiter = limiter
@@ -73,13 +78,18 @@ class InferenceServicer:
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         request_id = uuid.uuid4().hex
         log = self._log.bind(tenant=tenant.name, request_id=request_id, peer=context.peer())
+        alert = PageAlert(self._opts.page_size, self._opts.alert_request_kv_pages)
+        trace = self._tracing.request(tenant.name, "grpc", request_id)
+        recorder = RequestMetrics(self._metrics, tenant.name, "grpc", alert, log, trace)
         code = "CANCELLED"
+        error: ServiceError | None = None
         try:
-            async for response in self._generate(request, context, tenant, request_id, log):
+            async for response in self._generate(request, context, tenant, request_id, log, recorder):
                 yield response
             code = "OK"
         except ServiceError as err:
             code = err.code.name
+            error = err
             log.info("generate.error", code=code, message=err.message)
             await abort(context, err)
         except Exception as exc:  # a bug: INTERNAL, and nothing of the request in the log
@@ -92,7 +102,7 @@ class InferenceServicer:
                 remaining = context.time_remaining()
                 code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else code
                 log.info("generate.cancelled", code=code)
-            self._metrics.requests.labels(self._metrics.label(tenant.name), "Generate", code).inc()
+            recorder.done("Generate", code, error)
 
     async def _generate(
         self,
@@ -101,6 +111,7 @@ class InferenceServicer:
         tenant: Tenant,
         request_id: str,
         log: FilteringBoundLogger,
+        recorder: RequestMetrics,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         checked = check_request(self._prompts, tenant, request)
         which = checked.which
@@ -108,15 +119,16 @@ class InferenceServicer:
         # Charged before any work (tokenizing included): the input by its size.
         lease = await self._limiter.admit(tenant.name, checked.input_cost + max_tokens)
         try:
-            engine_request = await finish_request(
-                self._prompts,
-                self._grammars,
-                tenant,
-                request,
-                checked,
-                request_id,
-                self._deadline(context),
-            )
+            with recorder.trace.span("tokenize"):
+                engine_request = await finish_request(
+                    self._prompts,
+                    self._grammars,
+                    tenant,
+                    request,
+                    checked,
+                    request_id,
+                    self._deadline(context),
+                )
             prompt_tokens = len(engine_request.prompt_ids)
             log.info(
                 "generate.accepted",
@@ -126,7 +138,8 @@ class InferenceServicer:
             )
             if self._opts.log_content:
                 log.info("generate.content", prompt=self._prompt_text(request, which))
-            async for response in self._stream(engine_request, request, tenant, log):
+            splitter = ToolSplitter(checked.tool_plan)
+            async for response in self._stream(engine_request, request, log, recorder, splitter):
                 yield response
         finally:
             lease.release()
@@ -135,11 +148,12 @@ class InferenceServicer:
         self,
         req: Request,
         request: inference_pb2.GenerateRequest,
-        tenant: Tenant,
         log: FilteringBoundLogger,
+        recorder: RequestMetrics,
+        splitter: ToolSplitter,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        label = self._metrics.label(tenant.name)
-        inter_token = self._metrics.inter_token.labels(label)  # once, not a lookup a token
+        seq = recorder.sequence(len(req.prompt_ids), self._clock)
+        recorder.trace.submitted()
         try:
             events = await self._engine.submit(req)
         except EngineError as exc:
@@ -148,38 +162,30 @@ class InferenceServicer:
         # (Engine.abort frees the pages at the next step boundary); aclosing closes it at
         # once when this RPC is cancelled, past its deadline, or the stream breaks.
         async with contextlib.aclosing(events):
-            last = self._clock()
-            completion = 0
-            alerted = False
             output: list[str] = []
-            async for event in events:
-                now = self._clock()
-                if isinstance(event, Admitted):
-                    yield responses.started(
-                        event, req.request_id, request.client_request_id, self._prompts.model.name
-                    )
-                elif isinstance(event, Delta):
-                    if completion:
-                        inter_token.observe(now - last)
-                    last = now
-                    completion += len(event.token_ids)
+            async for raw in events:
+                if isinstance(raw, Delta):
+                    seq.delta(len(raw.token_ids))
                     if self._opts.log_content:
-                        output.append(event.text)
-                    alerted = alerted or self._check_request_pages(
-                        len(req.prompt_ids) + completion, tenant, log
-                    )
-                    yield responses.chunk(event, self._prompts.token_text)
-                else:
-                    yield self._finish(event, tenant, log, "".join(output))
+                        output.append(raw.text)
+                elif isinstance(raw, Finished):
+                    seq.finished(raw)
+                for event in splitter.split(raw):
+                    if isinstance(event, Admitted):
+                        yield responses.started(
+                            event, req.request_id, request.client_request_id,
+                            self._prompts.model.name,
+                        )
+                    elif isinstance(event, Delta):
+                        yield responses.chunk(event, self._prompts.token_text)
+                    elif isinstance(event, CallsMade):
+                        yield responses.tool_calls(event.calls)
+                    else:
+                        yield self._finish(event, log, "".join(output), splitter.called)
 
     def _finish(
-        self, event: Finished, tenant: Tenant, log: FilteringBoundLogger, output: str
+        self, event: Finished, log: FilteringBoundLogger, output: str, called: bool
     ) -> inference_pb2.GenerateResponse:
-        label = self._metrics.label(tenant.name)
-        self._metrics.prompt_tokens.labels(label).inc(event.prompt_tokens)
-        self._metrics.completion_tokens.labels(label).inc(event.completion_tokens)
-        if event.ttft_s is not None:
-            self._metrics.ttft.labels(label).observe(event.ttft_s)
         log.info(
             "generate.finished",
             reason=event.reason,
@@ -195,16 +201,7 @@ class InferenceServicer:
             log.info("generate.content", output=output)
         if event.reason not in responses.FINISH_REASONS:
             raise finish_error(event, self._is_draining())
-        return responses.finished(event)
-
-    def _check_request_pages(self, tokens: int, tenant: Tenant, log: FilteringBoundLogger) -> bool:
-        threshold = self._opts.alert_request_kv_pages
-        pages = math.ceil(tokens / self._opts.page_size)
-        if threshold <= 0 or pages <= threshold:
-            return False
-        log.warning("kv.alert.request_pages", pages=pages, threshold=threshold)
-        self._metrics.kv_alerts.labels(self._metrics.label(tenant.name), "request").inc()
-        return True
+        return responses.finished(event, called)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         remaining: float | None = context.time_remaining()
@@ -258,7 +255,9 @@ class InferenceServicer:
             code = "CANCELLED"
             raise
         finally:
-            self._metrics.requests.labels(self._metrics.label(tenant.name), "Tokenize", code).inc()
+            self._metrics.requests.labels(
+                self._metrics.label(tenant.name), "Tokenize", code, "grpc"
+            ).inc()
 
     async def ListModels(
         self,
@@ -266,7 +265,9 @@ class InferenceServicer:
         context: grpc.aio.ServicerContext,
         tenant: Tenant,
     ) -> inference_pb2.ListModelsResponse:
-        self._metrics.requests.labels(self._metrics.label(tenant.name), "ListModels", "OK").inc()
+        self._metrics.requests.labels(
+            self._metrics.label(tenant.name), "ListModels", "OK", "grpc"
+        ).inc()
         models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
         return inference_pb2.ListModelsResponse(models=models)
 

@@ -1,7 +1,8 @@
 """Prometheus metrics on a dedicated ``CollectorRegistry`` (no global registry state).
 
 The ``tenant`` label only takes names from the tenants file; anything else is ``unknown``,
-so label cardinality is bounded by the file. KV-cache figures come from the latest
+so label cardinality is bounded by the file. Per-request series carry ``front`` ("grpc" or
+"http") and are recorded for both fronts by ``service.request_metrics``. KV-cache figures come from the latest
 ``KVCacheManager.stats()`` snapshot the server hands to ``observe_cache``; they are rendered
 at scrape time by a custom collector, so per-tenant series follow reloads exactly.
 """
@@ -102,27 +103,39 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "kvfence_requests",
-            "RPCs by tenant, method and status code",
-            ["tenant", "method", "code"],
+            "Requests by tenant, method, status code and front",
+            ["tenant", "method", "code", "front"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "kvfence_refusals",
+            "Requests refused (an error instead of a generation) by status code and reason",
+            ["tenant", "front", "code", "reason"],
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "kvfence_prompt_tokens", "Prompt tokens processed", ["tenant"], registry=r
+            "kvfence_prompt_tokens", "Prompt tokens processed", ["tenant", "front"], registry=r
         )
         self.completion_tokens = Counter(
-            "kvfence_completion_tokens", "Tokens generated", ["tenant"], registry=r
+            "kvfence_completion_tokens", "Tokens generated", ["tenant", "front"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvfence_cached_prompt_tokens",
+            "Prompt tokens served from the caller's own prefix cache",
+            ["tenant", "front"],
+            registry=r,
         )
         self.ttft = Histogram(
             "kvfence_ttft_seconds",
             "Time to first token",
-            ["tenant"],
+            ["tenant", "front"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.inter_token = Histogram(
             "kvfence_inter_token_seconds",
-            "Time between streamed chunks",
-            ["tenant"],
+            "Time between streamed chunks of one sequence",
+            ["tenant", "front"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos.kvfence.v1 import inference_pb2
+from service import tools
 from service.engine.grammar import GrammarCompiler
 from service.engine.types import Request, SamplingParams, StoppingParams
 from service.errors import permission_denied
 from service.prompt import PromptBuilder
-from service.structured import compile_response_format
+from service.structured import compile_response_format, compile_spec
 from service.tenants import Tenant
 from service.validation import (
     Violations,
@@ -38,6 +39,7 @@ class Checked:
     sampling: SamplingParams
     stopping: StoppingParams
     input_cost: int  # tokens the input is charged by its size, before it is tokenized
+    tool_plan: tools.ToolPlan | None  # how the output is read for tool calls
 
 
 def check_request(
@@ -51,12 +53,16 @@ def check_request(
     which = request.WhichOneof("input")
     out: Violations = []
     check_request_fields(request, model, out)
-    sampling = parse_sampling(request.sampling, out)
+    sampling = parse_sampling(request.sampling, model.vocab_size, out)
     stopping = parse_stopping(request.stopping, model.vocab_size, out)
     prompts.check_input(which, request, limit, out)
     raise_if(out)
     assert which is not None
-    return Checked(which, limit, sampling, stopping, prompts.input_cost(which, request))
+    plan = prompts.tool_plan(request)
+    if plan is not None and request.HasField("response_format"):
+        raise_if([("response_format", "cannot be combined with tools (unless tool_choice is none)")])
+    cost = prompts.input_cost(which, request)
+    return Checked(which, limit, sampling, stopping, cost, plan)
 
 
 async def finish_request(
@@ -73,7 +79,11 @@ async def finish_request(
     out: Violations = []
     check_context(len(prompt), checked.stopping.max_tokens, prompts.model, out)
     raise_if(out)
-    grammar = await compile_response_format(grammars, tenant.name, request)
+    if checked.tool_plan is not None and checked.tool_plan.constrained:
+        spec = tools.grammar(request.chat, checked.tool_plan)
+        grammar = await compile_spec(grammars, tenant.name, spec, "chat.tool_choice")
+    else:
+        grammar = await compile_response_format(grammars, tenant.name, request)
     return Request(
         request_id=request_id,
         tenant=tenant.name,
@@ -84,4 +94,5 @@ async def finish_request(
         deadline=deadline,
         bypass_prefix_cache=request.bypass_prefix_cache,
         grammar=grammar,
+        cache_salt=request.cache_salt,
     )

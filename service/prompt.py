@@ -9,11 +9,13 @@ control tokens.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from protos.kvfence.v1 import inference_pb2
+from service import tools
 from service.errors import invalid_argument
 from service.limits import byte_tokens
+from service.model.chat_template import ToolFormat
 from service.tokenizer_pool import TokenizerPool
 from service.validation import (
     ModelLimits,
@@ -35,8 +37,14 @@ class TokenizerLike(Protocol):
 
 
 class ChatTemplateLike(Protocol):
+    native_tools: bool
+    tool_format: ToolFormat
+
     def render_parts(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[tuple[str, bool]]: ...
 
 
@@ -70,7 +78,17 @@ class PromptBuilder:
             return len(req.token_ids.ids)
         if which == "text":
             return byte_tokens(len(req.text.encode("utf-8")))
-        return byte_tokens(sum(len(m.content.encode("utf-8")) for m in req.chat.messages))
+        chat = req.chat
+        size = sum(len(m.content.encode("utf-8")) for m in chat.messages)
+        size += sum(len(c.arguments) + len(c.name) for m in chat.messages for c in m.tool_calls)
+        size += sum(len(t.description) + len(t.parameters) for t in chat.tools)
+        return byte_tokens(size)
+
+    def tool_plan(self, req: inference_pb2.GenerateRequest) -> tools.ToolPlan | None:
+        """How the request's output is read for tool calls; None without tools."""
+        if req.WhichOneof("input") != "chat" or self._template is None:
+            return None
+        return tools.plan(req.chat, self._template.tool_format)
 
     def check_input(
         self,
@@ -91,6 +109,7 @@ class PromptBuilder:
             )
         elif which == "chat":
             check_chat(req.chat, "chat", token_limit, out)
+            tools.check_tools(req.chat, "chat", out)
             if self._template is None:
                 out.append(("chat", "the model has no chat template; send text or token_ids"))
 
@@ -112,9 +131,12 @@ class PromptBuilder:
             ids = await self._pool.run(tenant, lambda: self._tok.encode(text, add_special_tokens))
         else:
             assert self._template is not None
-            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            template = self._template
+            messages, tool_list = tools.template_messages(req.chat, template.native_tools)
             try:
-                parts = self._template.render_parts(messages, wants_generation_prompt(req.chat))
+                parts = template.render_parts(
+                    messages, wants_generation_prompt(req.chat), tool_list
+                )
             except ValueError as exc:  # ChatTemplateError: the template's own complaint
                 raise invalid_argument(
                     [("chat", f"chat template refused the messages: {exc}")]

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from protos.kvfence.v1 import inference_pb2
 from service.engine.types import Admitted, Delta, Finished
+from service.tool_calls import ParsedCall
 
 FINISH_REASONS = {
     "stop": inference_pb2.FINISH_REASON_STOP,
@@ -43,11 +44,24 @@ def chunk(event: Delta, token_text: Callable[[int], str]) -> inference_pb2.Gener
     return inference_pb2.GenerateResponse(chunk=msg)
 
 
-def finished(event: Finished) -> inference_pb2.GenerateResponse:
-    """The ``finished`` message of a normal stop (``stop`` or ``length``)."""
+def tool_calls(calls: tuple[ParsedCall, ...]) -> inference_pb2.GenerateResponse:
+    return inference_pb2.GenerateResponse(
+        tool_calls=inference_pb2.ToolCalls(
+            calls=[inference_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                   for c in calls]
+        )
+    )
+
+
+def finished(event: Finished, called: bool = False) -> inference_pb2.GenerateResponse:
+    """The ``finished`` message of a normal stop (``stop`` or ``length``); a stop after
+    tool calls is ``TOOL_CALLS``."""
+    reason = FINISH_REASONS[event.reason]
+    if called and event.reason == "stop":
+        reason = inference_pb2.FINISH_REASON_TOOL_CALLS
     return inference_pb2.GenerateResponse(
         finished=inference_pb2.Finished(
-            reason=FINISH_REASONS[event.reason],
+            reason=reason,
             usage=inference_pb2.Usage(
                 prompt_tokens=event.prompt_tokens,
                 completion_tokens=event.completion_tokens,

@@ -47,19 +47,25 @@ async def compile_response_format(
     """
     if not request.HasField("response_format"):
         return None
-    spec = spec_from_proto(request.response_format)
+    return await compile_spec(compiler, tenant, spec_from_proto(request.response_format), FIELD)
+
+
+async def compile_spec(
+    compiler: GrammarCompiler | None, tenant: str, spec: GrammarSpec | None, field: str
+) -> CompiledGrammar | None:
+    """``spec`` compiled with the tenant's cache; INVALID_ARGUMENT naming ``field`` if not."""
     if spec is None:
         return None
     if compiler is None:
-        raise invalid_argument([(FIELD, "structured outputs are not enabled on this server")])
+        raise invalid_argument([(field, "structured outputs are not enabled on this server")])
     reason = compiler.check(spec)  # cheap refusals without a thread hop
     if reason is not None:
-        raise invalid_argument([(FIELD, reason)])
+        raise invalid_argument([(field, reason)])
     try:
         # NOTE: llguidance drops the GIL while it compiles, so the loop keeps serving.
         return await outlive_cancel(compiler.submit(tenant, spec))
     except GrammarError as err:
-        raise invalid_argument([(FIELD, str(err))]) from None
+        raise invalid_argument([(field, str(err))]) from None
 
 
 class VocabTokenizer(Protocol):

@@ -26,6 +26,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHAT_MESSAGES = 512
+MAX_LOGIT_BIAS = 1024
+MAX_CACHE_SALT_BYTES = 256
 MAX_CLIENT_REQUEST_ID = 128
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # NOTE: below these the sampler divides logits by ~0 (temperature) or scales them by ~0 or
@@ -119,7 +121,9 @@ def _number(
         out.append((field, f"must be a finite number in {bracket}{lo:g}, {hi:g}]"))
 
 
-def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> SamplingParams:
+def parse_sampling(
+    msg: inference_pb2.SamplingParams, vocab_size: int, out: Violations
+) -> SamplingParams:
     d = SamplingParams()
     s = SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
@@ -132,6 +136,7 @@ def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> Sampli
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
     if s.temperature != 0.0:
         _number(s.temperature, "sampling.temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, out)
@@ -148,7 +153,23 @@ def parse_sampling(msg: inference_pb2.SamplingParams, out: Violations) -> Sampli
     )
     _number(s.presence_penalty, "sampling.presence_penalty", -2.0, 2.0, out)
     _number(s.frequency_penalty, "sampling.frequency_penalty", -2.0, 2.0, out)
+    _logit_bias(s.logit_bias, vocab_size, out)
     return s
+
+
+def _logit_bias(
+    bias: Sequence[tuple[int, float]], vocab_size: int, out: Violations
+) -> None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        out.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries"))
+        return
+    for token_id, value in bias:
+        if not 0 <= token_id < vocab_size:
+            out.append(("sampling.logit_bias", f"token id {token_id} is outside [0, {vocab_size})"))
+            return
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            out.append(("sampling.logit_bias", f"bias of token {token_id} must be in [-100, 100]"))
+            return
 
 
 def parse_stopping(
@@ -189,6 +210,8 @@ def check_request_fields(
         out.append(("client_request_id", f"at most {MAX_CLIENT_REQUEST_ID} characters"))
     if req.model and req.model != model.name:
         out.append(("model", "is not served here (see ListModels)"))
+    if len(req.cache_salt.encode("utf-8")) > MAX_CACHE_SALT_BYTES:
+        out.append(("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes"))
 
 
 def check_context(prompt_len: int, max_tokens: int, model: ModelLimits, out: Violations) -> None:

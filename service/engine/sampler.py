@@ -5,8 +5,9 @@ run over the rows of the batch (never over the vocabulary), and the only host sy
 single ``.tolist()`` that brings the chosen ids (and logprobs, packed into the same
 tensor) back. Order of processing, per row:
 
-1. ban stop tokens while fewer than ``min_tokens`` were generated; rows with a grammar
-   keep only the tokens it allows (``grammar.py``);
+1. ban stop tokens while fewer than ``min_tokens`` were generated; add the row's logit
+   bias (a banned or grammar-refused token stays refused whatever its bias); rows with a
+   grammar keep only the tokens it allows (``grammar.py``);
 2. repetition penalty (prompt + output tokens), presence and frequency penalties (output);
 3. greedy rows take the argmax here;
 4. temperature, then top-k, top-p, min-p truncation;
@@ -98,6 +99,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
         logits = logits.float()
         self._ban(logits, rows)
+        self._bias(logits, rows)
         costs = _RowCosts(len(rows))
         constrained = [i for i, r in enumerate(rows) if r.grammar]
         masks = apply_grammar_masks(
@@ -138,6 +140,13 @@ class Sampler:
         if pairs:
             idx = torch.tensor(pairs, dtype=torch.long, device=self.device)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
+
+    def _bias(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+        triples = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+        if triples:
+            idx = torch.tensor([(i, t) for i, t, _ in triples], dtype=torch.long, device=self.device)
+            bias = torch.tensor([b for _, _, b in triples], device=self.device)
+            logits.index_put_((idx[:, 0], idx[:, 1]), bias, accumulate=True)
 
     def _penalize(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         # NOTE: only the rows that ask for a penalty are touched, and each costs its own

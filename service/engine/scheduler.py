@@ -559,6 +559,7 @@ class Scheduler:
             seq.tenant,
             seq.token_ids,
             use_prefix_cache=not seq.request.bypass_prefix_cache,
+            salt=seq.request.cache_salt,
         )
         seq.in_cache = True
         seq.num_computed = cached

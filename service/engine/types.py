@@ -66,6 +66,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class Request:
     deadline: float | None = None  # engine clock (monotonic seconds)
     bypass_prefix_cache: bool = False
     grammar: CompiledGrammar | None = None  # structured output; compiled by the service
+    cache_salt: str = ""  # prefix-cache sub-namespace inside the tenant's ("" = none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import math
+import secrets
 import time
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -30,7 +33,7 @@ from structlog.typing import FilteringBoundLogger
 from protos.kvfence.v1 import inference_pb2
 from service.auth import Authenticator
 from service.engine.grammar import GrammarCompiler
-from service.engine.types import Admitted, Delta, Finished
+from service.engine.types import Admitted, Delta, EngineEvent, Finished
 from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.finish import finish_error
 from service.http import render
@@ -42,7 +45,11 @@ from service.metrics import Metrics
 from service.prepare import check_request, finish_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
+from service.request_metrics import PageAlert, RequestMetrics, SequenceMetrics
 from service.tenants import Tenant
+from service.tool_calls import CallsMade, ToolSplitter
+from service.tools import ToolPlan
+from service.tracing import RequestTrace, Tracing
 
 T = TypeVar("T")
 TIMEOUT_HEADER = "x-kvfence-timeout"
@@ -62,7 +69,12 @@ class FrontDeps:
     grammars: GrammarCompiler | None
     is_draining: Callable[[], bool]
     clock: Callable[[], float] = time.monotonic
+    alert: PageAlert = field(default_factory=lambda: PageAlert(page_size=1))  # off
+    tracing: Tracing = field(default_factory=Tracing.off)
     wall: Callable[[], float] = time.time
+    # Keys the hashed end-user ids in the log: stable for the process's life, and without it
+    # a log reader cannot confirm a guessed user id.
+    user_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
 
 class OpenAIFront:
@@ -116,12 +128,23 @@ class OpenAIFront:
         parse: Callable[[Mapping[str, Any]], tuple[inference_pb2.GenerateRequest, HttpOptions]],
     ) -> Response:
         request_id = uuid.uuid4().hex
-        method = f"http.{endpoint}"
+        method = "chat.completions" if endpoint == "chat" else "completions"
         tenant_name = ""
+        log = self._d.log.bind(request_id=request_id, front="http")
+        trace: RequestTrace = RequestTrace()
+        recorder = RequestMetrics(self._d.metrics, "", "http", self._d.alert, log)
         try:
+            auth_start = time.time_ns()
             tenant = self._tenant(request)
             tenant_name = tenant.name
-            log = self._d.log.bind(tenant=tenant.name, request_id=request_id, front="http")
+            log = log.bind(tenant=tenant.name)
+            # NOTE: the trace starts once the tenant is known (it is the trace's attribute);
+            # the auth it just passed is recorded as its first span, timed as it ran.
+            trace = self._d.tracing.request(tenant.name, "http", request_id, auth_start)
+            trace.timed("auth", auth_start, time.time_ns())
+            recorder = RequestMetrics(
+                self._d.metrics, tenant.name, "http", self._d.alert, log, trace
+            )
             raw = await _read_body(request)
             message, opts = parse(load_body(raw))
             checked = check_request(self._d.prompts, tenant, message)
@@ -130,66 +153,95 @@ class OpenAIFront:
             cost = checked.input_cost + checked.stopping.max_tokens
             leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
             try:
-                base = await finish_request(
-                    self._d.prompts, self._d.grammars, tenant, message, checked, request_id,
-                    self._deadline(request),
-                )
+                with trace.span("tokenize"):
+                    base = await finish_request(
+                        self._d.prompts, self._d.grammars, tenant, message, checked,
+                        request_id, self._deadline(request),
+                    )
             except BaseException:
                 for lease in leases:
                     lease.release()
                 raise
             gen = Generation(self._d.engine, base, leases)
+            plan = checked.tool_plan
+            trace.submitted()
             await gen.start()
         except ServiceError as err:
-            self._count(tenant_name, method, err.code.name)
+            recorder.done(method, err.code.name, err)
             return error_response(err)
         except Exception as exc:  # a bug: 500, and nothing of the request in the log
             self._d.log.error("http.failed", request_id=request_id, **_where(exc))
-            self._count(tenant_name, method, "INTERNAL")
+            recorder.done(method, "INTERNAL")
             return error_response(internal("SERVER"))
         log.info("http.accepted", endpoint=endpoint, prompt_tokens=len(base.prompt_ids),
-                 max_tokens=base.stopping.max_tokens, n=opts.n, stream=opts.stream)
+                 max_tokens=base.stopping.max_tokens, n=opts.n, stream=opts.stream,
+                 end_user=self._end_user(tenant_name, opts.user))
         ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
         head = render.ChunkHeader(
             endpoint, ident, int(self._d.wall()), self._d.prompts.model.name, opts.include_usage
         )
         if opts.stream:
             return StreamingResponse(
-                self._sse(gen, head, opts, tenant_name, method),
+                self._sse(gen, head, opts, recorder, method, log, plan),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            body = await _until_disconnect(request.receive, self._collect(gen, head, opts))
+            body = await _until_disconnect(
+                request.receive, self._collect(gen, head, opts, recorder, plan)
+            )
         except ServiceError as err:
-            self._count(tenant_name, method, err.code.name)
+            recorder.done(method, err.code.name, err)
             return error_response(err)
         except Exception as exc:
             log.error("http.failed", **_where(exc))
-            self._count(tenant_name, method, "INTERNAL")
+            recorder.done(method, "INTERNAL")
             return error_response(internal("SERVER"))
         finally:
             gen.close()
         if body is None:  # the client went away; its pages are already being freed
-            self._count(tenant_name, method, "CANCELLED")
+            recorder.done(method, "CANCELLED")
             return Response(status_code=499)
-        self._count(tenant_name, method, "OK")
+        recorder.done(method, "OK")
         return JSONResponse(body)
 
+    @staticmethod
+    def _record(event: EngineEvent, seq: SequenceMetrics, recorder: RequestMetrics) -> None:
+        """The engine's own events are what the metrics count, as on gRPC."""
+        if isinstance(event, Delta):
+            seq.delta(len(event.token_ids))
+        elif isinstance(event, Finished):
+            seq.finished(event)
+
+    def _sequences(self, gen: Generation, recorder: RequestMetrics) -> list[SequenceMetrics]:
+        return [recorder.sequence(len(r.prompt_ids), self._d.clock, i)
+                for i, r in enumerate(gen.requests)]
+
     async def _collect(
-        self, gen: Generation, head: render.ChunkHeader, opts: HttpOptions
+        self,
+        gen: Generation,
+        head: render.ChunkHeader,
+        opts: HttpOptions,
+        recorder: RequestMetrics,
+        plan: ToolPlan | None,
     ) -> dict[str, Any]:
         choices = [render.Choice(i) for i in range(len(gen.requests))]
-        async for i, event in gen.events():
+        seqs = self._sequences(gen, recorder)
+        splitters = [ToolSplitter(plan) for _ in choices]
+        async for i, raw in gen.events():
             choice = choices[i]
-            if isinstance(event, Admitted):
-                choice.cached_tokens = event.cached_tokens
-            elif isinstance(event, Delta):
-                choice.text.append(event.text)
-                choice.logprobs.extend(event.logprobs)
-            else:
-                self._check_finish(event)
-                choice.finish = event
+            self._record(raw, seqs[i], recorder)
+            for event in splitters[i].split(raw):
+                if isinstance(event, Admitted):
+                    choice.cached_tokens = event.cached_tokens
+                elif isinstance(event, Delta):
+                    choice.text.append(event.text)
+                    choice.logprobs.extend(event.logprobs)
+                elif isinstance(event, CallsMade):
+                    choice.tool_calls.extend(event.calls)
+                else:
+                    self._check_finish(event)
+                    choice.finish = event
         return render.complete_body(
             head.endpoint, head.ident, head.created, head.model, choices, opts,
             self._d.prompts.token_text,
@@ -200,11 +252,16 @@ class OpenAIFront:
         gen: Generation,
         head: render.ChunkHeader,
         opts: HttpOptions,
-        tenant: str,
+        recorder: RequestMetrics,
         method: str,
+        log: FilteringBoundLogger,
+        plan: ToolPlan | None,
     ) -> AsyncIterator[bytes]:
         code = "CANCELLED"
+        error: ServiceError | None = None
         choices = [render.Choice(i) for i in range(len(gen.requests))]
+        seqs = self._sequences(gen, recorder)
+        splitters = [ToolSplitter(plan) for _ in choices]
         offsets = [0] * len(choices)
         text = self._d.prompts.token_text
 
@@ -212,21 +269,28 @@ class OpenAIFront:
             return render.running_usage(chs) if opts.continuous_usage else None
 
         try:
-            async for i, event in gen.events():
+            async for i, raw in gen.events():
                 choice = choices[i]
-                if isinstance(event, Admitted):
-                    choice.cached_tokens = event.cached_tokens
-                    choice.prompt_tokens = event.prompt_tokens
-                elif isinstance(event, Delta):
-                    choice.completion_tokens += len(event.token_ids)
-                    yield _sse_data(render.delta_chunk(
-                        head, choice, event, opts, text, offsets[i], live(choices)
-                    ))
-                    offsets[i] += sum(len(text(lp.token_id)) for lp in event.logprobs)
-                else:
-                    self._check_finish(event)
-                    choice.finish = event
-                    yield _sse_data(render.finish_chunk(head, choice, event, live(choices)))
+                self._record(raw, seqs[i], recorder)
+                for event in splitters[i].split(raw):
+                    if isinstance(event, Admitted):
+                        choice.cached_tokens = event.cached_tokens
+                        choice.prompt_tokens = event.prompt_tokens
+                    elif isinstance(event, Delta):
+                        choice.completion_tokens += len(event.token_ids)
+                        yield _sse_data(render.delta_chunk(
+                            head, choice, event, opts, text, offsets[i], live(choices)
+                        ))
+                        offsets[i] += sum(len(text(lp.token_id)) for lp in event.logprobs)
+                    elif isinstance(event, CallsMade):
+                        for chunk in render.tool_call_chunks(
+                            head, choice, event.calls, live(choices)
+                        ):
+                            yield _sse_data(chunk)
+                    else:
+                        self._check_finish(event)
+                        choice.finish = event
+                        yield _sse_data(render.finish_chunk(head, choice, event, live(choices)))
             if opts.include_usage:
                 yield _sse_data(head.wrap([], render.total_usage(choices)))
             yield b"data: [DONE]\n\n"
@@ -234,14 +298,15 @@ class OpenAIFront:
         except ServiceError as err:
             # Headers are out: the error goes in the stream, as OpenAI's API does.
             code = err.code.name
+            error = err
             yield _sse_data(error_body(err))
         except Exception as exc:
-            self._d.log.error("http.failed", tenant=tenant, **_where(exc))
+            log.error("http.failed", **_where(exc))
             code = "INTERNAL"
             yield _sse_data(error_body(internal("SERVER")))
         finally:
             gen.close()
-            self._count(tenant, method, code)
+            recorder.done(method, code, error)
 
     def _check_finish(self, event: Finished) -> None:
         if event.reason in ("stop", "length"):
@@ -260,9 +325,12 @@ class OpenAIFront:
             raise invalid_argument([(TIMEOUT_HEADER, "must be a positive number of seconds")])
         return self._d.clock() + seconds
 
-    def _count(self, tenant: str, method: str, code: str) -> None:
-        metrics = self._d.metrics
-        metrics.requests.labels(metrics.label(tenant), method, code).inc()
+    def _end_user(self, tenant: str, user: str) -> str | None:
+        """The request's end-user id as a keyed hash (16 hex digits), None when unset."""
+        if not user:
+            return None
+        framed = b"".join(len(x).to_bytes(8, "big") + x for x in (tenant.encode(), user.encode()))
+        return hmac.new(self._d.user_key, framed, hashlib.sha256).hexdigest()[:16]
 
 
 def _where(exc: BaseException) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """OpenAI request bodies -> the gRPC ``GenerateRequest`` plus the few HTTP-only options.
 
 Only shapes and JSON types are checked here; ranges and sizes are checked by the same
-validator the gRPC front uses, on the ``GenerateRequest`` this builds. Unknown fields are
-refused (400) unless listed in ``IGNORED``; both lists are in the README.
+validator the gRPC front uses, on the ``GenerateRequest`` this builds. Which fields are
+honoured, ignored or refused is decided in ``fields`` (and listed in docs/openai.md).
 """
 
 from __future__ import annotations
@@ -15,39 +15,13 @@ from typing import Any, Literal
 
 from protos.kvfence.v1 import inference_pb2
 from service.errors import invalid_argument
+from service.http import chat_parse, fields
 from service.http.nesting import MAX_BODY_NESTING, TOO_DEEP, nesting
 from service.validation import Violations
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
 
-COMMON = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "seed",
-        "stop",
-        "n",
-        "stream",
-        "stream_options",
-        "response_format",
-        "min_tokens",
-        "ignore_eos",
-    }
-)
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"}
-#: Accepted and ignored: they change nothing kvfence does.
-IGNORED = frozenset({"user", "store", "metadata", "service_tier"})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 #: gRPC field paths (what the shared validator names) -> OpenAI parameter names.
 PARAM_NAMES = {
@@ -67,6 +41,7 @@ PARAM_NAMES = {
     "token_ids": "prompt",
     "token_ids.ids": "prompt",
     "logprobs": "top_logprobs",
+    "sampling.logit_bias": "logit_bias",
 }
 
 
@@ -77,8 +52,8 @@ def param_name(field: str) -> str:
     head = field.split("[", 1)[0]
     if head in PARAM_NAMES:
         return PARAM_NAMES[head]
-    if field.startswith("chat.messages"):
-        return "messages" + field.removeprefix("chat.messages")
+    if field.startswith("chat."):  # chat.messages[2].content, chat.tools[0].name, ...
+        return field.removeprefix("chat.")
     return field
 
 
@@ -97,6 +72,7 @@ class HttpOptions:
     # vLLM's ``stream_options.continuous_usage_stats`` (GuideLLM sends it): with
     # include_usage, every chunk carries the usage so far, not only the last one.
     continuous_usage: bool = False
+    user: str = ""  # the caller's end-user id (``user`` / ``safety_identifier``); logged hashed
 
 
 def load_body(raw: bytes) -> dict[str, Any]:
@@ -149,11 +125,6 @@ _TYPES: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _unknown(body: Mapping[str, Any], allowed: frozenset[str], out: Violations) -> None:
-    for name in sorted(set(body) - allowed - IGNORED):
-        out.append((name, "unknown or unsupported field"))
-
-
 def _common(
     f: _Fields, req: inference_pb2.GenerateRequest, max_tokens_field: str
 ) -> tuple[int, bool, bool, bool]:
@@ -188,6 +159,12 @@ def _common(
     req.stopping.ignore_eos = bool(ignore_eos)
     _stop(f, req)
     _response_format(f, req)
+    _logit_bias(f, req)
+    salt = f.get("cache_salt", "a string")
+    if salt is not None:
+        if not salt:
+            f.out.append(("cache_salt", "must be a non-empty string when set"))
+        req.cache_salt = salt
     n = f.get("n", "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
@@ -227,6 +204,30 @@ def _stop(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
         f.out.append(("stop", "must be a string or an array of strings"))
 
 
+def _logit_bias(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
+    """``{"<token id>": bias}``; ids and ranges are checked by the shared validator."""
+    bias = f.get("logit_bias", "an object")
+    if bias is None:
+        return
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or len(key) > 10:
+            f.out.append(("logit_bias", f"key {key[:16]!r} is not a token id"))
+            return
+        if not _is_number(value):
+            f.out.append(("logit_bias", f"bias of token {key} must be a number"))
+            return
+        req.sampling.logit_bias[_clamp_i32(int(key))] = float(value)
+
+
+def end_user(f: _Fields) -> str:
+    """``safety_identifier`` (OpenAI's current name) or else ``user``."""
+    for name in ("safety_identifier", "user"):
+        value = f.get(name, "a string")
+        if value:
+            return str(value)
+    return ""
+
+
 def _response_format(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
     fmt = f.get("response_format", "an object")
     if fmt is None:
@@ -263,7 +264,7 @@ def _response_format(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
 def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, HttpOptions]:
     """``POST /v1/chat/completions`` -> (request, options); raises INVALID_ARGUMENT."""
     out: Violations = []
-    _unknown(body, CHAT_FIELDS, out)
+    fields.check_names(body, fields.CHAT, out)
     f = _Fields(body, out)
     req = inference_pb2.GenerateRequest()
     n, stream, usage, continuous = _common(f, req, "max_completion_tokens")
@@ -272,9 +273,8 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, 
         out.append(("messages", "is required"))
     else:
         chat = req.chat
-        for i, msg in enumerate(messages):
-            role, content = _message(msg, f"messages[{i}]", out)
-            chat.messages.add(role=role, content=content)
+        chat_parse.messages(messages, chat, out)
+        chat_parse.tools(body, chat, out)
         chat.add_generation_prompt = True
         if not messages:
             req.chat.SetInParent()
@@ -288,30 +288,7 @@ def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, 
         out.append(("top_logprobs", "needs logprobs: true"))
     if out:
         raise invalid_argument(out)
-    return req, HttpOptions(n, stream, usage, logprobs, top, continuous)
-
-
-def _message(msg: Any, field: str, out: Violations) -> tuple[str, str]:
-    if not isinstance(msg, dict):
-        out.append((field, "must be an object"))
-        return "user", ""
-    extra = set(msg) - MESSAGE_FIELDS
-    if extra:
-        out.append((field, f"unsupported fields {sorted(extra)}"))
-    role = ROLES.get(msg.get("role"))  # type: ignore[arg-type]
-    if role is None:
-        out.append((f"{field}.role", f"must be one of {sorted(ROLES)}"))
-        role = "user"
-    content = msg.get("content")
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return role, "".join(p["text"] for p in content)
-    out.append((f"{field}.content", "must be a string or an array of text parts"))
-    return role, ""
+    return req, HttpOptions(n, stream, usage, logprobs, top, continuous, end_user(f))
 
 
 def parse_completion(
@@ -319,7 +296,7 @@ def parse_completion(
 ) -> tuple[inference_pb2.GenerateRequest, HttpOptions]:
     """``POST /v1/completions`` -> (request, options); raises INVALID_ARGUMENT."""
     out: Violations = []
-    _unknown(body, COMPLETION_FIELDS, out)
+    fields.check_names(body, fields.COMPLETION, out)
     f = _Fields(body, out)
     req = inference_pb2.GenerateRequest()
     n, stream, usage, continuous = _common(f, req, "max_tokens")
@@ -347,4 +324,4 @@ def parse_completion(
         req.logprobs = max(1, top)
     if out:
         raise invalid_argument(out)
-    return req, HttpOptions(n, stream, usage, logprobs, top or 0, continuous)
+    return req, HttpOptions(n, stream, usage, logprobs, top or 0, continuous, end_user(f))

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from service.engine.types import Delta, Finished, TokenLogprob
 from service.http.parse import HttpOptions
+from service.tool_calls import ParsedCall
 
 Endpoint = Literal["chat", "completion"]
 TokenText = Callable[[int], str]
@@ -25,6 +26,7 @@ class Choice:
     started: bool = False  # a streamed chat choice sends its role once
     prompt_tokens: int = 0  # from Admitted; streamed running usage only
     completion_tokens: int = 0  # tokens streamed so far; running usage only
+    tool_calls: list[ParsedCall] = field(default_factory=list)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -106,8 +108,15 @@ def logprobs_object(
     return None
 
 
-def finish_reason(event: Finished) -> str:
-    return "length" if event.reason == "length" else "stop"
+def finish_reason(event: Finished, choice: Choice) -> str:
+    if event.reason == "length":
+        return "length"
+    return "tool_calls" if choice.tool_calls else "stop"
+
+
+def tool_call_object(call: ParsedCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def complete_body(
@@ -127,10 +136,14 @@ def complete_body(
         item: dict[str, Any] = {
             "index": c.index,
             "logprobs": logprobs_object(c.logprobs, opts, text),
-            "finish_reason": finish_reason(c.finish),
+            "finish_reason": finish_reason(c.finish, c),
         }
         if endpoint == "chat":
-            item["message"] = {"role": "assistant", "content": body_text}
+            message: dict[str, Any] = {"role": "assistant", "content": body_text}
+            if c.tool_calls:
+                message["content"] = body_text or None
+                message["tool_calls"] = [tool_call_object(t) for t in c.tool_calls]
+            item["message"] = message
         else:
             item["text"] = body_text
         out.append(item)
@@ -188,10 +201,35 @@ def delta_chunk(
     return head.wrap([item], usage_so_far)
 
 
+def tool_call_chunks(
+    head: ChunkHeader,
+    choice: Choice,
+    calls: Sequence[ParsedCall],
+    usage_so_far: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """As OpenAI streams a call: its id and name (with empty arguments), then the arguments;
+    ``index`` numbers the choice's calls."""
+    out = []
+    for call in calls:
+        k = len(choice.tool_calls)
+        choice.tool_calls.append(call)
+        opening: dict[str, Any] = {"tool_calls": [{
+            "index": k, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }]}
+        if not choice.started:
+            opening = {"role": "assistant", "content": None, **opening}
+            choice.started = True
+        for delta in (opening, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]}):
+            out.append(head.wrap([{"index": choice.index, "delta": delta, "logprobs": None,
+                                   "finish_reason": None}], usage_so_far))
+    return out
+
+
 def finish_chunk(
     head: ChunkHeader, choice: Choice, event: Finished, usage_so_far: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    reason = finish_reason(event)
+    reason = finish_reason(event, choice)
     if head.endpoint == "chat":
         delta: dict[str, Any] = {} if choice.started else {"role": "assistant", "content": ""}
         item = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": reason}

@@ -7,13 +7,26 @@ import re
 import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ToolFormat = Literal["hermes", "llama3_json", "mistral"]
+
+
+def tool_format_of(source: str) -> ToolFormat:
+    """The tool-call convention a template's family uses, read from its markup; Hermes
+    (``<tool_call>``) also for templates without tools (the generic rendering)."""
+    if "[TOOL_CALLS]" in source:
+        return "mistral"
+    if "<tool_call>" not in source and ("<|python_tag|>" in source or "ipython" in source):
+        return "llama3_json"
+    return "hermes"
 
 
 class ChatTemplateError(ValueError):
@@ -71,15 +84,23 @@ class ChatTemplate:
     """Renders a conversation into the prompt text the model was trained on."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"invalid chat template: {e}") from None
         self.source = source
         self._special = dict(special_tokens or {})
+        #: The template renders ``tools`` itself (else the service's generic rendering).
+        self.native_tools = "tools" in variables
+        self.tool_format: ToolFormat = tool_format_of(source)
 
     def render_parts(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[tuple[str, bool]]:
         """The rendered prompt as ``(text, is_content)`` pieces: message content apart from
         the template's own markup, so the tokenizer can keep content from spelling control
@@ -92,7 +113,7 @@ class ChatTemplate:
         """
         nonce = secrets.token_hex(16)
         marked = [{**m, "content": f"\x00{nonce}:{i}\x00"} for i, m in enumerate(messages)]
-        rendered = self.render(marked, add_generation_prompt)
+        rendered = self.render(marked, add_generation_prompt, tools)
         pattern = re.compile(f"\x00{nonce}:(\\d+)\x00")
         parts: list[tuple[str, bool]] = []
         at = 0
@@ -104,12 +125,17 @@ class ChatTemplate:
         return [(text, is_content) for text, is_content in parts if text]
 
     def render(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        extra: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 **self._special,
             )
         except jinja2.exceptions.TemplateError as e:

@@ -53,10 +53,11 @@ def prefill(
     *,
     fill: float = 1.0,
     use_prefix_cache: bool = True,
+    salt: str = "",
 ) -> int:
     """Open, allocate, run one step that writes ``fill`` as K and V in every layer, commit.
     Returns the cached token count."""
-    cached = mgr.open(seq_id, tenant, tokens, use_prefix_cache=use_prefix_cache)
+    cached = mgr.open(seq_id, tenant, tokens, use_prefix_cache=use_prefix_cache, salt=salt)
     run_tokens(mgr, seq_id, tokens, cached, len(tokens) - cached, fill)
     return cached
 

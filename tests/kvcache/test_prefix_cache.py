@@ -1,4 +1,5 @@
-"""Prefix cache: HMAC framing, per-tenant key spaces, collision safety, opt-out."""
+"""Prefix cache: HMAC framing, per-tenant key spaces, salts inside them, collision safety,
+opt-out."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 from kvcache import FenceViolation
 from kvcache.prefix_cache import (
     ChainPos,
+    Namespace,
     PrefixCache,
     chain_key,
-    derive_tenant_key,
+    derive_namespace_key,
     encode_tokens,
     frame,
 )
@@ -36,9 +38,47 @@ def test_framing_separates_field_boundaries() -> None:
     assert mac[0] != mac[1]
 
 
+def derive_tenant_key(secret: bytes, tenant: str) -> bytes:
+    return derive_namespace_key(secret, Namespace(tenant))
+
+
 def test_tenant_keys_differ_for_concatenation_lookalikes() -> None:
     assert derive_tenant_key(SECRET, "org_1") != derive_tenant_key(SECRET, "org_12345")
     assert derive_tenant_key(SECRET, "a") != derive_tenant_key(b"other-secret", "a")
+
+
+def test_namespace_fields_are_each_framed() -> None:
+    """Moving bytes between tenant, adapter and salt gives another key."""
+    keys = {
+        derive_namespace_key(SECRET, ns)
+        for ns in (
+            Namespace("t", "", "ab"),
+            Namespace("t", "a", "b"),
+            Namespace("ta", "", "b"),
+            Namespace("tab"),
+            Namespace("t", "ab"),
+        )
+    }
+    assert len(keys) == 5
+
+
+def test_two_salts_of_one_tenant_share_no_pages() -> None:
+    mgr, _ = make_manager()
+    assert prefill(mgr, "a", "t", PROMPT, salt="user-1") == 0
+    mgr.free("a")
+    assert mgr.open("b", "t", PROMPT, salt="user-2") == 0
+    assert mgr.open("c", "t", PROMPT) == 0  # no salt is a namespace of its own
+    assert mgr.open("d", "t", PROMPT, salt="user-1") == 8  # the same salt hits
+    assert mgr.usage("t").hit_tokens == 8
+
+
+def test_a_salt_never_reaches_another_tenants_pages() -> None:
+    mgr, _ = make_manager()
+    prefill(mgr, "a", "victim", PROMPT, salt="s")
+    mgr.free("a")
+    for i, salt in enumerate(("s", "", "victim", "victim\x00s")):
+        assert mgr.open(f"b{i}", "attacker", PROMPT, salt=salt) == 0
+    assert mgr.usage("attacker").hit_tokens == 0
 
 
 def test_chain_key_depends_on_parent_and_tokens() -> None:
@@ -88,7 +128,8 @@ def test_owner_check_backs_up_the_key_spaces() -> None:
     mgr.free("a")
     # fault injection: plant the victim's first-page entry in the attacker's key space
     entry = next(e for e in mgr.prefix._spaces["victim"].values() if e.parent_serial == 0)
-    mgr.prefix._spaces["attacker"] = {mgr.prefix.key("attacker", b"", PROMPT[:4]): entry}
+    planted = replace(entry, namespace=Namespace("attacker"))  # passes the namespace check
+    mgr.prefix._spaces["attacker"] = {mgr.prefix.key(Namespace("attacker"), b"", PROMPT[:4]): planted}
     free_before = mgr.num_free_pages()
     with pytest.raises(FenceViolation, match="another tenant"):
         mgr.open("b", "attacker", PROMPT)
@@ -122,6 +163,9 @@ def test_use_prefix_cache_false_neither_reads_nor_writes() -> None:
     assert mgr.usage("t").hit_tokens == 0
 
 
+T = Namespace("t")
+
+
 def constant_key(tenant_key: bytes, parent: bytes, tokens: Sequence[int]) -> bytes:
     return b"\x00"
 
@@ -150,12 +194,24 @@ def test_collision_on_a_child_page_cannot_splice_a_foreign_prefix() -> None:
     """Same page-1 tokens after different page-0 tokens must not hit, even if keys collide."""
     cache = PrefixCache(SECRET, constant_key)  # maximal collisions
     root = ChainPos()
-    e0 = cache.insert("t", root, [1, 1], page_id=0)
+    e0 = cache.insert(T, root, [1, 1], page_id=0)
     assert e0 is not None
-    e1 = cache.insert("t", ChainPos(e0.key, e0.serial), [2, 2], page_id=1)
+    e1 = cache.insert(T, ChainPos(e0.key, e0.serial), [2, 2], page_id=1)
     assert e1 is None  # same key as e0, different tokens and parent: not inserted
-    other_root_entry = cache.lookup("t", root, [9, 9])
+    other_root_entry = cache.lookup(T, root, [9, 9])
     assert other_root_entry is None
+    assert cache.collisions == 2
+
+
+def test_a_forced_key_collision_across_salts_is_refused() -> None:
+    """Same tokens, same parent, same key (the hash forced to collide): only the stored
+    namespace tells the salts apart, and it does."""
+    cache = PrefixCache(SECRET, constant_key)
+    mine = cache.insert(Namespace("t", salt="a"), ChainPos(), [1, 1], page_id=0)
+    assert mine is not None
+    assert cache.lookup(Namespace("t", salt="b"), ChainPos(), [1, 1]) is None
+    assert cache.insert(Namespace("t", salt="b"), ChainPos(), [1, 1], page_id=1) is None
+    assert cache.lookup(Namespace("t", salt="a"), ChainPos(), [1, 1]) == mine
     assert cache.collisions == 2
 
 
@@ -166,14 +222,14 @@ def test_parent_serial_check_rejects_same_tokens_under_other_parent() -> None:
         return keys.setdefault(tuple(tokens), bytes([len(keys)]))  # ignores the parent
 
     cache = PrefixCache(SECRET, by_tokens)
-    a0 = cache.insert("t", ChainPos(), [1], 0)
-    b0 = cache.insert("t", ChainPos(), [2], 1)
+    a0 = cache.insert(T, ChainPos(), [1], 0)
+    b0 = cache.insert(T, ChainPos(), [2], 1)
     assert a0 is not None and b0 is not None
-    a1 = cache.insert("t", ChainPos(a0.key, a0.serial), [3], 2)
+    a1 = cache.insert(T, ChainPos(a0.key, a0.serial), [3], 2)
     assert a1 is not None
     # page [3] after page [2] has the same key as after [1]; the parent check refuses it
-    assert cache.lookup("t", ChainPos(b0.key, b0.serial), [3]) is None
-    assert cache.lookup("t", ChainPos(a0.key, a0.serial), [3]) == a1
+    assert cache.lookup(T, ChainPos(b0.key, b0.serial), [3]) is None
+    assert cache.lookup(T, ChainPos(a0.key, a0.serial), [3]) == a1
     assert cache.collisions == 1
 
 

@@ -36,15 +36,18 @@ def test_scrape_shows_each_tenants_tokens_and_requests(srv: ServerHandle) -> Non
         generate(srv, "globex", request(""))
     _refreshed(srv)
     m = scrape(srv)
+    refused = {"code": "INVALID_ARGUMENT", "front": "grpc", "reason": "invalid_argument",
+               "tenant": "globex"}
+    assert m["kvfence_refusals_total"][tuple(sorted(refused.items()))] == 1
     prompt = a[0].started.prompt_tokens + b[0].started.prompt_tokens
-    assert m["kvfence_prompt_tokens_total"][(("tenant", "acme"),)] == prompt
-    assert m["kvfence_completion_tokens_total"][(("tenant", "acme"),)] == 5
-    assert m["kvfence_prompt_tokens_total"][(("tenant", "globex"),)] == g[0].started.prompt_tokens
+    assert m["kvfence_prompt_tokens_total"][(("front", "grpc"), ("tenant", "acme"))] == prompt
+    assert m["kvfence_completion_tokens_total"][(("front", "grpc"), ("tenant", "acme"))] == 5
+    assert m["kvfence_prompt_tokens_total"][(("front", "grpc"), ("tenant", "globex"))] == g[0].started.prompt_tokens
     reqs = m["kvfence_requests_total"]
-    assert reqs[(("code", "OK"), ("method", "Generate"), ("tenant", "acme"))] == 2
-    assert reqs[(("code", "INVALID_ARGUMENT"), ("method", "Generate"), ("tenant", "globex"))] == 1
-    assert m["kvfence_ttft_seconds_count"][(("tenant", "acme"),)] == 2
-    assert m["kvfence_inter_token_seconds_count"][(("tenant", "acme"),)] == 3  # (3-1) + (2-1)
+    assert reqs[(("code", "OK"), ("front", "grpc"), ("method", "Generate"), ("tenant", "acme"))] == 2
+    assert reqs[(("code", "INVALID_ARGUMENT"), ("front", "grpc"), ("method", "Generate"), ("tenant", "globex"))] == 1
+    assert m["kvfence_ttft_seconds_count"][(("front", "grpc"), ("tenant", "acme"))] == 2
+    assert m["kvfence_inter_token_seconds_count"][(("front", "grpc"), ("tenant", "acme"))] == 3  # (3-1) + (2-1)
     # Cache figures come from KVCacheManager.stats().
     stats = srv.stats()
     assert m["kvfence_kv_pages_total"][()] == stats.total_pages

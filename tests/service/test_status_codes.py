@@ -136,7 +136,7 @@ def test_client_deadline_is_deadline_exceeded_and_frees_pages(srv: ServerHandle)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_for(lambda: usage(srv, "globex").pages_in_use == 0)
     _wait_for(lambda: srv.usage("globex").pages_in_use == 0)
-    labels = {"tenant": "globex", "method": "Generate", "code": "DEADLINE_EXCEEDED"}
+    labels = {"tenant": "globex", "method": "Generate", "code": "DEADLINE_EXCEEDED", "front": "grpc"}
     registry = srv.server.metrics.registry
     _wait_for(lambda: registry.get_sample_value("kvfence_requests_total", labels) == 1)
 
@@ -157,7 +157,7 @@ def test_mid_stream_cancel_frees_the_pages_within_a_step(srv: ServerHandle) -> N
     assert srv.engine.num_running() == 0
     # The server recorded the stream as cancelled.
     value = srv.server.metrics.registry.get_sample_value(
-        "kvfence_requests_total", {"tenant": "acme", "method": "Generate", "code": "CANCELLED"}
+        "kvfence_requests_total", {"tenant": "acme", "method": "Generate", "code": "CANCELLED", "front": "grpc"}
     )
     assert value is not None and value >= 1
 

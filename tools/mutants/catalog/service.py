@@ -26,8 +26,8 @@ MUTANTS = (
     mutant(
         "log-output-text",
         "generated text is never logged without --log-content",
-        edit(SERVICER, "if self._opts.log_content:\n                        output.append(event.text)",
-             "if True:\n                        output.append(event.text)"),
+        edit(SERVICER, "if self._opts.log_content:\n                        output.append(raw.text)",
+             "if True:\n                        output.append(raw.text)"),
         edit(SERVICER, "error=type(event.error).__name__ if event.error else None,\n        )",
              "error=type(event.error).__name__ if event.error else None,\n"
              "            output=output,\n        )"),
@@ -126,8 +126,8 @@ MUTANTS = (
         "tenant-blind-cache",
         "a cached prefix is reused only by its own tenant (all in-cache checks pass: a real leak)",
         edit("kvcache/manager.py",
-             "table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache)",
-             'table = PageTable(seq_id, "shared", self.page_size, use_prefix_cache)'),
+             "table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache, salt)",
+             'table = PageTable(seq_id, "shared", self.page_size, use_prefix_cache, salt)'),
         tests="tests/isolation/test_timing_channel.py",
     ),
     mutant(

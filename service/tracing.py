@@ -1,0 +1,143 @@
+"""OpenTelemetry spans for generation requests, exported over OTLP when
+``--otlp-endpoint`` is set.
+
+Off (the default) costs nothing: ``Tracing.off()`` hands out a no-op trace and nothing
+imports opentelemetry. On, each request is one ``kvfence.request`` span with children:
+``auth`` (HTTP; gRPC authenticates in its interceptor, before the request has a span),
+``tokenize`` (tokenizing, the context check and any grammar compile), and per sequence
+``queue``, ``prefill`` and ``decode`` from the engine's own timings, and ``stream`` (first to
+last delta as the front handed them on). Attributes carry the tenant, the front, the request
+id, token counts and the outcome: never prompt or output text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from service.engine.types import Finished
+
+
+class RequestTrace:
+    """One request's spans; this base class is the no-op used when tracing is off."""
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        yield
+
+    def timed(self, name: str, start_ns: int, end_ns: int) -> None:
+        """A child span that already ran (wall-clock nanoseconds)."""
+
+    def submitted(self) -> None:
+        """The first sequence went to the engine now (the engine timings count from here)."""
+
+    def delta(self, seq: int) -> None:
+        """Sequence ``seq`` handed a delta to the client now."""
+
+    def finished(self, seq: int, event: Finished) -> None:
+        """Sequence ``seq`` ended: its queue, prefill, decode and stream spans."""
+
+    def end(self, code: str) -> None:
+        """The request's outcome (a gRPC status name); closes the root span."""
+
+
+class Tracing:
+    """Hands out request traces: no-ops when off, OpenTelemetry spans when on."""
+
+    def __init__(self, tracer: Any = None) -> None:
+        self._tracer = tracer
+
+    @classmethod
+    def off(cls) -> Tracing:
+        return cls()
+
+    @classmethod
+    def otlp(cls, endpoint: str) -> Tracing:
+        """Spans batched and exported over OTLP/gRPC to ``endpoint`` (host:port or URL)."""
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+
+    @classmethod
+    def with_processor(cls, processor: Any) -> Tracing:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        # NOTE: a provider of our own, not the global one: no module-level state.
+        provider = TracerProvider(resource=Resource.create({"service.name": "kvfence"}))
+        provider.add_span_processor(processor)
+        return cls(provider.get_tracer("kvfence"))
+
+    def request(
+        self, tenant: str, front: str, request_id: str, start_ns: int | None = None
+    ) -> RequestTrace:
+        """A request's trace; its root span starts at ``start_ns`` (default now)."""
+        if self._tracer is None:
+            return _OFF
+        return _OtelTrace(self._tracer, tenant, front, request_id, start_ns)
+
+
+_OFF = RequestTrace()
+
+
+class _OtelTrace(RequestTrace):
+    def __init__(
+        self, tracer: Any, tenant: str, front: str, request_id: str, start_ns: int | None
+    ) -> None:
+        from opentelemetry import trace
+
+        self._trace = trace
+        self._tracer = tracer
+        self._root = tracer.start_span("kvfence.request", start_time=start_ns, attributes={
+            "kvfence.tenant": tenant, "kvfence.front": front, "kvfence.request_id": request_id,
+        })
+        self._ctx = trace.set_span_in_context(self._root)
+        self._submitted_ns = 0
+        self._first: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        with self._tracer.start_as_current_span(name, context=self._ctx):
+            yield
+
+    def submitted(self) -> None:
+        self._submitted_ns = time.time_ns()
+
+    def delta(self, seq: int) -> None:
+        now = time.time_ns()
+        self._first.setdefault(seq, now)
+        self._last[seq] = now
+
+    def finished(self, seq: int, event: Finished) -> None:
+        base = self._submitted_ns or time.time_ns()
+        queue_end = base + int(event.queue_s * 1e9)
+        first_token = base + int((event.ttft_s or event.total_s) * 1e9)
+        end = base + int(event.total_s * 1e9)
+        attrs = {"kvfence.sequence": seq}
+        self._timed("queue", base, queue_end, attrs)
+        self._timed("prefill", queue_end, max(queue_end, first_token),
+                    {**attrs, "kvfence.prompt_tokens": event.prompt_tokens,
+                     "kvfence.cached_tokens": event.cached_tokens})
+        self._timed("decode", max(queue_end, first_token), max(queue_end, first_token, end),
+                    {**attrs, "kvfence.completion_tokens": event.completion_tokens,
+                     "kvfence.finish_reason": event.reason})
+        if seq in self._first:
+            self._timed("stream", self._first[seq], self._last[seq], attrs)
+
+    def timed(self, name: str, start_ns: int, end_ns: int) -> None:
+        self._timed(name, start_ns, end_ns, {})
+
+    def _timed(self, name: str, start: int, end: int, attrs: dict[str, Any]) -> None:
+        span = self._tracer.start_span(name, context=self._ctx, start_time=start,
+                                       attributes=attrs)
+        span.end(end_time=end)
+
+    def end(self, code: str) -> None:
+        self._root.set_attribute("kvfence.code", code)
+        if code != "OK":
+            self._root.set_status(self._trace.Status(self._trace.StatusCode.ERROR, code))
+        self._root.end()

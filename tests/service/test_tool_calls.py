@@ -1,0 +1,167 @@
+"""Tool-call parsing per format, as text streams in pieces, and the generic rendering."""
+
+from __future__ import annotations
+
+import json
+from itertools import count
+
+import pytest
+
+from protos.kvfence.v1 import inference_pb2
+from service import tools
+from service.engine.types import Delta, Finished
+from service.model.chat_template import tool_format_of
+from service.tool_calls import CallsMade, ParsedCall, ToolCallStream, ToolSplitter
+from service.tools import ToolPlan
+
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+def ids() -> object:
+    n = count()
+    return lambda: f"call_{next(n)}"
+
+
+def run(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[ParsedCall]]:
+    """Feed ``text`` in pieces of ``piece`` characters, then close."""
+    stream = ToolCallStream(plan, ids())  # type: ignore[arg-type]
+    content, calls = [], []
+    for i in range(0, len(text), piece):
+        c, k = stream.feed(text[i : i + piece])
+        content.append(c)
+        calls += k
+    c, k = stream.close()
+    return "".join(content) + c, calls + k
+
+
+HERMES = ToolPlan("hermes", NAMES, True, False)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_hermes_blocks_become_calls_and_the_rest_stays_content(piece: int) -> None:
+    text = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}'
+            "</tool_call> done <tool")
+    content, calls = run(HERMES, text, piece)
+    assert content == "Sure.\n done <tool"
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+        ("call_0", "get_weather", {"city": "Paris"}), ("call_1", "get_time", {"tz": "CET"})]
+
+
+def test_a_block_that_is_not_a_call_of_an_offered_tool_stays_content() -> None:
+    for block in ('{"name": "rm_rf", "arguments": {}}', "not json", '{"name": "get_time", '
+                  '"arguments": [1]}'):
+        text = f"a<tool_call>{block}</tool_call>b"
+        assert run(HERMES, text, 2) == (text, [])
+
+
+def test_a_cut_off_block_stays_content() -> None:
+    assert run(HERMES, 'x<tool_call>{"name": "get_', 4) == ('x<tool_call>{"name": "get_', [])
+
+
+def test_without_parallel_calls_only_the_first_counts() -> None:
+    plan = ToolPlan("hermes", NAMES, False, False)
+    one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = run(plan, one + "\n" + one, 5)
+    assert len(calls) == 1 and content == ""
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_llama3_json_output_is_calls(piece: int) -> None:
+    plan = ToolPlan("llama3_json", NAMES, True, False)
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+            '{"name": "get_time", "parameters": {}}')
+    content, calls = run(plan, text, piece)
+    assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo"}
+    assert run(plan, "Hello {there}", piece) == ("Hello {there}", [])
+    assert run(plan, '{"no": "call"}', piece) == ('{"no": "call"}', [])
+
+
+def test_mistral_output_is_calls() -> None:
+    plan = ToolPlan("mistral", NAMES, True, False)
+    text = '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "UTC"}}]'
+    content, calls = run(plan, text, 3)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", '{"tz": "UTC"}')]
+    assert run(plan, "[1, 2]", 3) == ("[1, 2]", [])
+
+
+def test_the_template_decides_the_format() -> None:
+    assert tool_format_of("{{ '<tool_call>' }}{{ tools }}") == "hermes"
+    assert tool_format_of("{{ '<|python_tag|>' }}{{ tools }}") == "llama3_json"
+    assert tool_format_of("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert tool_format_of("{{ messages }}") == "hermes"  # no tools: the generic rendering
+
+
+def test_the_splitter_keeps_token_ids_and_moves_held_text_to_the_end() -> None:
+    splitter = ToolSplitter(HERMES, ids())  # type: ignore[arg-type]
+    out = splitter.split(Delta((1, 2), "hi <tool_"))
+    assert out == [Delta((1, 2), "hi ")]
+    out = splitter.split(Delta((3,), 'call>{"name": "get_time", "arguments": {}}</tool_call>'))
+    assert out == [Delta((3,), ""), CallsMade((ParsedCall("call_0", "get_time", "{}"),))]
+    done = Finished(reason="stop", prompt_tokens=3, completion_tokens=3, cached_tokens=0,
+                    queue_s=0.0, ttft_s=None, total_s=0.0)
+    assert splitter.split(done) == [done] and splitter.called
+    assert ToolSplitter(None).split(Delta((1,), "<tool_call>")) == [Delta((1,), "<tool_call>")]
+
+
+def _chat() -> inference_pb2.ChatMessages:
+    chat = inference_pb2.ChatMessages()
+    chat.messages.add(role="system", content="Be brief.")
+    chat.messages.add(role="user", content="Weather?")
+    asked = chat.messages.add(role="assistant", content="")
+    asked.tool_calls.add(id="call_1", name="get_weather", arguments='{"city": "Rome"}')
+    chat.messages.add(role="tool", content='{"t": 20}', tool_call_id="call_1")
+    chat.messages.add(role="tool", content='{"t": 21}', tool_call_id="call_2")
+    chat.tools.add(name="get_weather", description="Forecast", parameters='{"type": "object"}')
+    return chat
+
+
+def test_the_generic_rendering_spells_out_tools_calls_and_results() -> None:
+    messages, tool_list = tools.template_messages(_chat(), native=False)
+    assert tool_list is None
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\nYou may call functions")
+    assert '{"type":"function","function":{"name":"get_weather"' in messages[0]["content"]
+    assert messages[2]["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    assert messages[3]["content"] == (
+        '<tool_response>\n{"t": 20}\n</tool_response>\n<tool_response>\n{"t": 21}\n</tool_response>')
+
+
+def test_a_template_with_tools_gets_the_hugging_face_form() -> None:
+    messages, tool_list = tools.template_messages(_chat(), native=True)
+    assert tool_list == [{"type": "function", "function": {
+        "name": "get_weather", "description": "Forecast", "parameters": {"type": "object"}}}]
+    assert messages[2]["tool_calls"] == [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Rome"}}}]
+    assert messages[3] == {"role": "tool", "content": '{"t": 20}', "tool_call_id": "call_1"}
+
+
+def test_tool_choice_none_renders_no_tools_and_reads_no_calls() -> None:
+    chat = _chat()
+    chat.tool_choice.mode = inference_pb2.ToolChoice.MODE_NONE
+    messages, _ = tools.template_messages(chat, native=False)
+    assert messages[0]["content"] == "Be brief."
+    assert tools.plan(chat, "hermes") is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda c: setattr(c.tools[0], "name", "bad name"), "chat.tools[0].name"),
+        (lambda c: setattr(c.tools[0], "parameters", "[1]"), "chat.tools[0].parameters"),
+        (lambda c: c.tools.add(name="get_weather"), "chat.tools[1].name"),
+        (lambda c: (setattr(c.tool_choice, "mode", inference_pb2.ToolChoice.MODE_FUNCTION),
+                    setattr(c.tool_choice, "function", "nope")), "chat.tool_choice"),
+        (lambda c: setattr(c.messages[2].tool_calls[0], "arguments", "[]"),
+         "chat.messages[2].tool_calls[0].arguments"),
+        (lambda c: c.messages[1].tool_calls.add(name="x"), "chat.messages[1].tool_calls"),
+    ],
+)
+def test_bad_tools_are_refused_by_field(edit: object, field: str) -> None:
+    chat = _chat()
+    edit(chat)  # type: ignore[operator]
+    out: list[tuple[str, str]] = []
+    tools.check_tools(chat, "chat", out)
+    assert [f for f, _ in out] == [field]
