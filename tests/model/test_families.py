@@ -17,6 +17,7 @@ from tests.fixtures import tiny_families as tf
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tools.parity import checks as parity
 
+pytestmark = pytest.mark.slow  # loads ten checkpoints and their transformers oracles
 SHORT = "Hello!"  # fewer tokens than the window
 LONG = "The quick brown fox jumps over the lazy dog. def main(): return 42\n" * 2
 WRITERS: dict[str, Callable[[Path], Path]] = {

@@ -8,10 +8,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.model.test_native_gemv import _add_greedy, _small_core, _spied_stack
 
+pytestmark = pytest.mark.slow  # the default model, decoded three ways
 WINDOW = 16
 
 
