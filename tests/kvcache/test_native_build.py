@@ -154,7 +154,7 @@ def test_a_damaged_entry_is_rebuilt_once(damage: str, env: Path, tmp_path: Path)
     entry = _entry(env)
     good = entry.read_bytes()
     if damage == "truncated":
-        entry.write_bytes(good[: len(good) // 2])
+        _replace(entry, good[: len(good) // 2])
     elif damage == "no digest":
         entry.with_name(entry.name + ".sha256").unlink()
     else:  # a valid library and digest without the kernel's symbol
@@ -168,6 +168,15 @@ def test_a_damaged_entry_is_rebuilt_once(damage: str, env: Path, tmp_path: Path)
     assert kernel is not None and kernel.value == 42
     assert _entry(env).read_bytes() == good
     assert [e["event"] for e in logs] == ["native_kernel_rebuilt"]
+
+
+def _replace(entry: Path, data: bytes) -> None:
+    """Put ``data`` at ``entry`` as a new file: truncating the loaded library in place would
+    pull the pages this process has mapped from under it (SIGBUS)."""
+    fresh = entry.with_name(entry.name + ".new")
+    fresh.write_bytes(data)
+    fresh.chmod(0o700)
+    os.replace(fresh, entry)
 
 
 def _plant_digest(entry: Path) -> None:
@@ -300,7 +309,7 @@ def test_a_truncated_decode_kernel_is_rebuilt_and_attends(
     want = kernel.run(q, layer, *plan)
     (entry,) = (env / "kernels").glob("cpu_decode-*.so")
     whole = entry.read_bytes()
-    entry.write_bytes(whole[:4096])
+    _replace(entry, whole[:4096])
     monkeypatch.setattr(cpu_decode, "_loaded", {})  # a fresh start
     with structlog.testing.capture_logs() as logs:
         again = cpu_decode.kernel()
