@@ -408,8 +408,10 @@ def _spied_stack(
     path: Path,
 ) -> tuple[Any, native_gemv.DecoderStack, list[int], Callable[..., torch.Tensor]]:
     """The float32 ``auto`` model, its decoder stack, and a spy on it recording each call's
-    rows into the returned list: ``(loaded, stack, batches, spy)``."""
-    lm = load_model(path, dtype="float32", weights="auto", progress=False)
+    rows into the returned list: ``(loaded, stack, batches, spy)``. Batch-variant
+    (``batch_invariant="off"``): the layer loop it is compared with then attends prefill
+    tokens as the stack does for decode-sized steps only."""
+    lm = load_model(path, dtype="float32", weights="auto", progress=False, batch_invariant="off")
     stack = lm.model._stack
     assert isinstance(stack, native_gemv.DecoderStack)
     batches: list[int] = []
