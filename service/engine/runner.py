@@ -58,6 +58,11 @@ def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> Batch
 class GraphReplay(Protocol):
     """What the runner needs of ``service.engine.cuda_graphs.DecodeGraphs``."""
 
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The batch sizes captured: a decode step runs padded to the smallest that holds it."""
+        ...
+
     def run(self, inputs: BatchInputs, step: StepAttention) -> torch.Tensor | None: ...
 
 
