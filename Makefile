@@ -48,7 +48,7 @@ serve: $(STAMP) model
 	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
 
 parity: $(STAMP) model
-	$(PY) bench/parity.py
+	$(PY) -m tools.parity
 
 verify: $(STAMP) model
 	$(PY) -m tests.verify_report
@@ -80,15 +80,15 @@ cluster-deps:
 	else echo "kvfence: needs$$missing: install with 'sudo apt-get install$$missing'"; exit 1; fi
 
 cluster: $(STAMP) model cluster-deps
-	$(PY) -m bench.cluster up
+	$(PY) -m tools.cluster up
 
 cluster-down: $(STAMP)
-	$(PY) -m bench.cluster down
+	$(PY) -m tools.cluster down
 
 cluster-verify: $(STAMP) model cluster-deps
-	$(PY) -m bench.cluster_verify
+	$(PY) -m tools.cluster_verify
 
-# The GPU check (bench/gpu_check.py). It runs where the GPU is, under that machine's own
+# The GPU check (tools/gpu_check.py). It runs where the GPU is, under that machine's own
 # python3 and torch (no venv, no network): packages missing there travel as wheels in .whl/
 # (git-ignored), fetched here by `make gpu-wheels` and installed there into GPU_SITE.
 # On a GPU dev box with the venv: make gpu-check GPU_PYTHON=.venv/bin/python
@@ -99,7 +99,7 @@ WHEEL_PLATFORMS := $(foreach n,manylinux_2_28 manylinux_2_27 manylinux_2_24 many
 
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-		--implementation cp $(WHEEL_PLATFORMS) -d $(WHEEL_DIR) -r bench/gpu/wheels.txt
+		--implementation cp $(WHEEL_PLATFORMS) -d $(WHEEL_DIR) -r tools/gpu/wheels.txt
 	@du -sh $(WHEEL_DIR)
 
 gpu-check:
@@ -107,7 +107,7 @@ gpu-check:
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 			--upgrade --target $(GPU_SITE) $(WHEEL_DIR)/*.whl; fi
 	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
-		$(GPU_PYTHON) bench/gpu_check.py
+		$(GPU_PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .cluster

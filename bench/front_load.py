@@ -41,8 +41,8 @@ def spec(
 
 
 async def _run(s: Mapping[str, Any]) -> tuple[float, list[RequestTrace]]:
+    from bench.http_client import run_http
     from bench.kvfence_runner import run_grpc
-    from bench.online_http import run_http
 
     work = [Work(tuple(ids), n) for ids, n in s["work"]]
     tenants = s["tenants"]

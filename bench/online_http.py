@@ -27,7 +27,6 @@ import asyncio
 import io
 import statistics
 import tempfile
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -35,7 +34,6 @@ from typing import Any
 
 from bench import front_load
 from bench.common import (
-    Work,
     bench_threads,
     default_model_file,
     machine_info,
@@ -50,7 +48,8 @@ from bench.common import (
     worst_target,
     write_suite,
 )
-from bench.kvfence_runner import STREAM_QUOTA, Sizing, check_complete, drive, run_grpc
+from bench.http_client import run_http
+from bench.kvfence_runner import STREAM_QUOTA, Sizing, check_complete, run_grpc
 from bench.online import MAX_CONCURRENCY, poisson_arrivals
 from bench.traces import RequestTrace, summarize
 
@@ -89,53 +88,6 @@ async def both_fronts(
     finally:
         await stack.server.close()
         await asyncio.to_thread(stack.engine.shutdown)
-
-
-async def run_http(
-    base_url: str,
-    api_keys: Mapping[str, str],
-    work: Sequence[Work],
-    tenants: Sequence[str],
-    *,
-    model: str,
-    arrivals: Sequence[float] | None = None,
-    max_concurrency: int | None = None,
-    response_format: Mapping[str, Any] | None = None,
-) -> tuple[float, list[RequestTrace]]:
-    """``run_grpc``'s twin over HTTP: streaming ``/v1/completions`` through ``AsyncOpenAI``."""
-    import openai
-
-    clients = {t: openai.AsyncOpenAI(base_url=base_url, api_key=api_keys[t], max_retries=0,
-                                     timeout=600) for t in tenants}
-    extra: dict[str, Any] = {"ignore_eos": True}
-    if response_format is not None:
-        extra["response_format"] = dict(response_format)
-
-    async def one(i: int) -> RequestTrace:
-        w = work[i]
-        trace = RequestTrace(tenants[i % len(tenants)], len(w.prompt_ids), time.perf_counter())
-        stream = await clients[trace.tenant].completions.create(
-            model=model, prompt=list(w.prompt_ids), max_tokens=w.max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True}, extra_body=extra,
-        )
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices:
-                choice = chunk.choices[0]
-                if choice.finish_reason is not None:
-                    trace.end = now
-                    trace.finish_reason = choice.finish_reason
-                else:
-                    trace.on_chunk(now, 1)  # one chunk per generated token
-            elif chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-                trace.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens or 0
-        return trace
-
-    try:
-        return await drive(len(work), one, arrivals, max_concurrency)
-    finally:
-        for client in clients.values():
-            await client.close()
 
 
 def _entry(front: str, label: str, rate: float | None, wall: float,

@@ -17,7 +17,8 @@ Modules (one noun each):
 - ``metadata``: StepEntry, AttentionMetadata (FlashInfer CSR), write_kv.
 - ``step``: StepAttention, the per-step AttentionFn.
 - ``graph_step``: GraphDecodeAttention, the AttentionFn of a captured CUDA-graph decode step.
-- ``backends``: torch (default) and flashinfer paged attention.
+- ``backends``: torch (default) and flashinfer paged attention; the C decode kernel.
+- ``native_build``: builds C kernels into a private, owner-only cache and loads them.
 - ``stats``: TenantUsage, CacheStats.
 - ``manager``: KVCacheManager, the engine's only entry point.
 """
@@ -29,6 +30,7 @@ from kvcache.config import CacheConfig, ScrubPolicy, TenantCachePolicy
 from kvcache.errors import (
     FenceViolation,
     InvalidRequest,
+    KernelRefused,
     KVCacheError,
     UnknownSequence,
 )
@@ -50,6 +52,7 @@ __all__ = [
     "InvalidRequest",
     "KVCacheError",
     "KVCacheManager",
+    "KernelRefused",
     "PagePool",
     "PageRef",
     "ScrubPolicy",

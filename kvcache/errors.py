@@ -33,3 +33,10 @@ class UnknownSequence(KVCacheError):
 
 class InvalidRequest(KVCacheError):
     """A call whose arguments are inconsistent with the sequence's state."""
+
+
+class KernelRefused(KVCacheError, ValueError, IndexError):
+    """A native kernel refused its input before it read or wrote KV memory: a dtype, shape,
+    stride or device it does not take, or a step plan whose page indices, spans, lengths or
+    KV rows fall outside the pool or outside the sequence they belong to. The engine fails
+    that step's requests and keeps serving."""

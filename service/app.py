@@ -131,6 +131,7 @@ def build_server(
     clock: Callable[[], float] = time.monotonic,
 ) -> Stack:
     """Size the KV pool, start (warm up) the engine and build the server around it."""
+    from service.engine.compile_executor import CompileExecutor
     from service.engine.factory import build_engine
     from service.structured import build_grammar_compiler
 
@@ -157,7 +158,11 @@ def build_server(
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None
     engine.start(progress=lambda done, total: log.info("engine.warmup", done=done, total=total))
-    grammars = build_grammar_compiler(loaded.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    # One compile thread: a compile takes a whole core, and the engine's steps need the rest.
+    compiles = CompileExecutor(workers=1, on_cost=engine.charge_cpu)
+    grammars = build_grammar_compiler(
+        loaded.tokenizer, cfg.vocab_size, cfg.eos_token_ids, executor=compiles
+    )
     served = ServedModel(
         name=loaded.name,
         architecture=cfg.arch,
@@ -278,5 +283,7 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
         await server.drain()
     finally:
         await server.close()
+        if stack.grammars is not None:
+            stack.grammars.shutdown()
         await asyncio.to_thread(stack.engine.shutdown)
     return 0

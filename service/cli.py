@@ -70,8 +70,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--max-num-batched-tokens", tuning.max_num_batched_tokens, "token budget of one engine step", type=int)
     _add(p, "--max-model-len", 0, "context length (0 = the model's)", type=int)
     _add(p, "--page-size", 16, "tokens per KV page", type=int)
-    _add(p, "--dtype", "auto", "weights and KV dtype (auto: bf16 where the hardware has it)",
-         choices=list(DTYPES))
+    _add(p, "--dtype", "auto",
+         "compute dtype. auto: bf16 on CUDA; on a CPU with bf16, float32 compute with bf16 "
+         "dense weights and KV where kvfence's 4-bit GEMV serves decode, else bf16; "
+         "float32 elsewhere", choices=list(DTYPES))
     _add(p, "--device", "cpu", "torch device: cpu, cuda or cuda:N", type=check_device,
          metavar="{cpu,cuda,cuda:N}")
     _add(p, "--weights", "auto",

@@ -204,11 +204,18 @@ class ClusterLimiter:
 
     async def renew_once(self) -> None:
         """Renew every live lease; also how a recovered Redis is noticed when idle."""
+        leases = list(self._leases.values())
         try:
-            await asyncio.wait_for(
-                self._store.renew(list(self._leases.values()), self._config.lease_ttl_s),
+            restored = await asyncio.wait_for(
+                self._store.renew(leases, self._config.lease_ttl_s),
                 self._config.redis_timeout_s,
             )
+            # A lease released while the renewal was on its way was re-added: remove it again.
+            for key in leases:
+                if key.lease_id not in self._leases:
+                    await asyncio.wait_for(self._store.release(key), self._config.redis_timeout_s)
+            if restored:
+                self._log.warning("limits.leases_restored", leases=restored)
             if not self._leases:
                 await asyncio.wait_for(self._store.ping(), self._config.redis_timeout_s)
         except _REDIS_DOWN as err:

@@ -30,6 +30,7 @@ from service.health import DEFAULT_MAX_WATCHES
 if TYPE_CHECKING:
     from kvcache import CacheConfig
     from service.engine.types import EngineConfig
+    from service.http.guard import HttpGuard
 
 MiB = 1024 * 1024
 TUNING = SchedulerTuning()  # the scheduling defaults: flags, EngineSizing and EngineConfig share them
@@ -71,6 +72,7 @@ class ServerOptions:
     http_host: str | None = None  # None = ``host``
     http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
     cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
+    http_guard: HttpGuard | None = None  # None = HttpGuard(): the HTTP front's bounds
 
 
 @dataclass(frozen=True, slots=True)

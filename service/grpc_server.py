@@ -30,6 +30,8 @@ from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.engine.grammar import GrammarCompiler
 from service.health import BoundedHealth
 from service.http.front import FrontDeps, OpenAIFront
+from service.http.guard import HttpGuard
+from service.http.pacing import PacedAnswers
 from service.http.server import HttpServer
 from service.inference_servicer import InferenceOptions, InferenceServicer
 from service.interceptor import AuthInterceptor
@@ -214,13 +216,22 @@ class KVFenceServer:
             )
         )
         tls = opts.tls
-        self.http = HttpServer(
+        guard = opts.http_guard or HttpGuard()
+        authenticator = self.authenticator
+        app = PacedAnswers(
             self.http_front.app(),
+            lambda headers: authenticator.authenticate(headers, {}),
+            peers=guard.pace(),
+            tenants=guard.pace(),
+        )
+        self.http = HttpServer(
+            app,
             opts.http_host or opts.host,
             opts.http_port or 0,
             tls_cert=tls.cert if tls else None,
             tls_key=tls.key if tls else None,
             client_ca=tls.client_ca if tls else None,
+            guard=guard,
         )
         await self.http.start()
 

@@ -55,17 +55,20 @@ redis.call('PEXPIRE', KEYS[2], math.ceil(ttl * 2000))
 return {0, active + 1, '0'}
 """
 
-# KEYS[i] is the streams set of lease ARGV[i + 1]; ARGV[1] is the TTL. Only leases still
-# present are renewed (XX): a lease released or expired meanwhile is never brought back.
+# KEYS[i] is the streams set of lease ARGV[i + 1]; ARGV[1] is the TTL. Every lease this
+# replica still holds is re-added, not only pushed back: a Redis restarted empty (or a lease
+# expired while Redis was unreachable) would otherwise drop live streams from the cap for
+# good, and other replicas would admit past it. Returns how many leases were missing.
+# A lease released while this ran is removed again by the caller (``ClusterLimiter``).
 RENEW = """
 local t = redis.call('TIME')
 local expires = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
-local renewed = 0
+local restored = 0
 for i, key in ipairs(KEYS) do
-  renewed = renewed + redis.call('ZADD', key, 'XX', 'CH', expires, ARGV[i + 1])
+  restored = restored + redis.call('ZADD', key, expires, ARGV[i + 1])
   redis.call('PEXPIRE', key, math.ceil(tonumber(ARGV[1]) * 2000))
 end
-return renewed
+return restored
 """
 
 ADMITTED, STREAMS_FULL, TOKENS_SHORT = 0, 1, 2
@@ -118,7 +121,8 @@ class RedisLimitStore:
         return Decision(int(outcome), int(active), float(wait))
 
     async def renew(self, leases: Sequence[LeaseKey], lease_ttl_s: float) -> int:
-        """Push back the expiry of ``leases``; returns how many were still held."""
+        """Push back the expiry of ``leases``, re-adding any Redis lost; returns how many
+        were missing."""
         if not leases:
             return 0
         keys = [self.streams_key(lease.tenant) for lease in leases]

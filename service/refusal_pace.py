@@ -1,4 +1,4 @@
-"""Pacing of refused calls, per peer host.
+"""Pacing of refused calls, per peer host (and, on the HTTP front, of cheap calls per tenant).
 
 A refused call is cheap but not free: gRPC still reads its body off the socket (up to the
 receive limit), and a client that retries at once on every refusal keeps a core busy with
@@ -52,6 +52,40 @@ class RefusalPace:
     def reserve(self, peer: str) -> float:
         """Seconds the refusal of a call from ``peer`` waits before it is answered (0: at
         once). A positive wait must be followed by ``release(peer)``."""
+        bucket = self._bucket(peer)
+        if bucket.tokens >= 1:
+            bucket.tokens -= 1
+            return 0.0
+        wait = (1 - bucket.tokens) / self._rate
+        if wait > self._max_wait_s or bucket.waiting >= self._max_waiting:
+            return 0.0  # answered at once: holding more calls would cost memory instead
+        return self._wait(bucket, wait)
+
+    def hold(self, key: str) -> float:
+        """Seconds to hold the answer of a call counted against ``key`` (0: at once). Unlike
+        ``reserve``, a call past the rate is never answered early: when its turn is further
+        off than ``max_wait_s`` it is held ``max_wait_s`` without taking a token, so each
+        call of a flood costs its sender that long. ``max_waiting`` does not apply: the
+        caller bounds how many calls can wait (the HTTP front, by its connection caps).
+        A positive wait must be followed by ``release(key)``."""
+        bucket = self._bucket(key)
+        if bucket.tokens >= 1:
+            bucket.tokens -= 1
+            return 0.0
+        wait = (1 - bucket.tokens) / self._rate
+        if wait > self._max_wait_s:
+            bucket.waiting += 1
+            return self._max_wait_s
+        return self._wait(bucket, wait)
+
+    @staticmethod
+    def _wait(bucket: _Bucket, wait: float) -> float:
+        bucket.tokens -= 1
+        bucket.waiting += 1
+        return wait
+
+    def _bucket(self, peer: str) -> _Bucket:
+        """The peer host's bucket, refilled to now."""
         host = peer_host(peer)
         now = self._clock()
         bucket = self._buckets.get(host)
@@ -60,15 +94,7 @@ class RefusalPace:
             bucket = self._buckets[host] = _Bucket(self._burst, now)
         bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.at) * self._rate)
         bucket.at = now
-        if bucket.tokens >= 1:
-            bucket.tokens -= 1
-            return 0.0
-        wait = (1 - bucket.tokens) / self._rate
-        if wait > self._max_wait_s or bucket.waiting >= self._max_waiting:
-            return 0.0  # answered at once: holding more calls would cost memory instead
-        bucket.tokens -= 1
-        bucket.waiting += 1
-        return wait
+        return bucket
 
     def release(self, peer: str) -> None:
         bucket = self._buckets.get(peer_host(peer))

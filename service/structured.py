@@ -1,5 +1,5 @@
 """Structured outputs at the service boundary: the wire's ``ResponseFormat`` -> a compiled
-grammar for the engine, compiled in a worker thread with the tenant's own cache.
+grammar for the engine, compiled on the compile executor with the tenant's own cache.
 
 Both fronts (gRPC and the OpenAI-compatible HTTP front) call ``compile_response_format``.
 """
@@ -7,9 +7,11 @@ Both fronts (gRPC and the OpenAI-compatible HTTP front) call ``compile_response_
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+import concurrent.futures
+from typing import Protocol, TypeVar
 
 from protos.kvfence.v1 import inference_pb2
+from service.engine.compile_executor import CompileExecutor
 from service.engine.grammar import (
     CompiledGrammar,
     GrammarCompiler,
@@ -21,6 +23,7 @@ from service.engine.grammar import (
 from service.errors import invalid_argument
 
 FIELD = "response_format"
+T = TypeVar("T")
 
 
 def spec_from_proto(msg: inference_pb2.ResponseFormat) -> GrammarSpec | None:
@@ -56,9 +59,32 @@ async def compile_response_format(
         raise invalid_argument([(FIELD, reason)])
     try:
         # NOTE: llguidance drops the GIL while it compiles, so the loop keeps serving.
-        return await asyncio.to_thread(compiler.compile, tenant, spec)
+        return await outlive_cancel(compiler.submit(tenant, spec))
     except GrammarError as err:
         raise invalid_argument([(FIELD, str(err))]) from None
+
+
+async def outlive_cancel(work: concurrent.futures.Future[T]) -> T:
+    """``work``'s result. A cancelled caller cancels work that has not started; work that
+    has started is waited for before the cancellation goes on, so whatever the caller holds
+    (its stream slot) stays taken while the thread still burns a core for it."""
+    waiting = asyncio.wrap_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(waiting)
+            break
+        except asyncio.CancelledError:
+            if work.cancel() or waiting.done():  # never started, or over
+                raise
+            cancelled = True
+        except BaseException:
+            if cancelled:
+                raise asyncio.CancelledError() from None
+            raise
+    if cancelled:
+        raise asyncio.CancelledError()
+    return result
 
 
 class VocabTokenizer(Protocol):
@@ -77,8 +103,10 @@ def build_grammar_compiler(
     vocab_size: int,
     extra_eos_ids: tuple[int, ...] = (),
     limits: GrammarLimits | None = None,
+    executor: CompileExecutor | None = None,
 ) -> GrammarCompiler:
-    """A compiler for the model's vocabulary (``vocab_size`` = the logits width)."""
+    """A compiler for the model's vocabulary (``vocab_size`` = the logits width), compiling
+    on ``executor`` (None: in the caller's thread)."""
 
     def token_bytes(i: int) -> bytes:
         try:
@@ -93,4 +121,4 @@ def build_grammar_compiler(
         special_token_ids=tuple(sorted(i for i in tokenizer.special_ids() if i < vocab_size)),
         encode=lambda text: tokenizer.encode(text, False),
     )
-    return GrammarCompiler(vocab, limits or GrammarLimits())
+    return GrammarCompiler(vocab, limits or GrammarLimits(), executor)

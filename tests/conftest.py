@@ -50,6 +50,6 @@ def default_model(default_model_path: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def hf_oracle(default_model_path: Path) -> tuple[Any, Any]:
     """(transformers model, transformers tokenizer) for the default GGUF, fp32 on CPU."""
-    from bench.parity_checks import load_hf_oracle
+    from tools.parity.checks import load_hf_oracle
 
     return load_hf_oracle(default_model_path)

@@ -207,6 +207,8 @@ async def running_server_async(
             )
         finally:
             await stack.server.close()
+            if stack.grammars is not None:
+                stack.grammars.shutdown()
             await asyncio.to_thread(stack.engine.shutdown)
 
 

@@ -43,14 +43,74 @@ int kvf_limits(int *max_group, int *max_dim, int *max_page) {
     return 0;
 }
 
+/* ---- Boundary checks: every entry point runs these before it reads or writes KV memory ----
+ * The Python side never sends a plan that fails them (its pages come from the fenced step);
+ * they are the second line of defence the torch path's index_select gives, at O(batch +
+ * pages) integer work a call. Status codes (DecodeKernel maps each to a KernelRefused): */
+enum {
+    KVF_ROW_OUTSIDE = -1,  /* a KV row outside the layer */
+    KVF_BAD_SPANS = -2,    /* indptr not starting at 0, decreasing, or past the page list */
+    KVF_BAD_PAGE = -3,     /* a page index outside [0, num_pages) */
+    KVF_BAD_LENGTH = -4,   /* a length below 0 or past its sequence's pages */
+    KVF_ROW_NOT_OWN = -5,  /* a KV row not on a page of its own sequence */
+    KVF_BAD_SHAPE = -6,    /* batch, heads, dim or page size outside what the kernel takes */
+};
+
+/* The step plan: sequence b attends over its first lens[b] keys on pages
+ * indices[indptr[b] .. indptr[b + 1]), of n_indices page indices in all, in a layer of
+ * num_pages pages. 0, or the first failure's status. */
+static int check_plan(const int32_t *indptr, const int32_t *indices, const int32_t *lens,
+                      int batch, int64_t n_indices, int64_t num_pages, int page_size) {
+    if (batch < 0 || page_size < 1 || n_indices < 0 || num_pages < 0) return KVF_BAD_SHAPE;
+    if (indptr[0] != 0) return KVF_BAD_SPANS;
+    for (int b = 0; b < batch; ++b) {
+        const int64_t pages = (int64_t)indptr[b + 1] - indptr[b];
+        if (pages < 0) return KVF_BAD_SPANS;
+        if (lens[b] < 0 || (int64_t)lens[b] > pages * page_size) return KVF_BAD_LENGTH;
+    }
+    if ((int64_t)indptr[batch] > n_indices) return KVF_BAD_SPANS;
+    for (int64_t p = 0; p < indptr[batch]; ++p)
+        if (indices[p] < 0 || (int64_t)indices[p] >= num_pages) return KVF_BAD_PAGE;
+    return 0;
+}
+
+static int check_shape(int batch, int hq, int hkv, int dim, int page_size) {
+    if (batch < 0 || hkv < 1 || hq < hkv || hq % hkv != 0 || hq / hkv > MAX_GROUP || dim < 1 ||
+        dim > MAX_DIM || page_size < 1 || page_size > MAX_PAGE)
+        return KVF_BAD_SHAPE;
+    return 0;
+}
+
+/* 0 when sequence b's K row rows[b] and V row rows[batch + b] are the K and V halves of one
+ * slot on a page the plan gave sequence b (the plan checked first), else KVF_ROW_NOT_OWN.
+ * The slot of the sequence's last key is looked at first (where a decode token writes). */
+static int check_rows_owned(const int64_t *rows, const int32_t *indptr, const int32_t *indices,
+                            const int32_t *lens, int batch, int page_size) {
+    const int64_t span = 2 * (int64_t)page_size;
+    for (int b = 0; b < batch; ++b) {
+        const int64_t k = rows[b], page = k / span;
+        if (k < 0 || k % span >= page_size || rows[batch + b] != k + page_size)
+            return KVF_ROW_NOT_OWN;
+        const int64_t first = indptr[b], last = indptr[b + 1];
+        const int64_t at = lens[b] > 0 ? first + (lens[b] - 1) / page_size : last;
+        int own = at < last && indices[at] == page;
+        for (int64_t p = last - 1; !own && p >= first; --p) own = indices[p] == page;
+        if (!own) return KVF_ROW_NOT_OWN;
+    }
+    return 0;
+}
+
+/* ---- end of the boundary checks ---- */
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVF_AVX512 1
 
 /* exp of 16 floats: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6
- * polynomial (relative error ~2e-7); inputs below -87 give 0. */
+ * polynomial (relative error ~2e-7); inputs below -87 give 0, a NaN stays NaN (max answers
+ * its second operand when either is NaN, so x goes second). */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
@@ -246,10 +306,10 @@ static void job_avx512_bf16kv(const float *q, const void *kv, int first, int las
 #endif
 #define KVF_AVX2 1
 
-/* exp of 8 floats as exp16 computes 16 (inputs clamped below at -87), 2^n built in the
- * exponent bits. */
+/* exp of 8 floats as exp16 computes 16 (inputs clamped below at -87, a NaN kept), 2^n built
+ * in the exponent bits. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(t, n);
@@ -482,26 +542,47 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
     }
 }
 
-/* q, out: [B, Hq, D] bf16 (contiguous). kv: one layer of the pool. */
-void kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
-                     const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
-                     int hq, int hkv, int dim, int page_size, float scale) {
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0, 0);
+/* The plan and shape checks, then decode_jobs: 0, or a KVF_ status with nothing read. */
+static int checked_decode(const void *q, const void *kv, const int32_t *indptr,
+                          const int32_t *indices, const int32_t *lens, void *out, int batch,
+                          int hq, int hkv, int dim, int page_size, float scale, int q32, int kv32,
+                          int64_t n_indices, int64_t num_pages) {
+    int status = check_shape(batch, hq, hkv, dim, page_size);
+    if (status == 0)
+        status = check_plan(indptr, indices, lens, batch, n_indices, num_pages, page_size);
+    if (status == 0)
+        decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, q32,
+                    kv32);
+    return status;
+}
+
+/* q, out: [B, Hq, D] bf16 (contiguous). kv: one layer of the pool, num_pages pages; the plan
+ * has n_indices page indices. 0, or a KVF_ status (nothing read). */
+int kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
+                    const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
+                    int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices,
+                    int64_t num_pages) {
+    return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
+                          scale, 0, 0, n_indices, num_pages);
 }
 
 /* The same for float32 q, kv and out (the float32 engine's decode rows). */
-void kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
-                    const int32_t *indices, const int32_t *lens, float *out, int batch, int hq,
-                    int hkv, int dim, int page_size, float scale) {
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 1);
+int kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
+                   const int32_t *indices, const int32_t *lens, float *out, int batch, int hq,
+                   int hkv, int dim, int page_size, float scale, int64_t n_indices,
+                   int64_t num_pages) {
+    return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
+                          scale, 1, 1, n_indices, num_pages);
 }
 
 /* Float32 q and out over bf16 KV (--dtype auto on bf16 CPUs: float32 compute, KV stored in
  * the dense weights' bf16). */
-void kvf_decode_f32_bf16kv(const float *q, const uint16_t *kv, const int32_t *indptr,
-                           const int32_t *indices, const int32_t *lens, float *out, int batch,
-                           int hq, int hkv, int dim, int page_size, float scale) {
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 0);
+int kvf_decode_f32_bf16kv(const float *q, const uint16_t *kv, const int32_t *indptr,
+                          const int32_t *indices, const int32_t *lens, float *out, int batch,
+                          int hq, int hkv, int dim, int page_size, float scale,
+                          int64_t n_indices, int64_t num_pages) {
+    return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
+                          scale, 1, 0, n_indices, num_pages);
 }
 
 /* 0 when every one of the 2 * batch rows is inside the layer, else -1. */
@@ -511,38 +592,60 @@ static int rows_inside(const int64_t *rows, int64_t layer_rows, int batch) {
     return 0;
 }
 
+/* Everything a fused write-and-attend call trusts: the shapes, the plan, every row inside
+ * the layer (of layer_rows slots: pages x 2 x page_size) and on its own sequence's pages. */
+static int check_write(const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
+                       const int32_t *indices, const int32_t *lens, int batch, int hq, int hkv,
+                       int dim, int page_size, int64_t n_indices) {
+    int status = check_shape(batch, hq, hkv, dim, page_size);
+    if (status != 0) return status;
+    status = check_plan(indptr, indices, lens, batch, n_indices,
+                        layer_rows / (2 * (int64_t)page_size), page_size);
+    if (status != 0) return status;
+    if (rows_inside(rows, layer_rows, batch) != 0) return KVF_ROW_OUTSIDE;
+    return check_rows_owned(rows, indptr, indices, lens, batch, page_size);
+}
+
+int kvf_check_step(const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
+                   const int32_t *indices, const int32_t *lens, int batch, int hq, int hkv,
+                   int dim, int page_size, int64_t n_indices) {
+    return check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim, page_size,
+                       n_indices);
+}
+
 /* Store k, v [B, Hkv, D] (contiguous, elem bytes a value) at the flat slots rows[b] (K) and
- * rows[batch + b] (V) of one layer, whose layer_rows slots run [page, K|V, offset]
- * (kvcache.metadata.kv_rows). Every row is checked against the layer first: on one outside
- * it nothing is written and -1 returned. */
-static int write_rows(const void *k, const void *v, void *kv, const int64_t *rows,
-                      int64_t layer_rows, int batch, int hkv, int dim, size_t elem) {
+ * rows[batch + b] (V) of one layer, whose slots run [page, K|V, offset]
+ * (kvcache.metadata.kv_rows). The caller ran check_write. */
+static void write_rows(const void *k, const void *v, void *kv, const int64_t *rows, int batch,
+                       int hkv, int dim, size_t elem) {
     const size_t row = (size_t)hkv * dim * elem;
-    if (rows_inside(rows, layer_rows, batch) != 0) return -1;
     for (int b = 0; b < batch; ++b) {
         memcpy((char *)kv + (size_t)rows[b] * row, (const char *)k + b * row, row);
         memcpy((char *)kv + (size_t)rows[batch + b] * row, (const char *)v + b * row, row);
     }
-    return 0;
 }
 
 /* One call per layer for an all-decode step (the compiled step's, and the eager float32
- * step's): write_rows, then attend as kvf_decode_bf16 / kvf_decode_f32. */
+ * step's): check_write, write_rows, then attend as kvf_decode_bf16 / kvf_decode_f32. 0, or
+ * a KVF_ status with nothing written or read. */
 int kvf_write_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *kv,
                           const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
-                          int hq, int hkv, int dim, int page_size, float scale) {
-    if (write_rows(k, v, kv, rows, layer_rows, batch, hkv, dim, sizeof(uint16_t)) != 0) return -1;
-    kvf_decode_bf16(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
+                          int hq, int hkv, int dim, int page_size, float scale,
+                          int64_t n_indices) {
+    const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
+                                   page_size, n_indices);
+    if (status != 0) return status;
+    write_rows(k, v, kv, rows, batch, hkv, dim, sizeof(uint16_t));
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0, 0);
     return 0;
 }
 
 /* write_rows for float32 k, v into a bf16 layer, each value rounded to nearest even (as
  * torch's float32 -> bf16 conversion rounds it). */
-static int write_rows_to_bf16(const float *k, const float *v, uint16_t *kv, const int64_t *rows,
-                              int64_t layer_rows, int batch, int hkv, int dim) {
+static void write_rows_to_bf16(const float *k, const float *v, uint16_t *kv, const int64_t *rows,
+                               int batch, int hkv, int dim) {
     const size_t row = (size_t)hkv * dim;
-    if (rows_inside(rows, layer_rows, batch) != 0) return -1;
     for (int b = 0; b < batch; ++b) {
         uint16_t *kd = kv + (size_t)rows[b] * row, *vd = kv + (size_t)rows[batch + b] * row;
         for (size_t j = 0; j < row; ++j) {
@@ -550,24 +653,30 @@ static int write_rows_to_bf16(const float *k, const float *v, uint16_t *kv, cons
             vd[j] = f32_to_bf16(v[b * row + j]);
         }
     }
-    return 0;
 }
 
 int kvf_write_decode_f32_bf16kv(const float *q, const float *k, const float *v, uint16_t *kv,
                                 const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                                 const int32_t *indices, const int32_t *lens, float *out,
-                                int batch, int hq, int hkv, int dim, int page_size, float scale) {
-    if (write_rows_to_bf16(k, v, kv, rows, layer_rows, batch, hkv, dim) != 0) return -1;
-    kvf_decode_f32_bf16kv(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
+                                int batch, int hq, int hkv, int dim, int page_size, float scale,
+                                int64_t n_indices) {
+    const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
+                                   page_size, n_indices);
+    if (status != 0) return status;
+    write_rows_to_bf16(k, v, kv, rows, batch, hkv, dim);
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 0);
     return 0;
 }
 
 int kvf_write_decode_f32(const float *q, const float *k, const float *v, float *kv,
                          const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                          const int32_t *indices, const int32_t *lens, float *out, int batch,
-                         int hq, int hkv, int dim, int page_size, float scale) {
-    if (write_rows(k, v, kv, rows, layer_rows, batch, hkv, dim, sizeof(float)) != 0) return -1;
-    kvf_decode_f32(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale);
+                         int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices) {
+    const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
+                                   page_size, n_indices);
+    if (status != 0) return status;
+    write_rows(k, v, kv, rows, batch, hkv, dim, sizeof(float));
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 1);
     return 0;
 }
 
@@ -588,10 +697,11 @@ typedef struct {
     int32_t layers, batch, hq, hkv, dim, page_size;
     float scale;
     int32_t kv16;           /* the pool holds bf16 (float32 q, k, v and out all the same) */
+    int64_t n_indices;      /* page indices in the plan */
 } kvf_step_ctx;
 
 /* q [batch, Hq, D], k and v [batch, Hkv, D] contiguous float32; out [batch, Hq, D]. Returns
- * 0, or -1 for a layer outside the pool or a row outside the layer (nothing written). */
+ * 0, or -1 for a layer outside the pool, or check_write's status (nothing written). */
 int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const float *k,
                         const float *v, float *out) {
     if (layer < 0 || layer >= c->layers) return -1;
@@ -599,8 +709,8 @@ int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const 
         return kvf_write_decode_f32_bf16kv(q, k, v, (uint16_t *)c->kv + (size_t)layer * (size_t)c->layer_elems,
                                            c->rows, c->layer_rows, c->indptr, c->indices, c->lens,
                                            out, c->batch, c->hq, c->hkv, c->dim, c->page_size,
-                                           c->scale);
+                                           c->scale, c->n_indices);
     return kvf_write_decode_f32(q, k, v, (float *)c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
                                 c->layer_rows, c->indptr, c->indices, c->lens, out, c->batch,
-                                c->hq, c->hkv, c->dim, c->page_size, c->scale);
+                                c->hq, c->hkv, c->dim, c->page_size, c->scale, c->n_indices);
 }

@@ -7,39 +7,57 @@ math, online softmax over one page at a time, OpenMP over sequence x KV head).
 NOTE: measured on 2 cores, SmolLM2-135M (30 layers, 3 KV heads of 64), one thread: a decode
 step of 9 rows at 1,050 keys spent 56 ms in index_select and 42 ms in bmm out of ~195 ms.
 
-The kernel is built with the system C compiler (``$CC``, else ``cc``) into
-``$KVFENCE_HOME/kernels`` (else ``$XDG_CACHE_HOME/kvfence/kernels``, else
-``~/.cache/kvfence/kernels``), keyed by its source, the compiler, its flags and the CPU's, and
-loaded with ctypes, which releases the GIL for the call. Without a compiler, or with
-``KVFENCE_CPU_KERNEL=off``, :func:`kernel` answers None and the torch path runs. Loading it
-after torch makes its OpenMP calls resolve to the libgomp torch loaded, so it uses the
-calling thread's worker pool (a second OpenMP runtime would throttle both).
+The kernel is built and cached by :mod:`kvcache.native_build` (a private, owner-only cache;
+a damaged entry is rebuilt, a foreign one never loaded) and loaded with ctypes, which
+releases the GIL for the call. Without a compiler, or with ``KVFENCE_CPU_KERNEL=off``,
+:func:`kernel` answers None and the torch path runs. Loading it after torch makes its OpenMP
+calls resolve to the libgomp torch loaded, so it uses the calling thread's worker pool.
+
+The C code is a trust boundary: every entry point checks the step plan it is given (each
+page index inside the layer's ``num_pages``, ``indptr`` from 0 and non-decreasing within the
+page list, each length within its pages, each written row on a page of its own sequence)
+before it reads or writes KV memory, and answers a status the wrappers here raise as
+:class:`~kvcache.errors.KernelRefused`. The wrappers check what C cannot see (dtypes, shapes,
+strides, devices). The plan comes from the fenced step, so a refusal is a bug upstream; the
+checks keep it from becoming a read of another sequence's pages.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
-import structlog
 import torch
 
 from kvcache.attention import NativeAttend
-
-log = structlog.get_logger(__name__)
+from kvcache.errors import KernelRefused
+from kvcache.native_build import load_once
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 _lock = threading.Lock()
 _loaded: dict[str, DecodeKernel | None] = {}
-K = TypeVar("K")
+
+# The C code's KVF_ statuses (cpu_decode.c, "Boundary checks").
+_REFUSALS = {
+    -1: "a KV row outside the layer; nothing was written",
+    -2: "page spans (indptr) that do not start at 0, decrease, or run past the page list",
+    -3: "a page index outside the pool",
+    -4: "a sequence length below 0 or past its pages",
+    -5: "a KV row outside its own sequence's pages; nothing was written",
+    -6: "a batch, head, dimension or page size the CPU decode kernel does not take",
+}
+
+
+def refused(status: int) -> KernelRefused:
+    """The error for a C status other than 0."""
+    return KernelRefused(_REFUSALS.get(status, f"the CPU decode kernel refused its input ({status})"))
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 class DecodeKernel:
@@ -47,31 +65,35 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.kvf_decode_bf16
-        self._fn.restype = None
+        self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_float]
+        self._fn.argtypes += [ctypes.c_int64] * 2
         self._fn32 = lib.kvf_decode_f32
-        self._fn32.restype = None
+        self._fn32.restype = ctypes.c_int
         self._fn32.argtypes = self._fn.argtypes
         # float32 q and out over a bf16 pool (float32 compute with KV stored in bf16)
         self._fn_bf16kv = lib.kvf_decode_f32_bf16kv
-        self._fn_bf16kv.restype = None
+        self._fn_bf16kv.restype = ctypes.c_int
         self._fn_bf16kv.argtypes = self._fn.argtypes
-        fused_args = (
+        fused_args: list[Any] = (
             [ctypes.c_void_p] * 5
             + [ctypes.c_int64]
             + [ctypes.c_void_p] * 4
             + [ctypes.c_int] * 5
-            + [ctypes.c_float]
+            + [ctypes.c_float, ctypes.c_int64]
         )
         # by (q, k, v and out dtype, pool dtype)
-        self._fused = {
+        self._fused: dict[tuple[torch.dtype, torch.dtype], Callable[..., int]] = {
             (torch.bfloat16, torch.bfloat16): lib.kvf_write_decode_bf16,
             (torch.float32, torch.float32): lib.kvf_write_decode_f32,
             (torch.float32, torch.bfloat16): lib.kvf_write_decode_f32_bf16kv,
         }
-        for fn in self._fused.values():
-            fn.restype = ctypes.c_int
-            fn.argtypes = fused_args
+        for name in ("kvf_write_decode_bf16", "kvf_write_decode_f32", "kvf_write_decode_f32_bf16kv"):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = fused_args
+        self._check = lib.kvf_check_step
+        self._check.restype = ctypes.c_int
+        self._check.argtypes = fused_args[4:9] + fused_args[10:15] + fused_args[16:]
         attend = ctypes.cast(lib.kvf_step_attend_f32, ctypes.c_void_p).value
         assert attend is not None
         self._step_attend: int = attend  # an address, called by native model code only
@@ -103,27 +125,31 @@ class DecodeKernel:
     ) -> torch.Tensor:
         """Attention of ``q`` ``[B, Hq, D]`` (one token per sequence) over each sequence's
         first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]``. ``q`` has the
-        pool's dtype, or is float32 over a bf16 pool (the output is ``q``'s dtype)."""
+        pool's dtype, or is float32 over a bf16 pool (the output is ``q``'s dtype). Raises
+        :class:`KernelRefused` for anything the kernel does not take, nothing read."""
+        if q.dim() != 3 or kv_layer.dim() != 5:
+            raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         batch, hq, dim = q.shape
-        _, _, page_size, hkv, kv_dim = kv_layer.shape
+        pages, _, page_size, hkv, kv_dim = kv_layer.shape
         if (
             not self.supports(hq, kv_layer)
             or kv_dim != dim
             or (q.dtype, kv_layer.dtype) not in self._fused
+            or not _on_cpu(q, indptr, indices, lens)
         ):
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
+            raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         for t in (indptr, indices, lens):
-            if t.dtype != torch.int32 or not t.is_contiguous():
-                raise ValueError("page metadata must be contiguous int32")
+            if t.dtype != torch.int32 or not t.is_contiguous() or t.dim() != 1:
+                raise KernelRefused("page metadata must be contiguous int32")
         if indptr.numel() != batch + 1 or lens.numel() != batch:
-            raise ValueError("one indptr span and one length per sequence")
+            raise KernelRefused("one indptr span and one length per sequence")
         q = q.contiguous()
         out = torch.empty_like(q)
         if q.dtype == kv_layer.dtype:
             fn = self._fn32 if q.dtype == torch.float32 else self._fn
         else:
             fn = self._fn_bf16kv
-        fn(
+        status = fn(
             q.data_ptr(),
             kv_layer.data_ptr(),
             indptr.data_ptr(),
@@ -136,7 +162,11 @@ class DecodeKernel:
             dim,
             page_size,
             dim**-0.5,
+            indices.numel(),
+            pages,
         )
+        if status != 0:
+            raise refused(status)
         return out
 
     def write_run(
@@ -158,7 +188,7 @@ class DecodeKernel:
         The C code checks every row against the layer and writes nothing if one is outside.
         The metadata's dtypes and sizes are :meth:`run`'s; the graph that calls this fixed them."""
         if kv.dim() != 6 or not 0 <= layer < kv.shape[0]:
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
+            raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         q, k, v, kv_layer = q.contiguous(), k.contiguous(), v.contiguous(), kv[layer]
         return self.layer_writer(q, k, v, kv_layer, rows, indptr, indices, lens)(q, k, v, kv_layer)
 
@@ -189,8 +219,9 @@ class DecodeKernel:
             or q_dim != dim
             or k.shape != (batch, hkv, dim)
             or v.shape != (batch, hkv, dim)
+            or not _on_cpu(q, k, v)
         ):
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
+            raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         return LayerWriter(fused, q, k, kv_layer, (rows, indptr, indices, lens))
 
     def _checked_step(
@@ -205,8 +236,8 @@ class DecodeKernel:
         dtype: torch.dtype,
     ) -> Callable[..., int]:
         """The fused C call for q, k, v of ``dtype`` and ``kv_layer``'s dtype, after checking
-        one step's layer view and metadata (what the C code trusts, except the rows it
-        checks itself)."""
+        one step's layer view and metadata, and (in C, ``kvf_check_step``) its plan and rows:
+        each C call checks them again, so this raises early what a call would refuse."""
         fused = self._fused.get((dtype, kv_layer.dtype))
         if (
             fused is None
@@ -218,11 +249,19 @@ class DecodeKernel:
             or not rows.is_contiguous()
             or indptr.numel() != batch + 1
             or lens.numel() != batch
+            or not _on_cpu(rows, indptr, indices, lens)
         ):
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
+            raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         for t in (indptr, indices, lens):
-            if t.dtype != torch.int32 or not t.is_contiguous():
-                raise ValueError("page metadata must be contiguous int32")
+            if t.dtype != torch.int32 or not t.is_contiguous() or t.dim() != 1:
+                raise KernelRefused("page metadata must be contiguous int32")
+        pages, two, page_size, hkv, dim = kv_layer.shape
+        status = self._check(
+            rows.data_ptr(), pages * two * page_size, indptr.data_ptr(), indices.data_ptr(),
+            lens.data_ptr(), batch, q_heads, hkv, dim, page_size, indices.numel(),
+        )
+        if status != 0:
+            raise refused(status)
         return fused
 
     def step_context(
@@ -238,15 +277,20 @@ class DecodeKernel:
         model code (:class:`kvcache.attention.NativeAttend`): the pool ``kv``
         ``[L, pages, 2, page_size, Hkv, D]`` and the step's metadata are checked here, once;
         each layer's C call checks its layer index and every row it writes."""
-        if kv.dim() != 6 or kv.dtype not in (torch.float32, torch.bfloat16) or kv.shape[0] < 1:
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
+        if (
+            kv.dim() != 6
+            or kv.dtype not in (torch.float32, torch.bfloat16)
+            or kv.shape[0] < 1
+            or not kv.is_contiguous()  # the C code steps from layer to layer by one size
+        ):
+            raise KernelRefused("a pool the CPU decode kernel does not take")
         batch = lens.numel()
         self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens, torch.float32)
         layers, pages, two, page_size, hkv, dim = kv.shape
         ctx = _StepContext(
             kv.data_ptr(), kv[0].numel(), pages * two * page_size, rows.data_ptr(),
             indptr.data_ptr(), indices.data_ptr(), lens.data_ptr(), layers, batch, q_heads,
-            hkv, dim, page_size, dim**-0.5, int(kv.dtype == torch.bfloat16),
+            hkv, dim, page_size, dim**-0.5, int(kv.dtype == torch.bfloat16), indices.numel(),
         )
         return NativeAttend(
             fn=self._step_attend, ctx=ctypes.addressof(ctx), batch=batch, q_heads=q_heads,
@@ -274,6 +318,7 @@ class _StepContext(ctypes.Structure):
         ("page_size", ctypes.c_int32),
         ("scale", ctypes.c_float),
         ("kv16", ctypes.c_int32),
+        ("n_indices", ctypes.c_int64),
     ]
 
 
@@ -301,7 +346,7 @@ class LayerWriter:
         pages, two, page_size, hkv, _ = kv_layer.shape
         self._args = (
             rows, pages * two * page_size, indptr, indices, lens, batch, hq, hkv, dim,
-            page_size, dim**-0.5,
+            page_size, dim**-0.5, metadata[2].numel(),
         )
 
     def __call__(
@@ -318,16 +363,17 @@ class LayerWriter:
             and k.is_contiguous()
             and v.is_contiguous()
             and kv_layer.is_contiguous()
+            and _on_cpu(q, k, v, kv_layer)
         ):
-            raise ValueError("shape or dtype the CPU decode kernel does not take")
+            raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         out = torch.empty_like(q)
-        rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim, page, scale = self._args
+        rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim, page, scale, nnz = self._args
         status = self._fn(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_layer.data_ptr(), rows, layer_rows,
-            indptr, indices, lens, out.data_ptr(), batch, hq, hkv, dim, page, scale,
+            indptr, indices, lens, out.data_ptr(), batch, hq, hkv, dim, page, scale, nnz,
         )
         if status != 0:
-            raise IndexError("a KV row outside the layer; nothing was written")
+            raise refused(status)
         return out
 
 
@@ -335,91 +381,3 @@ def kernel() -> DecodeKernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
     return load_once(_loaded, _lock, _SOURCE, "cpu_decode", DecodeKernel)
-
-
-def switched_off() -> bool:
-    """``KVFENCE_CPU_KERNEL=off`` switches every native CPU kernel off (the torch paths run)."""
-    return os.environ.get("KVFENCE_CPU_KERNEL", "auto").lower() in ("off", "0", "false", "no")
-
-
-def _cache_dir() -> Path:
-    if home := os.environ.get("KVFENCE_HOME"):
-        return Path(home) / "kernels"
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg) / "kvfence" / "kernels"
-    return Path.home() / ".cache" / "kvfence" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-# NOTE: not -ffast-math: linking a shared library with it sets flush-to-zero for the process,
-# and a request's temperature of 1e-45 then read as 0 (greedy) instead of being refused.
-_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
-
-
-def compile_kernel(
-    compiler: str, target: Path, march: str = "native", source: Path = _SOURCE
-) -> None:
-    """Build ``source`` (``cpu_decode.c``) into ``target``; ``march`` picks the instruction
-    set (the SIMD path where it has it, plain C loops elsewhere)."""
-    subprocess.run(
-        [compiler, *_FLAGS, f"-march={march}", str(source), "-o", str(target), "-lm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-
-
-def load_library(source: Path, stem: str) -> ctypes.CDLL | None:
-    """Build the C file ``source`` with the system compiler (once, cached on disk under a key
-    of its text, the compiler, the flags and the CPU's) and load it; None, logged, where it
-    cannot be built. Shared by every native kernel kvfence compiles on first use."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.info("native_kernel_unavailable", kernel=stem, reason="no C compiler")
-        return None
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-        built_by = "\n".join([version, *_FLAGS, _cpu_flags()]).encode()
-        key = hashlib.sha256(source.read_bytes() + built_by).hexdigest()[:16]
-        target = _cache_dir() / f"{stem}-{key}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                compile_kernel(compiler, built, source=source)
-                os.replace(built, target)  # atomic: a concurrent build loads either copy
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        log.warning("native_kernel_unavailable", kernel=stem, reason=str(detail).strip()[:300])
-        return None
-
-
-def load_once(
-    cache: dict[str, K | None],
-    lock: threading.Lock,
-    source: Path,
-    stem: str,
-    wrap: Callable[[ctypes.CDLL], K],
-) -> K | None:
-    """``wrap`` of the library built from ``source``, built and loaded once per process and
-    kept in ``cache``; None where it cannot be built or native kernels are switched off."""
-    if switched_off():
-        return None
-    with lock:
-        if "kernel" not in cache:
-            lib = load_library(source, stem)
-            cache["kernel"] = None if lib is None else wrap(lib)
-        return cache["kernel"]

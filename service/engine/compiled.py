@@ -29,7 +29,9 @@ How it is wired (the same static-buffer design as CUDA graphs, service/engine/cu
 or ``c++``) and the CPU decode kernel. ``on`` raises :class:`CompileUnavailable` with the
 reason where it cannot. Inductor caches what it builds (``$TORCHINDUCTOR_CACHE_DIR``, set
 to ``$KVFENCE_HOME/inductor`` or ``~/.cache/kvfence/inductor`` when unset), so later starts
-skip most of the work.
+skip most of the work. That directory holds code this process loads, so it is kept as the
+kernel cache is: owner-only, and replaced by a private one where another user could write it
+(:func:`inductor_cache_dir`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Any, cast
 import structlog
 import torch
 
+from kvcache import native_build
 from kvcache.backends import cpu_graph
 from kvcache.graph_step import FusedDecodeAttention
 from kvcache.pool import PagePool
@@ -91,10 +94,14 @@ def decode_buckets(model: LlamaModel, max_num_seqs: int) -> tuple[int, ...]:
     return tuple(b for b in (1, 2, 4) if b <= top) or (1,)
 
 
-def _cache_dir() -> Path:
-    if home := os.environ.get("KVFENCE_HOME"):
-        return Path(home) / "inductor"
-    return Path.home() / ".cache" / "kvfence" / "inductor"
+def inductor_cache_dir() -> Path:
+    """Where inductor keeps what it builds (it loads that code into this process):
+    ``$TORCHINDUCTOR_CACHE_DIR``, else ``$KVFENCE_HOME/inductor`` or
+    ``~/.cache/kvfence/inductor``, made 0700; where that directory (or one above it) could
+    have been written by another user, a fresh private directory instead
+    (:func:`kvcache.native_build.private_dir`)."""
+    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return native_build.private_dir("inductor", Path(configured) if configured else None)
 
 
 def compile_recorder(forward: Forward) -> tuple[Callable[[], None], torch.Tensor]:
@@ -109,7 +116,7 @@ def compile_recorder(forward: Forward) -> tuple[Callable[[], None], torch.Tensor
     from torch._dynamo import reset_code  # type: ignore[attr-defined]
     from torch._inductor.compile_fx import compile_fx
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_cache_dir()))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     graphs: list[tuple[Callable[..., Any], list[Any]]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

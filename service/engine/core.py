@@ -172,6 +172,10 @@ class EngineCore:
             heapq.heappush(self._deadlines, entry)
             self._num_deadlined += 1
 
+    def charge_cpu(self, tenant: str, seconds: float) -> int:
+        """Charge ``tenant`` for CPU seconds spent for it outside the forward."""
+        return self._scheduler.charge_cpu(tenant, seconds)
+
     def abort(self, request_id: str) -> None:
         """Finish the request with reason "abort" now. Unknown ids are ignored."""
         seq = self._seqs.get(request_id)

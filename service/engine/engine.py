@@ -178,6 +178,12 @@ class Engine:
         are ignored. Does not wait."""
         self._post(lambda core: core.abort(request_id))
 
+    def charge_cpu(self, tenant: str, seconds: float) -> None:
+        """Charge ``tenant``'s fair share for CPU work done for it off the engine thread
+        (grammar compiles, tokenization), at the next step boundary. Any thread; does not
+        wait."""
+        self._post(lambda core: core.charge_cpu(tenant, seconds))
+
     async def abort_all(self) -> int:
         """Finish every request with reason "abort" (drain); returns how many there were."""
         return await self._ask(lambda core: core.finish_all("abort"))

@@ -2,8 +2,9 @@
 
 A request may carry a ``GrammarSpec`` (a JSON schema, ``json_object``, a regex or a Lark
 grammar). The service compiles it with llguidance *before* the request reaches the engine,
-in a worker thread (llguidance drops the GIL while it builds), so the engine thread never
-compiles. A too-large or uncompilable spec is a ``GrammarError`` whose message is the reason.
+on a large-stack compile thread (``compile_executor``; llguidance drops the GIL while it
+builds), so the engine thread never compiles. A spec nested deeper than ``GrammarLimits``
+allows is refused before llguidance sees it (``grammar_depth``). A too-large or uncompilable spec is a ``GrammarError`` whose message is the reason.
 
 The engine gives every constrained sequence its own ``GrammarMatcher`` (a copy of the
 compiled template). At each step the sampler asks the constrained rows for their allowed-token
@@ -16,6 +17,7 @@ whether tenant A had used a schema: the same side channel as a shared prefix cac
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import threading
 from collections import OrderedDict
@@ -26,6 +28,9 @@ from typing import Literal
 import llguidance
 import numpy as np
 import torch
+
+from service.engine.compile_executor import CompileExecutor
+from service.engine.grammar_depth import json_nesting, json_ref_depth, lark_depth, parse_schema
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "lark")
@@ -55,6 +60,12 @@ class GrammarLimits:
     """Bounds on what a tenant may ask to compile, and on the cache."""
 
     max_source_bytes: int = 64 * 1024
+    # Rule references chained (each rule weighing 1 + its bracket nesting) in a Lark grammar,
+    # or definitions chained by $ref in a JSON schema. On an 8 MiB stack a Lark chain of
+    # 2,500 compiled and 2,800 crashed the process; compiles run on a far larger stack.
+    max_depth: int = 1000
+    # Bracket nesting of a JSON schema's text (llguidance's JSON reader stops at 128).
+    max_json_nesting: int = 100
     max_grammar_size: int = 200_000  # llguidance grammar symbols
     initial_lexer_fuel: int = 1_000_000
     step_lexer_fuel: int = 200_000
@@ -154,13 +165,16 @@ def grammar_text(spec: GrammarSpec) -> str:
 class GrammarCompiler:
     """Compiles specs for one tokenizer and caches the results per tenant (LRU).
 
-    ``compile`` blocks (call it through ``asyncio.to_thread``); it is thread-safe. The
+    ``compile`` blocks (``submit`` runs it on the compile executor); it is thread-safe. The
     llguidance tokenizer is built on first use, or by ``warm`` (``kvfence serve`` warms it at
     start, so no tenant's first request pays for, or can time, that build).
     """
 
-    def __init__(self, vocab: Vocabulary, limits: GrammarLimits) -> None:
+    def __init__(
+        self, vocab: Vocabulary, limits: GrammarLimits, executor: CompileExecutor | None = None
+    ) -> None:
         self._vocab = vocab
+        self._executor = executor
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._build_lock = threading.Lock()
         self.limits = limits
@@ -185,18 +199,65 @@ class GrammarCompiler:
             return f"{spec.kind} must not be empty"
         return None
 
+    def check_depth(self, spec: GrammarSpec) -> str | None:
+        """A reason to refuse a spec that nests deeper than the limits, or None. Linear in
+        the source; runs before llguidance, whose walk over the grammar recurses."""
+        limits = self.limits
+        if spec.kind == "lark":
+            depth = lark_depth(spec.source)
+            if depth > limits.max_depth:
+                return f"lark grammar rules nest {depth} deep; the limit is {limits.max_depth}"
+        elif spec.kind == "json_schema":
+            nesting = json_nesting(spec.source)
+            if nesting > limits.max_json_nesting:
+                return (
+                    f"json_schema nests {nesting} levels deep; "
+                    f"the limit is {limits.max_json_nesting}"
+                )
+            schema = parse_schema(spec.source)
+            if not isinstance(schema, dict):
+                return "json_schema is not a JSON object"
+            depth = json_ref_depth(schema)
+            if depth > limits.max_depth:
+                return f"json_schema $refs chain {depth} deep; the limit is {limits.max_depth}"
+        return None
+
+    def submit(
+        self, tenant: str, spec: GrammarSpec
+    ) -> concurrent.futures.Future[CompiledGrammar]:
+        """``compile`` on the compile executor (a cache hit answers at once, on no thread).
+        Without an executor, the compile runs in the calling thread."""
+        hit = self._hit(tenant, spec.key())
+        if hit is not None or self._executor is None:
+            done: concurrent.futures.Future[CompiledGrammar] = concurrent.futures.Future()
+            try:
+                done.set_result(hit if hit is not None else self.compile(tenant, spec))
+            except GrammarError as err:
+                done.set_exception(err)
+            return done
+        return self._executor.submit(tenant, lambda: self.compile(tenant, spec))
+
+    def _hit(self, tenant: str, key: bytes) -> CompiledGrammar | None:
+        with self._lock:
+            cache = self._caches.get(tenant)
+            hit = cache.get(key) if cache is not None else None
+            if hit is not None and cache is not None:
+                cache.move_to_end(key)
+            return hit
+
     def compile(self, tenant: str, spec: GrammarSpec) -> CompiledGrammar:
-        """The tenant's compiled grammar for ``spec``; raises GrammarError with the reason."""
+        """The tenant's compiled grammar for ``spec``; raises GrammarError with the reason.
+        Blocks: call it on a large-stack thread (``submit``)."""
         reason = self.check(spec)
         if reason is not None:
             raise GrammarError(reason)
         key = spec.key()
-        with self._lock:
-            cache = self._caches.setdefault(tenant, OrderedDict())
-            hit = cache.get(key)
-            if hit is not None:
-                cache.move_to_end(key)
-                return hit
+        hit = self._hit(tenant, key)
+        if hit is not None:
+            return hit
+        reason = self.check_depth(spec)
+        if reason is not None:
+            raise GrammarError(reason)
         template = llguidance.LLMatcher(
             self.warm(), grammar_text(spec), log_level=0, limits=self._parser_limits
         )
@@ -216,6 +277,11 @@ class GrammarCompiler:
     def cached(self, tenant: str) -> int:
         with self._lock:
             return len(self._caches.get(tenant, ()))
+
+    def shutdown(self) -> None:
+        """Stop the compile executor's threads (queued compiles are cancelled)."""
+        if self._executor is not None:
+            self._executor.shutdown()
 
     def forget(self, tenant: str) -> None:
         """Drop a tenant's compiled grammars (purge, tenant removed)."""

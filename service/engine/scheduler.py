@@ -245,6 +245,16 @@ class Scheduler:
             self._cache.commit(e.seq.seq_id, e.seq.token_ids, e.seq.num_computed)
         self.fair.new_step()  # what the plan gave is in the counter now
 
+    def charge_cpu(self, tenant: str, seconds: float) -> int:
+        """Charge ``tenant`` for CPU work done for it off the model's forward (a grammar
+        compile, its masks, a tokenization) in the fairness currency: the prefill tokens a
+        step could have computed in that time (``StepBudget.cpu_tokens``). Returns the
+        tokens charged."""
+        tokens = self.budget.cpu_tokens(seconds)
+        if tokens:
+            self.fair.counter.charge(tenant, tokens)
+        return tokens
+
     def append(self, seq: SeqState, token: int) -> None:
         """Record a sampled token (the sequence owns its tokens; the cache reads them at
         commit); its KV is written by a later step."""

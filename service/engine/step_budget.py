@@ -126,6 +126,13 @@ class StepBudget:
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape.rows, shape.row_keys, shape.chunks, seconds)
 
+    def cpu_tokens(self, seconds: float) -> int:
+        """The prefill tokens a step computes in ``seconds`` of CPU time, by the fitted
+        per-token cost (``cpu_seconds_per_token`` before a chunk was seen)."""
+        cost = self.cost.fit()
+        per_token = cost.per_token_s if cost is not None and cost.per_token_s > 0 else 0.0
+        return math.ceil(max(0.0, seconds) / (per_token or self.tuning.cpu_seconds_per_token))
+
     def decode_rows(
         self, fair: FairShare, decoding: Sequence[R], cost: StepCost | None
     ) -> tuple[list[R], float]:

@@ -45,6 +45,11 @@ class SchedulerTuning:
     #: so a stream's tenant between two requests (a client's round trip) is still guarded:
     #: others' chunks stay timed instead of filling one big untimed step it would wait for.
     idle_grace_s: float = 2.0
+    #: seconds per token. What off-engine CPU work charged to a tenant (grammar compiles and
+    #: masks, ``Engine.charge_cpu``) counts as before the cost model has seen a prefill
+    #: chunk: a prefill token of the default model costs ~0.5-2 ms on a 2-core CPU, and 1 ms
+    #: errs toward charging it.
+    cpu_seconds_per_token: float = 1e-3
     #: weight (per observed step) of the cost model's past observations: 0.9 follows a
     #: machine whose load changes within a few dozen steps.
     cost_decay: float = 0.9
@@ -62,6 +67,8 @@ class SchedulerTuning:
             raise ValueError("request_share must be in (0, 1]")
         if not 0.0 <= self.idle_grace_s < float("inf"):
             raise ValueError("idle_grace_s must be a finite number >= 0")
+        if not 0.0 < self.cpu_seconds_per_token < float("inf"):
+            raise ValueError("cpu_seconds_per_token must be a finite number > 0")
         if not 0.0 < self.cost_decay < 1.0:
             raise ValueError("cost_decay must be in (0, 1)")
 

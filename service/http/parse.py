@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from protos.kvfence.v1 import inference_pb2
 from service.errors import invalid_argument
+from service.http.nesting import MAX_BODY_NESTING, TOO_DEEP, nesting
 from service.validation import Violations
 
 MAX_N = 16
@@ -103,6 +104,10 @@ def load_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise invalid_argument([("body", "is not valid JSON")]) from None
+    except RecursionError:  # deeper than Python's reader goes
+        raise invalid_argument([("body", TOO_DEEP)]) from None
+    if nesting(body) > MAX_BODY_NESTING:
+        raise invalid_argument([("body", TOO_DEEP)])
     if not isinstance(body, dict):
         raise invalid_argument([("body", "must be a JSON object")])
     return body

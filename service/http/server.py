@@ -1,7 +1,8 @@
 """uvicorn serving the HTTP front as a task in the gRPC server's asyncio loop.
 
 One loop means one thread hands engine events to both fronts the same way. The server's
-TLS files apply here too (with a client CA, client certificates are required).
+TLS files apply here too (with a client CA, client certificates are required). Connections
+are bounded by ``service.http.guard`` (descriptors, per-peer count, header and body time).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.http.guard import HttpGuard, guarded_protocol
 
 
 class _InLoopServer(uvicorn.Server):
@@ -23,23 +25,6 @@ class _InLoopServer(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         # The kvfence process owns SIGTERM/SIGINT (drain); uvicorn must not take them.
         yield
-
-
-class _NoDelayHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol (the C HTTP parser: per streamed chunk it costs a fraction
-    of h11's pure-Python framing), with TCP_NODELAY on each accepted connection.
-
-    The listening socket is ours (see ``start``), and its accepted sockets come without
-    TCP_NODELAY. uvicorn writes a response's head and body in separate sends, so Nagle held
-    the body for the client's delayed ACK: every request after the first on a keep-alive
-    connection took 40 ms longer (measured: 80 ms back-to-back vs 40 ms over gRPC)."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().connection_made(transport)
 
 
 class HttpServer:
@@ -54,7 +39,10 @@ class HttpServer:
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
         client_ca: Path | None = None,
+        guard: HttpGuard | None = None,
     ) -> None:
+        guard = guard or HttpGuard()
+        self.connection_cap = guard.connection_cap()
         config = uvicorn.Config(
             app,
             host=host,
@@ -62,7 +50,8 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http=_NoDelayHttpTools,
+            http=guarded_protocol(guard, self.connection_cap),  # type: ignore[arg-type]
+            limit_concurrency=guard.limit_concurrency,
             ssl_certfile=str(tls_cert) if tls_cert else None,
             ssl_keyfile=str(tls_key) if tls_key else None,
             ssl_ca_certs=str(client_ca) if client_ca else None,

@@ -9,10 +9,10 @@ NOTE: measured on a 2-core AMD EPYC (AVX2, no AVX-512), one thread, M=1: SmolLM2
 576x49152 output projection took 64 ms through torch's int4 kernel in float32 and 10 ms
 dense; see the README's "Where the time goes" for this kernel's figures.
 
-It is built like the decode-attention kernel (:func:`kvcache.backends.cpu_decode.load_library`:
-system compiler, cached under ``$KVFENCE_HOME/kernels``, OpenMP on torch's libgomp) and is
-off with ``KVFENCE_CPU_KERNEL=off`` or without a compiler; :func:`kernel` then answers None
-and the packs stay on torch's kernels.
+It is built like the decode-attention kernel (:mod:`kvcache.native_build`: system compiler,
+a private owner-only cache under ``$KVFENCE_HOME/kernels``, OpenMP on torch's libgomp) and is
+off with ``KVFENCE_CPU_KERNEL=off``, without a compiler, or beside another OpenMP runtime;
+:func:`kernel` then answers None and the packs stay on torch's kernels.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from kvcache.attention import NativeAttend
-from kvcache.backends.cpu_decode import load_once
+from kvcache.errors import KernelRefused
+from kvcache.native_build import load_once
 from service.model.quant import GROUP, Int4Codes
 
 _SOURCE = Path(__file__).with_name("q4_gemv.c")
@@ -50,6 +51,7 @@ class Rope:
         return (
             table is not None
             and table.dtype == torch.float32
+            and table.is_cpu
             and table.shape == (m, 2, self.dim)
             and table.is_contiguous()
             and self.heads >= 1
@@ -92,6 +94,8 @@ class Q4Kernel:
         # unit (AMX-BF16 CPUs): x and the weights are rounded to bf16 there, float32 sums.
         self.amx = bool(lib.kvf_amx())
         self.amx_min_rows = int(lib.kvf_amx_min_rows())
+        self.scratch_threads = lib.kvf_q4_scratch_threads  # threads holding scratch (tests)
+        self.scratch_threads.restype = ctypes.c_int64
 
     def matmul(
         self,
@@ -121,6 +125,7 @@ class Q4Kernel:
         n, row_bytes_ = blocks.shape
         if (
             x.dtype != torch.float32
+            or not _on_cpu(x, blocks, gamma, into, table)
             or blocks.dtype != torch.uint8
             or not blocks.is_contiguous()
             or not 0 <= m <= self.max_rows
@@ -140,7 +145,9 @@ class Q4Kernel:
         if m == 0:  # a step that needs no logits
             return out
         x = x.contiguous()
-        norm = 0 if gamma is None else gamma.contiguous().data_ptr()
+        # a contiguous copy of a strided gamma must outlive the call: hold it here
+        gamma = None if gamma is None else gamma.contiguous()
+        norm = 0 if gamma is None else gamma.data_ptr()
         heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
         status = self.fn(
             x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), flags(q8, tiles), int(gated),
@@ -201,6 +208,8 @@ class MlpBlock:
             and 0 < m <= self._max_rows
             and x.is_contiguous()
             and attn.is_contiguous()
+            and x.is_cpu
+            and attn.is_cpu
         ):
             raise ValueError("shape or dtype the 4-bit GEMV kernel does not take")
         h = torch.empty(m, 2 * self._inter)
@@ -215,6 +224,10 @@ class MlpBlock:
 
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _on_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.is_cpu for t in tensors)
 
 
 def kernel() -> Q4Kernel | None:
@@ -341,13 +354,19 @@ class Q4Linear:
         m, n = x.shape[0], self.blocks.shape[0]
         if (
             x.dtype == torch.float32
+            and x.is_cpu
             and x.dim() == 2
             and x.shape[1] == (2 * k if gated else k)
             and 0 < m <= self.kernel.max_rows
             and x.is_contiguous()
             and (
                 into is None
-                or (into.dtype == torch.float32 and into.shape == (m, n) and into.is_contiguous())
+                or (
+                    into.dtype == torch.float32
+                    and into.shape == (m, n)
+                    and into.is_contiguous()
+                    and into.is_cpu
+                )
             )
             and (rope is None or (into is None and rope.takes(table, m, n)))
         ):
@@ -382,6 +401,7 @@ class Q4Linear:
             and gamma.dtype == torch.float32
             and gamma.shape == (self.k,)
             and gamma.is_contiguous()
+            and gamma.is_cpu
         ):
             raise ValueError("a norm weight the 4-bit GEMV does not take (float32 [K] only)")
 
@@ -503,6 +523,8 @@ class DecoderStack:
             and rope.dtype == torch.float32
             and rope.shape == (m, 2, dim)
             and rope.is_contiguous()
+            and x.is_cpu
+            and rope.is_cpu
             and (attend.batch, attend.q_heads, attend.kv_heads, attend.head_dim)
             == (m, hq, hkv, dim)
             and attend.num_layers == layers
@@ -513,7 +535,9 @@ class DecoderStack:
             self._eps, rope.data_ptr(), attend.fn, attend.ctx,
         )
         if status == -2:
-            raise IndexError("a KV row outside the layer; nothing was written for it")
+            raise KernelRefused(
+                "kvcache's attention refused the step's plan or rows; nothing was written for it"
+            )
         if status != 0:
             raise ValueError("the native decoder stack refused its shapes")
         return x

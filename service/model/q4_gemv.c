@@ -26,6 +26,7 @@
  * (2^-31, float32 parity) made the B=1 forward ~35% slower on a 2-core AVX2 EPYC.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -185,22 +186,92 @@ static inline void block_to_int16(const float *xp, float inv, int16_t *qp) {
 }
 #endif
 
-/* Scratch for prepare(), per calling thread, grown on demand and kept (a decode step makes
- * ~120 calls; malloc and free each time cost more than the smallest GEMVs). */
-static __thread void *scratch = NULL;
-static __thread size_t scratch_bytes = 0;
+/* ---- Per-thread scratch on the heap, grown on demand, kept between calls (a decode step
+ * makes ~120 calls; malloc and free each time cost more than the smallest GEMVs) and freed
+ * when its thread exits (a pthread key's destructor). The row loops' weight-scale tables
+ * live here rather than on the OpenMP workers' stacks. */
+enum { SCRATCH_PREPARE, SCRATCH_STEPS, SCRATCH_AMX, SCRATCH_SLOTS };
+/* One worker's tables of weight scale times x step: rows_q4/rows_q8 use 4 x MAX_GROUPS, tile
+ * 2 x TILE x MAX_GROUPS floats (TILE is 4). */
+#define STEP_FLOATS (8 * MAX_GROUPS)
+
+typedef struct {
+    void *buf[SCRATCH_SLOTS];
+    size_t bytes[SCRATCH_SLOTS];
+} thread_scratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_key_made = 0;
+static int64_t scratch_threads = 0; /* threads holding scratch now (kvf_q4_scratch_threads) */
+
+static void scratch_free(void *held) {
+    thread_scratch *s = (thread_scratch *)held;
+    for (int i = 0; i < SCRATCH_SLOTS; ++i) free(s->buf[i]);
+    free(s);
+    __atomic_sub_fetch(&scratch_threads, 1, __ATOMIC_RELAXED);
+}
+
+static void scratch_key_make(void) {
+    scratch_key_made = pthread_key_create(&scratch_key, scratch_free) == 0;
+}
+
+/* This thread's buffer ``slot`` of at least ``bytes`` (64-byte aligned), or NULL without
+ * memory. The contents are kept only while the size does not grow. */
+static void *thread_buffer(int slot, size_t bytes) {
+    pthread_once(&scratch_once, scratch_key_make);
+    if (!scratch_key_made) return NULL;
+    thread_scratch *s = (thread_scratch *)pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = (thread_scratch *)calloc(1, sizeof *s);
+        if (s == NULL) return NULL;
+        if (pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+        __atomic_add_fetch(&scratch_threads, 1, __ATOMIC_RELAXED);
+    }
+    if (bytes > s->bytes[slot]) {
+        const size_t size = (bytes + 63) & ~(size_t)63;
+        free(s->buf[slot]);
+        s->buf[slot] = aligned_alloc(64, size);
+        s->bytes[slot] = s->buf[slot] == NULL ? 0 : size;
+    }
+    return s->buf[slot];
+}
+
+/* This thread's weight-scale tables; the caller reserved them (thread_buffer) first. */
+static inline float *thread_steps(void) {
+    return (float *)((thread_scratch *)pthread_getspecific(scratch_key))->buf[SCRATCH_STEPS];
+}
+
+/* Threads that hold scratch now (a thread's is freed when it exits). */
+int64_t kvf_q4_scratch_threads(void) { return __atomic_load_n(&scratch_threads, __ATOMIC_RELAXED); }
+/* ---- end of the per-thread scratch ---- */
+
+/* Below this a block's largest |x| takes a power-of-two step (tiny_block_to_int16): the
+ * ordinary step's 32767 / top overflows float32 from ~1e-34 down. */
+#define TINY_TOP 0x1p-96f
+
+/* A tiny block (0 < top < TINY_TOP) as int16 with the exact step 2^(e - 14), e = ilogb(top),
+ * fewer if top would round past 32767: x / step is exact (a power of two) and only the
+ * rounding to integers is lost, as in the ordinary path. Answers the step. */
+static float tiny_block_to_int16(const float *xp, float top, int16_t *qp) {
+    int shift = 14 - ilogbf(top);
+    if (ldexpf(top, shift) > INT16_STEPS) --shift;
+    float scaled[BLOCK];
+    for (int j = 0; j < BLOCK; ++j) scaled[j] = ldexpf(xp[j], shift);
+    block_to_int16(scaled, 1.0f, qp);
+    return ldexpf(1.0f, -shift);
+}
 
 static int prepare(const float *x, int rows, int k, int gated, const float *gamma, float eps,
                    prepared_x *p) {
     const int groups = k / BLOCK, padded = (groups + 7) & ~7;
     const size_t fx = sizeof(float) * (size_t)rows * k, fs = sizeof(float) * (size_t)rows * padded;
     const size_t need = fx + 2 * fs + sizeof(int16_t) * (size_t)rows * k;
-    if (need > scratch_bytes) {
-        free(scratch);
-        scratch = malloc(need);
-        scratch_bytes = scratch == NULL ? 0 : need;
-        if (scratch == NULL) return -1;
-    }
+    void *scratch = thread_buffer(SCRATCH_PREPARE, need);
+    if (scratch == NULL) return -1;
     p->x = (float *)scratch;
     p->sum = (float *)((char *)scratch + fx);
     p->scale = (float *)((char *)scratch + fx + fs);
@@ -221,8 +292,12 @@ static int prepare(const float *x, int rows, int k, int gated, const float *gamm
                 memset(qp, 0, sizeof(int16_t) * BLOCK);
                 continue;
             }
-            block_to_int16(xp, top > 0.0f ? INT16_STEPS / top : 0.0f, qp);
             p->sum[at] = s;
+            if (top > 0.0f && top < TINY_TOP) {
+                p->scale[at] = tiny_block_to_int16(xp, top, qp);
+                continue;
+            }
+            block_to_int16(xp, top > 0.0f ? INT16_STEPS / top : 0.0f, qp);
             p->scale[at] = top / INT16_STEPS;
         }
     }
@@ -295,7 +370,7 @@ static inline __attribute__((always_inline)) void rows_q4(
     const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
     float *out, int n, int n_total, const int W) {
     const int padded = (groups + 7) & ~7;
-    float step[4][MAX_GROUPS];
+    float (*step)[MAX_GROUPS] = (float (*)[MAX_GROUPS])thread_steps();
     for (int r = r_begin; r < rows; ++r) {
         const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
         const int16_t *xq = p->q + (size_t)r * k;
@@ -331,7 +406,7 @@ static inline __attribute__((always_inline)) void rows_q8(
     const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
     float *out, int n, int n_total, const int W) {
     const int padded = (groups + 7) & ~7;
-    float step[4][MAX_GROUPS];
+    float (*step)[MAX_GROUPS] = (float (*)[MAX_GROUPS])thread_steps();
     for (int r = r_begin; r < rows; ++r) {
         const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
         const int16_t *xq = p->q + (size_t)r * k;
@@ -376,7 +451,8 @@ static inline __attribute__((always_inline)) void tile(
     float *out, int n, int n_total, const int W, const int q8) {
     const int padded = (groups + 7) & ~7;
     const size_t scales_at = (size_t)groups * (q8 ? BLOCK : 16);
-    float step[2][TILE][MAX_GROUPS]; /* weight scale times x step, per weight row, x row, block */
+    /* weight scale times x step, per weight row, x row, block */
+    float (*step)[TILE][MAX_GROUPS] = (float (*)[TILE][MAX_GROUPS])thread_steps();
     _Pragma("GCC unroll 8")
     for (int i = 0; i < W; ++i)
         _Pragma("GCC unroll 8")
@@ -547,19 +623,13 @@ static void amx_configure(void) {
 
 /* x's blocks in B layout: [x tile][block][pair j][row i][2] bf16, x's row 16 t + i, elements
  * 2j and 2j + 1 of the block; rows past ``rows`` are 0. */
-static __thread void *amx_scratch = NULL;
-static __thread size_t amx_scratch_bytes = 0;
 
 static uint16_t *amx_prepare(const float *x, int rows, int k, int gated, const float *gamma,
                              float eps, int tiles) {
     const int groups = k / BLOCK;
     const size_t xb_bytes = (size_t)tiles * groups * 1024, need = xb_bytes + sizeof(float) * k;
-    if (need > amx_scratch_bytes) {
-        free(amx_scratch);
-        amx_scratch = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        amx_scratch_bytes = amx_scratch == NULL ? 0 : need;
-        if (amx_scratch == NULL) return NULL;
-    }
+    void *amx_scratch = thread_buffer(SCRATCH_AMX, need);
+    if (amx_scratch == NULL) return NULL;
     uint16_t *xb = (uint16_t *)amx_scratch;
     float *v = (float *)((char *)amx_scratch + xb_bytes);
     if (rows % 16) memset((char *)xb + (size_t)(tiles - 1) * groups * 1024, 0, (size_t)groups * 1024);
@@ -752,11 +822,18 @@ int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, flo
 #ifdef KVF_SIMD
     const int quads = (n_total + 3) / 4;
     /* below ~2,000 blocks the threads' start-up costs more than they save */
-#pragma omp parallel for schedule(static) if ((size_t)n_total * groups >= 2048)
-    for (int i = 0; i < quads; ++i) {
-        const int n = 4 * i, count = n_total - n < 4 ? n_total - n : 4;
-        row_blocks(&p, rows, k, groups, w, row_bytes, out, n, n_total, count, q8);
+    int no_memory = 0;
+#pragma omp parallel if ((size_t)n_total * groups >= 2048) reduction(| : no_memory)
+    {
+        /* each worker's weight-scale tables (thread_steps), on the heap */
+        no_memory = thread_buffer(SCRATCH_STEPS, sizeof(float) * STEP_FLOATS) == NULL;
+#pragma omp for schedule(static)
+        for (int i = 0; i < quads; ++i) {
+            const int n = 4 * i, count = n_total - n < 4 ? n_total - n : 4;
+            if (!no_memory) row_blocks(&p, rows, k, groups, w, row_bytes, out, n, n_total, count, q8);
+        }
     }
+    if (no_memory) return -1;
 #else
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_total; ++n) {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.parity_checks import TIE_TOL, DecodeParity
+from tools.parity.checks import TIE_TOL, DecodeParity
 
 
 def test_a_tie_passes_and_a_real_difference_fails() -> None:

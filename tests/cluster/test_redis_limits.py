@@ -199,3 +199,54 @@ def test_redis_down_at_start_is_an_outage_not_a_crash() -> None:
         await limiter.close()
 
     _run(main())
+
+
+def test_live_leases_are_reasserted_when_redis_comes_back_empty(
+    redis_server: RedisProcess,
+) -> None:
+    """Redis restarted without its data: the next renewal puts the live streams back, so
+    another replica is held to the cap again (renewing only existing members never would)."""
+
+    async def main() -> None:
+        ttl = 1.5
+        quotas = Quotas(max_concurrent_streams=2)
+        live = _replica(redis_server.url, quotas, ttl=ttl)
+        held = [await live.admit("acme", 1), await live.admit("acme", 1)]
+        redis_server.stop()
+        redis_server.start()  # empty: no save, no append-only file
+        other = _replica(redis_server.url, quotas, ttl=ttl)
+        assert await other._store.active("acme") == 0
+        await live.renew_once()
+        assert await other._store.active("acme") == 2
+        refused = await _try(lambda: other.admit("acme", 1))
+        assert isinstance(refused, ServiceError)
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held[0].release()
+        await live.close()  # waits for the release
+        assert await other._store.active("acme") == 1
+        await other.close()
+
+    _run(main())
+
+
+def test_a_lease_released_during_a_renewal_is_not_left_behind(
+    redis_server: RedisProcess,
+) -> None:
+    async def main() -> None:
+        quotas = Quotas(max_concurrent_streams=4)
+        live = _replica(redis_server.url, quotas, ttl=30.0)
+        lease = await live.admit("acme", 1)
+        store = live._store
+        renew = store.renew
+
+        async def slow_renew(leases: object, ttl: float) -> int:
+            lease.release()  # the stream ends while the renewal is on its way
+            await asyncio.sleep(0.1)  # its ZREM lands first, then the re-add
+            return await renew(leases, ttl)  # type: ignore[arg-type]
+
+        store.renew = slow_renew  # type: ignore[method-assign]
+        await live.renew_once()
+        assert await store.active("acme") == 0
+        await live.close()
+
+    _run(main())

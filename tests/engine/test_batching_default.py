@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 
-from bench.parity_corpus import PROMPTS, tokenizer_corpus
 from service.engine.types import EngineConfig, Request, SamplingParams, StoppingParams
 from service.model import LoadedModel
 from tests.engine.conftest import (
@@ -24,6 +23,7 @@ from tests.engine.conftest import (
     run_one_at_a_time,
     untimed,
 )
+from tools.parity.corpus import PROMPTS, tokenizer_corpus
 
 N = 48
 

@@ -8,6 +8,8 @@ tenant most over its share is the one preempted.
 
 from __future__ import annotations
 
+import math
+
 from kvcache import TenantCachePolicy
 from service.engine.cost_model import StepCost
 from service.engine.tuning import SchedulerTuning
@@ -254,3 +256,27 @@ def test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream(
     assert [got[f"a{i}"] for i in range(4)] == [6, 6, 6, 6]
     # Without the guard every row decodes every step.
     assert set(_decodes_beside_a_heavy_tenant(tiny, stretch=0.0).values()) == {8}
+
+
+def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
+    tiny: LoadedModel,
+) -> None:
+    tuning = untimed(max_num_batched_tokens=64)
+    core = make_core(tiny, config=EngineConfig(warmup=False, tuning=tuning))
+    core.set_tenant_policy("heavy", sched=TenantSchedPolicy(weight=2.0))
+    counter = core.scheduler.counter
+    # No prefill fitted yet: cpu_seconds_per_token a token.
+    unfitted = math.ceil(0.25 / tuning.cpu_seconds_per_token)
+    assert core.charge_cpu("a", 0.25) == unfitted
+    assert core.charge_cpu("heavy", 0.25) == unfitted
+    # weighted, as processed tokens
+    assert counter["a"] == unfitted and counter["heavy"] == unfitted / 2
+    rec = Recorder()
+    r = req("p", prompt_ids(1, 200, V), tenant="b", max_tokens=2)
+    core.add(r, rec.sink("p"))
+    for _ in range(3):
+        core.step()
+    fit = core.scheduler.budget.cost.fit()
+    assert fit is not None and fit.per_token_s > 0
+    # Once prefill is measured, a second is what that many prefill tokens would take.
+    assert core.charge_cpu("a", 0.25) == math.ceil(0.25 / fit.per_token_s)

@@ -8,8 +8,6 @@ import random
 import pytest
 import torch
 
-from bench.gpu.models import Shape, random_llama
-from bench.gpu.setup import make_cache, make_graphs
 from kvcache import StepEntry
 from kvcache.backends.torch_backend import TorchBackend
 from kvcache.backends.torch_graph import TorchGraphDecode
@@ -17,6 +15,8 @@ from kvcache.graph_step import pad_decode
 from service.engine.cuda_graphs import DecodeGraphs, decode_buckets, pad_rows, pick_bucket
 from service.engine.runner import BatchInputs, ModelRunner
 from tests.kvcache.helpers import make_manager
+from tools.gpu.models import Shape, random_llama
+from tools.gpu.setup import make_cache, make_graphs
 
 TINY = Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=97)
 

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py --dry-run``: the GPU check's own code, run on CPU with tiny shapes, so
+"""``tools/gpu_check.py --dry-run``: the GPU check's own code, run on CPU with tiny shapes, so
 the script ``make gpu-check`` runs on a device cannot rot between device runs."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from bench.gpu import report
-from bench.gpu.plan import GREEDY_ARCHS, dry_run_plan
+from tools.gpu import report
+from tools.gpu.plan import GREEDY_ARCHS, dry_run_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("gpu")
     proc = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)],
+        [sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu.greedy import compare
-from bench.gpu.models import LLAMA_31_8B, model_config
-from bench.gpu.roofline import (
+from tools.gpu.greedy import compare
+from tools.gpu.models import LLAMA_31_8B, model_config
+from tools.gpu.roofline import (
     Bandwidth,
     decode_step_bytes,
     generation_bytes,

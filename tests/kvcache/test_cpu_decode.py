@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcache import native_build
 from kvcache.backends import cpu_decode
+from kvcache.errors import KernelRefused
 
 PAGE, HKV, GROUP, DIM = 16, 3, 3, 64
 
@@ -54,7 +56,7 @@ def _built_for(tmp_path: Path, march: str) -> cpu_decode.DecodeKernel:
     """The kernel built for another x86-64 level: ``x86-64-v2`` the plain C loops,
     ``x86-64-v3`` the AVX2 float32 path (without AVX512)."""
     target = tmp_path / f"{march}.so"
-    cpu_decode.compile_kernel(str(shutil.which("cc")), target, march=march)
+    native_build.compile_library(str(shutil.which("cc")), cpu_decode._SOURCE, target, march)
     return cpu_decode.DecodeKernel(ctypes.CDLL(str(target)))
 
 
@@ -185,7 +187,7 @@ def test_fused_write_and_attend_equals_the_write_then_the_kernel(dtype: torch.dt
     before = pool.clone()
     outside = rows.clone()
     outside[1, 1] = 12 * 2 * PAGE  # one past the layer's last row
-    with pytest.raises(IndexError, match="nothing was written"):
+    with pytest.raises(KernelRefused, match="outside the layer; nothing was written"):
         kernel.write_run(q, k * 2, v * 2, pool, 1, outside, *meta)
     with pytest.raises(ValueError, match="does not take"):
         kernel.write_run(q, k, v, pool, 3, rows, *meta)
@@ -234,7 +236,7 @@ def test_layer_writer_checks_once_then_each_layer_against_the_first() -> None:
             write(*bad)
     outside = rows.clone()
     outside[1, 1] = 12 * 2 * PAGE  # one past the layer's last row
-    with pytest.raises(IndexError, match="nothing was written"):
+    with pytest.raises(KernelRefused, match="outside the layer; nothing was written"):
         kernel.layer_writer(q, k, v, pool[0], outside, *meta)(q, k * 2, v * 2, pool[0])
     with pytest.raises(ValueError, match="does not take"):
         kernel.layer_writer(q.bfloat16(), k, v, pool[0], rows, *meta)
@@ -275,7 +277,11 @@ def test_step_context_attends_each_layer_as_write_run() -> None:
         assert call(layer, k * 2, v * 2)[0] == -1
     outside = rows.clone()
     outside[1, 1] = 12 * 2 * PAGE  # one past the layer's last row
-    bad = kernel.step_context(HKV * GROUP, pool, outside, *meta)
+    with pytest.raises(KernelRefused, match="outside the layer"):
+        kernel.step_context(HKV * GROUP, pool, outside, *meta)
+    moved = rows.clone()
+    bad = kernel.step_context(HKV * GROUP, pool, moved, *meta)
+    moved.copy_(outside)  # after the context was made: each C call checks the rows again
     assert call(0, k * 2, v * 2, bad.ctx)[0] == -1
     assert torch.equal(pool, before)
     for args in (
@@ -286,3 +292,39 @@ def test_step_context_attends_each_layer_as_write_run() -> None:
     ):
         with pytest.raises(ValueError, match="does not take"):
             kernel.step_context(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+@pytest.mark.parametrize(
+    ("dtype", "pool_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=["bf16", "float32", "float32-over-bf16"],
+)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_a_nan_in_q_k_or_v_reaches_the_output_as_in_torch(
+    where: str, build: str, dtype: torch.dtype, pool_dtype: torch.dtype, fresh: Path, tmp_path: Path
+) -> None:
+    """A NaN in one query head, or in one key's or value's head, makes exactly the outputs
+    that float attention makes NaN (the SIMD exp once clamped NaN to a finite -87), and no
+    other output changes."""
+    if build == "native":
+        kernel = cpu_decode.kernel()
+        assert kernel is not None
+    elif platform.machine() != "x86_64" or (build == "avx2" and not _has_avx2()):
+        pytest.skip("the other builds are checked on x86-64 with AVX2")
+    else:
+        kernel = _built_for(tmp_path, "x86-64-v3" if build == "avx2" else "x86-64-v2")
+    torch.manual_seed(4)
+    layer = torch.randn(8, 2, PAGE, HKV, DIM).to(pool_dtype)
+    pages, lens = [[3, 5], [1]], [20, 9]
+    q = torch.randn(2, HKV * GROUP, DIM).to(dtype)
+    clean = kernel.run(q, layer, *_metadata(pages, lens))
+    if where == "q":
+        q[0, 4, 7] = float("nan")  # sequence 0, query head 4 (KV head 1)
+    else:
+        layer[5, 0 if where == "k" else 1, 2, 1, 7] = float("nan")  # sequence 0's key 18, head 1
+    got = kernel.run(q, layer, *_metadata(pages, lens))
+    want = _reference(q, layer, pages, lens)
+    assert torch.equal(got.float().isnan(), want.isnan()) and got.isnan().any()
+    assert torch.equal(got[~got.isnan()], clean[~got.isnan()])

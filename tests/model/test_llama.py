@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.parity_checks import logits_ours
 from kvcache.dense import DenseAttention, causal_attention
 from service.model import LoadedModel, load_model
 from tests.fixtures.tiny_models import write_tiny_qwen3
+from tools.parity.checks import logits_ours
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kvcache import native_build
 from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
+from kvcache.errors import KernelRefused
 from service.model import load_model, native_gemv
 from service.model.loader import resolve_precision
 from service.model.quant import (
@@ -48,9 +50,7 @@ def _kernel() -> native_gemv.Q4Kernel:
 def _portable(tmp_path: Path) -> native_gemv.Q4Kernel:
     """The plain C loops (no AVX2), as a CPU without them runs."""
     target = tmp_path / "portable.so"
-    cpu_decode.compile_kernel(
-        str(shutil.which("cc")), target, march="x86-64", source=native_gemv._SOURCE
-    )
+    native_build.compile_library(str(shutil.which("cc")), native_gemv._SOURCE, target, "x86-64")
     kernel = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
     assert not kernel.simd
     return kernel
@@ -548,8 +548,9 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
 
 def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) -> None:
     """The stack checks the step's attention against its own shapes before the native call,
-    and a KV row outside the pool is refused by kvcache's call with nothing written (the
-    residual stream stays the embeddings)."""
+    and a KV row outside the pool is refused: by ``step_context`` when it is made, and by
+    kvcache's C call in the stack when the rows change after (nothing written, the residual
+    stream stays the embeddings)."""
     from kvcache.metadata import kv_rows
 
     lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
@@ -565,9 +566,13 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
     x = torch.randn(1, c.hidden_size)
     rope = lm.model.rope[torch.tensor([4])]
     outside = kv_rows(torch.tensor([pages * 16]), 16)  # one page past the pool
-    attend = decode.step_context(c.num_heads, pool, outside, indptr, indices, lens)
+    with pytest.raises(KernelRefused, match="outside the layer"):
+        decode.step_context(c.num_heads, pool, outside, indptr, indices, lens)
+    moved = kv_rows(torch.tensor([2 * 16 + 4]), 16)
+    attend = decode.step_context(c.num_heads, pool, moved, indptr, indices, lens)
+    moved.copy_(outside)  # the context points at these rows: the C call checks them again
     before = x.clone()
-    with pytest.raises(IndexError, match="nothing was written"):
+    with pytest.raises(KernelRefused, match="nothing was written"):
         stack(x, rope, attend)
     assert torch.equal(x, before) and not pool.any()
     rows = kv_rows(torch.tensor([2 * 16 + 4]), 16)

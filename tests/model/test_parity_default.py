@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from bench import parity_checks as parity
-from bench.parity_corpus import CONVERSATIONS, PROMPTS, tokenizer_corpus
 from service.model import LoadedModel
+from tools.parity import checks as parity
+from tools.parity.corpus import CONVERSATIONS, PROMPTS, tokenizer_corpus
 
 
 def test_prompts_cover_long_unicode_emoji_and_code(default_model: LoadedModel) -> None:

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from bench import parity_checks as parity
 from service.model import LoadedModel, load_model
 from service.model.llama import LlamaModel
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tests.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3
+from tools.parity import checks as parity
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

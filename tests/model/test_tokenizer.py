@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.parity_corpus import tokenizer_corpus
 from service.model import LoadedModel
+from tools.parity.corpus import tokenizer_corpus
 
 
 def test_token_bytes_concatenate_to_utf8_text(default_model: LoadedModel) -> None:

@@ -8,6 +8,8 @@ PREFIX = "kvcache/prefix_cache.py"
 T_ALLOC = "tests/kvcache/test_allocator.py"
 T_PREFIX = "tests/kvcache/test_prefix_cache.py"
 T_SCRUB = "tests/kvcache/test_scrub.py"
+T_BOUNDARY = "tests/kvcache/test_cpu_decode_boundary.py"
+DECODE_C = "kvcache/backends/cpu_decode.c"
 
 MUTANTS = (
     mutant(
@@ -75,7 +77,7 @@ MUTANTS = (
     mutant(
         "kernel-flushes-subnormals",
         "loading the CPU decode kernel leaves the process's floating point as it was",
-        edit("kvcache/backends/cpu_decode.py", '_FLAGS = ("-O3", ', '_FLAGS = ("-O3", "-ffast-math", '),
+        edit("kvcache/native_build.py", 'FLAGS = ("-O3", ', 'FLAGS = ("-O3", "-ffast-math", '),
         tests="tests/kvcache/test_cpu_decode.py::test_loading_the_kernel_keeps_subnormal_numbers",
     ),
     mutant(
@@ -87,7 +89,7 @@ MUTANTS = (
     mutant(
         "fused-write-unchecked",
         "the C KV write (compiled and eager all-decode steps) stores only rows inside the layer it was given",
-        edit("kvcache/backends/cpu_decode.c", "if (rows[i] < 0 || rows[i] >= layer_rows) return -1;",
+        edit(DECODE_C, "if (rows[i] < 0 || rows[i] >= layer_rows) return -1;",
              "if (rows[i] < 0) return -1;"),
         tests="tests/kvcache/test_cpu_decode.py::test_fused_write_and_attend_equals_the_write_then_the_kernel",
     ),
@@ -97,5 +99,40 @@ MUTANTS = (
         edit("kvcache/backends/cpu_decode.c", "if (layer < 0 || layer >= c->layers) return -1;",
              "if (layer < 0) return -1;"),
         tests="tests/kvcache/test_cpu_decode.py::test_step_context_attends_each_layer_as_write_run",
+    ),
+    mutant(
+        "kernel-page-index-range",
+        "the CPU decode kernel reads only pages inside the layer it was given",
+        edit(DECODE_C, "if (indices[p] < 0 || (int64_t)indices[p] >= num_pages) return KVF_BAD_PAGE;",
+             "if (indices[p] < 0) return KVF_BAD_PAGE;"),
+        tests=(
+            f"{T_BOUNDARY}::test_a_page_index_outside_the_pool_is_refused",
+            "tests/engine/test_kernel_refusal.py",
+        ),
+    ),
+    mutant(
+        "kernel-spans-inside-page-list",
+        "the CPU decode kernel reads page indices only inside the plan's page list",
+        edit(DECODE_C, "if ((int64_t)indptr[batch] > n_indices) return KVF_BAD_SPANS;", ""),
+        tests=f"{T_BOUNDARY}::test_the_c_entry_point_checks_the_plan_itself",
+    ),
+    mutant(
+        "kernel-length-inside-pages",
+        "the CPU decode kernel reads a sequence's keys only on its own pages",
+        edit(DECODE_C, "if (lens[b] < 0 || (int64_t)lens[b] > pages * page_size) return KVF_BAD_LENGTH;",
+             "if (lens[b] < 0) return KVF_BAD_LENGTH;"),
+        tests=f"{T_BOUNDARY}::test_the_c_entry_point_checks_the_plan_itself",
+    ),
+    mutant(
+        "kernel-writes-own-pages",
+        "the C KV write stores a sequence's K/V only on a page the step plan gave that sequence",
+        edit(DECODE_C, "        if (!own) return KVF_ROW_NOT_OWN;\n", ""),
+        tests=f"{T_BOUNDARY}::test_the_writer_stores_only_on_its_own_sequences_pages",
+    ),
+    mutant(
+        "step-context-contiguous-pool",
+        "native model code gets a step context only over a contiguous pool",
+        edit("kvcache/backends/cpu_decode.py", "            or not kv.is_contiguous()  # the C code", "            or False  # the C code"),
+        tests=f"{T_BOUNDARY}::test_step_context_refuses_a_pool_whose_layers_are_not_contiguous",
     ),
 )

@@ -1,4 +1,4 @@
-"""``python -m bench.cluster up|down|status`` (``make cluster`` runs ``up``)."""
+"""``python -m tools.cluster up|down|status`` (``make cluster`` runs ``up``)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.cluster.local import ROOT, ClusterSettings, ClusterState, LocalCluster, missing_tools
+from tools.cluster.local import ROOT, ClusterSettings, ClusterState, LocalCluster, missing_tools
 
 WORKDIR = ROOT / ".cluster"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cluster")
+    parser = argparse.ArgumentParser(prog="python -m tools.cluster")
     parser.add_argument("action", choices=["up", "down", "status"])
     parser.add_argument("--workdir", type=Path, default=WORKDIR)
     args = parser.parse_args(argv)

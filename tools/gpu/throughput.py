@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from bench.gpu.loop import generate
-from bench.gpu.models import hf_twin, random_llama
-from bench.gpu.plan import Plan
-from bench.gpu.roofline import (
+from tools.gpu.loop import generate
+from tools.gpu.models import hf_twin, random_llama
+from tools.gpu.plan import Plan
+from tools.gpu.roofline import (
     generation_bytes,
     measure_bandwidth,
     roofline_fraction,
     weight_bytes,
 )
-from bench.gpu.setup import make_cache, make_graphs
+from tools.gpu.setup import make_cache, make_graphs
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ Runs the checks of tests/model/test_parity_default.py on the default model, in f
                          float32 GEMV (what auto runs on CPUs without AVX512-BF16), vs
                          transformers fp32 on the same dequantized weights: greedy identical
                          but for exact ties (the oracle scoring both tokens within 1e-3,
-                         bench/parity_checks.TIE_TOL), decode logits <= 0.05 (the GEMV rounds
+                         tools/parity/checks.TIE_TOL), decode logits <= 0.05 (the GEMV rounds
                          activations to int16 per block of 32; see PACKED_LOGITS_TOL)
     auto --weights auto  the served configuration (--dtype auto; on a CPU with AVX512-BF16 or
                          AMX float32 decode through the GEMV and bf16 dense weights for the
@@ -20,7 +20,7 @@ Runs the checks of tests/model/test_parity_default.py on the default model, in f
 The bf16 rows compare two bf16 implementations whose sums round differently, so near-ties
 may flip; they pass at >= 97% teacher-forced top-1 agreement (the oracle's next-token pick on
 our history equals our token) and print greedy-identical prompts and the logit difference.
-Exits non-zero when any row fails. Run as ``.venv/bin/python bench/parity.py``.
+Exits non-zero when any row fails. Run as ``make parity`` (``.venv/bin/python -m tools.parity``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 BF16_MIN_AGREEMENT = 0.97
 
@@ -61,10 +61,10 @@ def main() -> int:
     _quiet()
     import torch
 
-    from bench.parity_checks import PACKED_LOGITS_TOL, decode_parity, load_hf_oracle, run_parity
-    from bench.parity_corpus import PROMPTS
     from service.model import load_model
     from service.model.default import ensure_default_model
+    from tools.parity.checks import PACKED_LOGITS_TOL, decode_parity, load_hf_oracle, run_parity
+    from tools.parity.corpus import PROMPTS
 
     path = ensure_default_model()
     prompts = PROMPTS[:4]

@@ -20,7 +20,7 @@ On the lent H200 (no network, the image's python3 and torch): fetch the wheels h
         --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site make gpu-check
 
 (``make gpu-check`` installs ``.whl`` itself when present; the explicit line is for an image
-without ``make``: then ``python3 bench/gpu_check.py``.) Budget: FlashInfer JIT-compiles its
+without ``make``: then ``python3 tools/gpu_check.py``.) Budget: FlashInfer JIT-compiles its
 decode and fa2 prefill kernels on first use, then the four steps run; the plan was sized to
 end inside 8 minutes by estimate (it has not yet run on a device).
 """
@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for bench.*, 
 import torch
 
 from bench.common import RESULTS_DIR
-from bench.gpu import report
-from bench.gpu.checks import greedy_check, isolation_check, pytest_check
-from bench.gpu.plan import Plan, dry_run_plan, full_plan
-from bench.gpu.throughput import throughput_check
+from tools.gpu import report
+from tools.gpu.checks import greedy_check, isolation_check, pytest_check
+from tools.gpu.plan import Plan, dry_run_plan, full_plan
+from tools.gpu.throughput import throughput_check
 
 log = logging.getLogger("gpu_check")
 

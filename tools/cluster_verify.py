@@ -1,7 +1,7 @@
 """``make cluster-verify``: the six scale-out checks against the loopback cluster.
 
 Uses the cluster ``make cluster`` started when it is up, else starts one and stops it at the
-end. Prints one table, writes ``bench/results/cluster.json``, exits 1 if any row fails.
+end. Prints one table, writes ``docs/cluster.json``, exits 1 if any row fails.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.cluster.__main__ import WORKDIR
-from bench.cluster.checks import Row
-from bench.cluster.faults import FaultChecks
-from bench.cluster.local import ClusterSettings, ClusterState, LocalCluster, missing_tools
+from tools.cluster.__main__ import WORKDIR
+from tools.cluster.checks import Row
+from tools.cluster.faults import FaultChecks
+from tools.cluster.local import ClusterSettings, ClusterState, LocalCluster, missing_tools
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "cluster.json"
 
 
 async def run_checks(cluster: LocalCluster, only: set[str]) -> list[Row]:
@@ -62,7 +62,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cluster_verify")
+    parser = argparse.ArgumentParser(prog="python -m tools.cluster_verify")
     parser.add_argument("--only", nargs="*", default=[], help="check numbers to run (default all)")
     args = parser.parse_args(argv)
     # SIGTERM (CI timeouts, kill) stops the cluster this run started, like Ctrl-C does.

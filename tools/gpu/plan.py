@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.gpu.models import LLAMA_31_8B, Shape
+from tools.gpu.models import LLAMA_31_8B, Shape
 
 
 @dataclass(frozen=True, slots=True)

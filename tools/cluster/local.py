@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.cluster.health import haproxy_servers, replica_serving
 from service.tenants import hash_key, new_api_key
+from tools.cluster.health import haproxy_servers, replica_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"

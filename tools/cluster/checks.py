@@ -14,8 +14,8 @@ from typing import Any
 
 import redis
 
-from bench.cluster.calls import Clients, Outcome, generate, prompt_ids
-from bench.cluster.local import TENANTS, LocalCluster, Replica
+from tools.cluster.calls import Clients, Outcome, generate, prompt_ids
+from tools.cluster.local import TENANTS, LocalCluster, Replica
 
 AFFINITY_TENANTS = ("alpha", "beta", "gamma")
 PAGE = 16

@@ -13,23 +13,23 @@ from typing import Any
 
 import torch
 
-from bench.gpu.greedy import (
-    LOGIT_ERROR_BOUND,
-    NEAR_TIE_FLOOR,
-    compare,
-    hf_greedy,
-    hf_teacher_logits,
-)
-from bench.gpu.loop import generate
-from bench.gpu.models import write_tiny
-from bench.gpu.plan import Plan
-from bench.gpu.setup import make_backend, make_cache, make_graphs
 from kvcache import CacheConfig, KVCacheManager, PagePool, PageRef, StepEntry
 from kvcache.backends import AttentionBackend
 from kvcache.backends.base import StepKernel
 from kvcache.metadata import AttentionMetadata
 from service.engine.cuda_graphs import decode_buckets
 from service.model import load_model
+from tools.gpu.greedy import (
+    LOGIT_ERROR_BOUND,
+    NEAR_TIE_FLOOR,
+    compare,
+    hf_greedy,
+    hf_teacher_logits,
+)
+from tools.gpu.loop import generate
+from tools.gpu.models import write_tiny
+from tools.gpu.plan import Plan
+from tools.gpu.setup import make_backend, make_cache, make_graphs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from bench.cluster.calls import Outcome, generate, prompt_ids, scrape
-from bench.cluster.checks import AFFINITY_TENANTS, Checks, Row
-from bench.cluster.health import replica_serving
-from bench.cluster.local import alive as is_alive
+from tools.cluster.calls import Outcome, generate, prompt_ids, scrape
+from tools.cluster.checks import AFFINITY_TENANTS, Checks, Row
+from tools.cluster.health import replica_serving
+from tools.cluster.local import alive as is_alive
 
 
 class FaultChecks(Checks):

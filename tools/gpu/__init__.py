@@ -1,0 +1,1 @@
+"""The pieces of ``tools/gpu_check.py``: plan, models, roofline, greedy, throughput, isolation, report."""
