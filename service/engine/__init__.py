@@ -10,7 +10,8 @@ Modules (one noun each):
 - ``cost_model``/``least_squares``: what a step costs on the hardware's regime.
 - ``step_budget``: how much a step may carry (token budget, time bound, decode stretch).
 - ``scheduler``: the scheduling loop and preemption; the engine's only caller of
-  ``kvcache.KVCacheManager`` (allocate, fence, commit, free).
+  ``kvcache.KVCacheManager`` (allocate, fence, commit, free). ``plan``: the step plan it
+  returns; ``kv_limits``: what can never fit, and whose pages an overcommitted pool takes.
 - ``runner``: batch inputs and the model forward.
 - ``sampler``: batched sampling and logprobs.
 - ``stop``/``detokenizer``: stop strings and UTF-8-safe text deltas.

@@ -27,10 +27,11 @@ from service.engine.cost_model import Regime
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.grammar import GrammarMatcher
 from service.engine.invariants import validate_request
+from service.engine.plan import ScheduledSeq, SchedulerOutput
 from service.engine.request import SeqState, SeqStatus
 from service.engine.runner import ForwardModel, GraphReplay, ModelRunner, build_inputs
 from service.engine.sampler import Sampler, SampleResult, SampleRow
-from service.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from service.engine.scheduler import Scheduler
 from service.engine.stop import StopMatcher
 from service.engine.tokens import TokenizerLike, TokenSource
 from service.engine.types import (

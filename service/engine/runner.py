@@ -15,7 +15,7 @@ import torch
 
 from kvcache.attention import AttentionFn
 from kvcache.step import StepAttention
-from service.engine.scheduler import ScheduledSeq
+from service.engine.plan import ScheduledSeq
 
 
 class ForwardModel(Protocol):

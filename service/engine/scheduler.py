@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
@@ -36,50 +35,13 @@ from kvcache.metadata import StepEntry
 from kvcache.stats import CacheStats, TenantUsage
 from service.engine.cost_model import Regime, StepShape
 from service.engine.fairness import FairShare, Presence, TenantQueues, TokenCounter
+from service.engine.kv_limits import most_over_share, never_fits, page_limit
+from service.engine.plan import ScheduledSeq, SchedulerOutput
 from service.engine.request import SeqState, SeqStatus
 from service.engine.step_budget import ChunkTerms, StepBudget, StepRoom
 from service.engine.types import EngineConfig, RequestTooLarge, TenantSchedPolicy
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSeq:
-    seq: SeqState
-    num_new: int  # tokens computed this step, from seq.num_computed
-
-    @property
-    def samples(self) -> bool:
-        """The step brings the sequence level with its tokens, so it samples the next one."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """One step's plan: the fenced batch and its attention, plus what left the batch."""
-
-    entries: tuple[ScheduledSeq, ...]  # passed the fence; run this step
-    attn: AttentionFn | None  # None when no entry runs
-    admitted: tuple[SeqState, ...]  # first admissions and re-admissions after preemption
-    preempted: tuple[SeqState, ...]
-    rejected: tuple[tuple[SeqState, RequestTooLarge], ...]
-    refused: tuple[tuple[SeqState, FenceViolation], ...]  # the fence refused their pages
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_new for e in self.entries)
-
-    def shape(self) -> StepShape:
-        """What the step's cost depends on; read it before ``update`` advances the entries."""
-        rows = keys = 0
-        chunks: list[tuple[int, int]] = []
-        for e in self.entries:
-            if e.num_new == 1 and e.samples:  # a decode row (or a prompt's last token)
-                rows += 1
-                keys += e.seq.num_computed + 1
-            else:
-                chunks.append((e.seq.num_computed, e.num_new))
-        return StepShape(rows, keys, tuple(chunks))
 
 
 class Scheduler:
@@ -319,7 +281,7 @@ class Scheduler:
             if fit.reason == "out_of_pages":
                 what = "pool"
                 alone = len(self.running) == 1
-                rivals = self._running_of(self._most_over_share())
+                rivals = self._running_of(most_over_share(self._cache, self.running, self.fair))
             else:
                 what = "tenant page quota"
                 rivals = self._running_of(seq.tenant)
@@ -330,7 +292,7 @@ class Scheduler:
                 needed = -(-(seq.num_computed + num_new) // self._cache.page_size)
                 self.remove_running(seq)
                 seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
-                limit = self._page_limit(seq.tenant)[0] if what != "pool" else self._cache.num_pages
+                limit = page_limit(self._cache, seq.tenant)[0] if what != "pool" else self._cache.num_pages
                 rejected.append((seq, RequestTooLarge(needed, limit, what)))
                 return False
             self.preempt(victim)
@@ -341,20 +303,6 @@ class Scheduler:
 
     def _running_of(self, tenant: str) -> list[SeqState]:
         return [s for s in self.running if s.tenant == tenant]
-
-    def _most_over_share(self) -> str:
-        """The running tenant holding the most pages beyond its share (ties: most pages, then
-        the most weighted processed tokens). KV pages are memory, not compute: a victim is
-        chosen by the memory it holds past its share, so a tenant's pages within its share
-        are taken only by its own demand."""
-
-        def over(tenant: str) -> tuple[int, int, float]:
-            u = self._cache.usage(tenant)
-            held = u.pages_in_use + u.pages_cached
-            share = self._cache.num_pages if u.max_pages is None else u.max_pages
-            return held - share, held, self.fair.served(tenant)
-
-        return max({s.tenant for s in self.running}, key=over)
 
     def _next_waiting(self, blocked: set[str]) -> SeqState | None:
         """The least-served tenant's next request, among tenants below their running cap."""
@@ -380,7 +328,7 @@ class Scheduler:
         """Admit the waiting ``seq`` with a first chunk that fits ``room``; return the chunk,
         or None when it could not be admitted (rejected, or its tenant is blocked for this
         step: a tenant whose request does not fit never holds up the others)."""
-        too_large = self._check_fits(seq)
+        too_large = never_fits(self._cache, seq)
         if too_large is not None:
             self.waiting.remove(seq)
             seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
@@ -416,19 +364,6 @@ class Scheduler:
         room.take(cached, num_new, terms)
         self.fair.spend(seq.tenant, num_new)
         return num_new
-
-    def _page_limit(self, tenant: str) -> tuple[int, str]:
-        limit, what = self._cache.num_pages, "pool"
-        quota = self._cache.usage(tenant).max_pages
-        if quota is not None and quota < limit:
-            limit, what = quota, "tenant page quota"
-        return limit, what
-
-    def _check_fits(self, seq: SeqState) -> RequestTooLarge | None:
-        """Reject a request whose prompt plus full output budget can never fit."""
-        needed = -(-seq.max_total_tokens // self._cache.page_size)
-        limit, what = self._page_limit(seq.tenant)
-        return RequestTooLarge(needed, limit, what) if needed > limit else None
 
     def _close(self, seq: SeqState) -> None:
         try:

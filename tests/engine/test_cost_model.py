@@ -152,7 +152,7 @@ def test_the_fit_learns_the_jump_a_chunk_pays_past_the_packed_weights() -> None:
     fitted = model.fit()
     assert fitted is not None
     assert fitted.chunk_dense_s == pytest.approx(0.030, rel=1e-6)
-    assert fitted.chunk_tokens(0.100, 0, 4) == truth.chunk_tokens(0.100, 0, 4)
+    assert fitted.chunk_tokens(0.1003, 0, 4) == truth.chunk_tokens(0.1003, 0, 4) == 138
 
 
 def test_a_decode_step_costs_what_its_cuda_graph_batch_costs() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvcache import TenantCachePolicy
 from service.engine.core import EngineCore
-from service.engine.scheduler import SchedulerOutput
+from service.engine.plan import SchedulerOutput
 from service.engine.types import Admitted, Delta, EngineConfig, Finished
 from service.model import LoadedModel
 from tests.engine.conftest import (

@@ -17,7 +17,8 @@ MUTANTS = (
     mutant(
         "preempt-most-over-share",
         "when an overcommitted pool runs out, a sequence of the tenant most over its share is preempted",
-        edit(SCHEDULER, "rivals = self._running_of(self._most_over_share())",
+        edit(SCHEDULER,
+             "rivals = self._running_of(most_over_share(self._cache, self.running, self.fair))",
              "rivals = list(self.running)"),
         tests=f"{T_FAIR}::test_out_of_pages_preempts_the_tenant_most_over_its_share",
     ),
