@@ -127,3 +127,14 @@ def test_bad_decode_stretch_is_refused_in_one_line(value: str) -> None:
     config = serve_config(cli.parse_args(["serve", "--decode-stretch", value]))
     with pytest.raises(ConfigError, match="--decode-stretch must be a number >= 0"):
         check_fair_compute(config)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bad_max_step_ms_is_refused_in_one_line(value: str) -> None:
+    from service import cli
+    from service.config import ConfigError
+    from service.preflight import check_fair_compute
+
+    config = serve_config(cli.parse_args(["serve", "--max-step-ms", value]))
+    with pytest.raises(ConfigError, match="--max-step-ms must be a number >= 0"):
+        check_fair_compute(config)
