@@ -114,13 +114,13 @@ class StepCost:
         seconds -= self.per_chunk_s
         if seconds <= 0:
             return 0
-        # per_key/2 t^2 + (per_token + per_key (context + 1/2)) t <= seconds
+        # per_key/2 t^2 + (per_token + per_key (context + 1/2)) t <= seconds, solved as
+        # 2 s / (b + sqrt(b^2 + 4 a s)): the textbook (-b + sqrt(...)) / 2a cancels to
+        # nonsense when a fitted per_key_s is tiny (1e-23 gave 0 tokens, or thousands).
         a = self.per_key_s / 2
         b = self.per_token_s + self.per_key_s * (context + 0.5)
-        if a <= 0:
-            tokens = seconds / b if b > 0 else float(1 << 30)
-        else:
-            tokens = (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
+        root = b + math.sqrt(b * b + 4 * a * seconds)
+        tokens = 2 * seconds / root if root > 0 else float(1 << 30)
         return int(min(tokens, 1 << 30) + 1e-6)  # a fit's rounding must not lose a whole token
 
 

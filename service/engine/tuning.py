@@ -35,8 +35,8 @@ class SchedulerTuning:
     #: fraction of a step's tokens (and, timed, of its prefill time) one request's chunk may
     #: take while other requests have work, when ``prefill_chunk`` is 0.
     request_share: float = 0.5
-    #: tokens. A step always advances prefill by this many tokens, whatever the cost model
-    #: says, so a long prompt under a tight ``max_step_ms`` still finishes. Beside another
+    #: tokens (at least 1). A step always advances prefill by this many tokens, whatever the
+    #: cost model says, so a long prompt under a tight ``max_step_ms`` still finishes. Beside another
     #: tenant's decodes only a tenant owed service gets all of it; any other chunk gets one
     #: token of it (a victim's short prompt must not crawl, an attacker's must not stretch
     #: the victim's gap by 16 tokens every step).
@@ -61,8 +61,12 @@ class SchedulerTuning:
             raise ValueError("max_step_ms must be a finite number >= 0")
         if not 0.0 <= self.decode_stretch < float("inf"):
             raise ValueError("decode_stretch must be a finite number >= 0")
-        if self.prefill_chunk < 0 or self.min_prefill_tokens < 0:
-            raise ValueError("prefill_chunk and min_prefill_tokens must be >= 0")
+        if self.prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0")
+        if self.min_prefill_tokens < 1:
+            # With no floor, a cost model that prices every chunk over the bound would stall
+            # prefill for good: steps without chunks never teach it otherwise.
+            raise ValueError("min_prefill_tokens must be at least 1")
         if not 0.0 < self.request_share <= 1.0:
             raise ValueError("request_share must be in (0, 1]")
         if not 0.0 <= self.idle_grace_s < float("inf"):

@@ -121,8 +121,9 @@ class Sim:
 
 
 def step_seconds(machine: StepCost, shape: StepShape) -> float:
-    """The fake machine's time for a step: its decode part, then its chunks in order."""
-    seconds = machine.decode_seconds(shape.rows, shape.row_keys) if shape.rows else 0.0
+    """The fake machine's time for a step: its decode part (the fixed cost of a step, with
+    or without rows), then its chunks in order."""
+    seconds = machine.decode_seconds(shape.rows, shape.row_keys)
     tokens = shape.rows
     for context, n in shape.chunks:
         seconds += machine.chunk_seconds(context, n, tokens)

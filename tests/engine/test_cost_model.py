@@ -161,3 +161,10 @@ def test_a_decode_step_costs_what_its_cuda_graph_batch_costs() -> None:
     # 5 rows replay the 8-row graph: they cost what 8 rows cost, and so does a 6th.
     assert cost.decode_seconds(5, 0) == cost.decode_seconds(8, 0) == pytest.approx(0.0028)
     assert regime.padded(17) == 17  # past the largest graph: eager, unpadded
+
+
+def test_a_negligible_key_cost_does_not_wreck_the_chunk_size() -> None:
+    # A fit can leave per_key_s at 1e-23: the chunk is what the per-token line allows.
+    cost = StepCost(0.005, 0.0, 0.0, 0.001, 0.00005, 6e-23)
+    assert cost.chunk_tokens(0.0025, 1) == 30
+    assert cost.chunk_tokens(0.0065, 1000) == 110
