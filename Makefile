@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test serve parity verify mutants bench docs model clean gpu-wheels \
+.PHONY: install protos lint typecheck test test-fast sanitize serve parity verify mutants bench docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -42,7 +42,29 @@ typecheck: $(STAMP)
 
 test: $(STAMP) model lint typecheck
 	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --durations=10
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow --durations=10
+
+# The fast tier alone (every test but those marked slow), for the edit-test loop.
+test-fast: $(STAMP) model
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
+
+# The C kernels' tests against three more builds of the kernels: AddressSanitizer +
+# UndefinedBehaviorSanitizer (any finding aborts the run), AVX2 without AVX-512 or VNNI, and
+# plain C. The flags and the ISA are part of each build's cache key. (The two tests left out
+# check how --weights auto picks dense bf16 batches, not the kernels.)
+KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_boundary.py \
+	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py \
+	-k "not auto_on_a_bf16_cpu"
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
+sanitize: $(STAMP) model
+	@echo "kvfence: kernel tests, ASan + UBSan build"
+	KVFENCE_KERNEL_CFLAGS="$(SANITIZE_FLAGS)" LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	@for isa in avx2 portable; do echo "kvfence: kernel tests, $$isa build" && \
+		KVFENCE_KERNEL_ISA=$$isa $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 serve: $(STAMP) model
 	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)

@@ -4,7 +4,8 @@ Page pool, allocator with generation fences, per-tenant prefix cache, TTL/LRU ev
 quotas, scrubbing, attention metadata and the paged-attention backends. No gRPC, no model.
 
 Modules (one noun each):
-- ``attention``: the AttentionFn protocol the model calls.
+- ``attention``: the AttentionFn protocol the model calls; LayerAttention, a layer's
+  attention facts (its sliding window) that the pool holds and every backend honours.
 - ``dense``: contiguous single-sequence reference attention (test oracle).
 - ``config``: CacheConfig, TenantCachePolicy.
 - ``errors``: KVCacheError and its typed subclasses (raised only on bugs).
@@ -24,7 +25,7 @@ Modules (one noun each):
 """
 
 from kvcache.allocator import PageRef
-from kvcache.attention import AttentionFn
+from kvcache.attention import AttentionFn, LayerAttention
 from kvcache.backends import AttentionBackend, TorchBackend
 from kvcache.config import CacheConfig, ScrubPolicy, TenantCachePolicy
 from kvcache.errors import (
@@ -53,6 +54,7 @@ __all__ = [
     "KVCacheError",
     "KVCacheManager",
     "KernelRefused",
+    "LayerAttention",
     "PagePool",
     "PageRef",
     "ScrubPolicy",

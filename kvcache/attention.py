@@ -18,12 +18,28 @@ class AttentionFn(Protocol):
 
     ``q``: ``[T, num_q_heads, head_dim]``; ``k``, ``v``: ``[T, num_kv_heads, head_dim]``.
     Returns ``[T, num_q_heads, head_dim]`` in ``q``'s dtype, softmax scale ``head_dim**-0.5``,
-    causal within each sequence. Implementations store k/v for later steps.
+    causal within each sequence (within the layer's window, :class:`LayerAttention`).
+    Implementations store k/v for later steps.
     """
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention computes beyond causal GQA, given to kvcache as data (the
+    page pool holds one per layer) and honoured by every backend.
+
+    ``window`` > 0: a query at position p attends to keys ``p - window + 1 .. p`` only (a
+    sliding window, the query's own key included); 0 attends to every earlier key."""
+
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,16 +6,19 @@ It keeps one growing K/V tensor per layer; it is not used by the serving engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int = 0
 ) -> torch.Tensor:
     """Dense causal GQA attention.
 
     ``q``: ``[Tq, Hq, D]`` for positions ``q_start .. q_start+Tq-1``; ``k``, ``v``:
-    ``[Tk, Hkv, D]`` for positions ``0 .. Tk-1``. Query i attends to keys ``<= q_start + i``.
+    ``[Tk, Hkv, D]`` for positions ``0 .. Tk-1``. Query i attends to keys ``<= q_start + i``,
+    and with a ``window`` > 0 only to the last ``window`` of them (``> q_start + i - window``).
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -25,7 +28,10 @@ def causal_attention(
     scores = torch.einsum("qhd,khd->hqk", q.float(), kx.float()) * (d**-0.5)
     qpos = torch.arange(q_start, q_start + tq, device=q.device)[:, None]
     kpos = torch.arange(tk, device=q.device)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    hidden = kpos > qpos
+    if window > 0:
+        hidden = hidden | (kpos <= qpos - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, vx.float())
     return out.to(q.dtype)
@@ -34,7 +40,9 @@ def causal_attention(
 class DenseAttention:
     """An :class:`~kvcache.attention.AttentionFn` for one sequence with contiguous KV."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, windows: Sequence[int] = ()) -> None:
+        """``windows``: each layer's window (0 = every earlier key); empty = all full."""
+        self._windows = tuple(windows) or (0,) * num_layers
         self._k: list[torch.Tensor | None] = [None] * num_layers
         self._v: list[torch.Tensor | None] = [None] * num_layers
 
@@ -46,4 +54,4 @@ class DenseAttention:
         full_k = k if prev_k is None else torch.cat([prev_k, k], dim=0)
         full_v = v if prev_v is None else torch.cat([prev_v, v], dim=0)
         self._k[layer], self._v[layer] = full_k, full_v
-        return causal_attention(q, full_k, full_v, q_start)
+        return causal_attention(q, full_k, full_v, q_start, self._windows[layer])

@@ -61,6 +61,10 @@ class GraphDecodeAttention:
     """Implements :class:`~kvcache.attention.AttentionFn` for a captured decode step."""
 
     def __init__(self, pool: PagePool, kernel: GraphDecodeKernel) -> None:
+        if pool.windows:
+            # The static kernels read every key of a sequence; a windowed layer would not
+            # be honoured, so a windowed pool runs eager steps only.
+            raise ValueError("a captured decode step cannot serve a pool with sliding windows")
         self._pool = pool
         self._kernel = kernel
         self.batch_size = kernel.batch_size

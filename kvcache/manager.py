@@ -234,7 +234,7 @@ class KVCacheManager:
             spans.append(span)
         attn = None
         if spans:
-            metadata = build_metadata(spans, self.page_size, self.pool.device)
+            metadata = build_metadata(spans, self.page_size, self.pool.device, self.pool.windows)
             attn = StepAttention(metadata, self.pool, self._backend.prepare(metadata))
         return StepPlan(tuple(passed), attn, tuple(refused))
 

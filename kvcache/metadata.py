@@ -46,6 +46,8 @@ class AttentionMetadata:
     qo_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
     page_ids: tuple[tuple[int, ...], ...]
+    # Each layer's window (kvcache.attention.LayerAttention); empty: no layer has one.
+    windows: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -64,9 +66,12 @@ def _indptr(lengths: Sequence[int]) -> list[int]:
 
 
 def build_metadata(
-    spans: Sequence[SeqSpan], page_size: int, device: torch.device
+    spans: Sequence[SeqSpan],
+    page_size: int,
+    device: torch.device,
+    windows: tuple[int, ...] = (),
 ) -> AttentionMetadata:
-    """CSR metadata for the spans, in batch order."""
+    """CSR metadata for the spans, in batch order; ``windows`` as the pool's."""
     qo_lens = tuple(s.num_new for s in spans)
     kv_lens = tuple(s.q_start + s.num_new for s in spans)
     page_ids = tuple(s.page_ids for s in spans)
@@ -88,6 +93,7 @@ def build_metadata(
         qo_lens=qo_lens,
         kv_lens=kv_lens,
         page_ids=page_ids,
+        windows=windows,
     )
 
 

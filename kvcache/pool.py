@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcache.attention import LayerAttention
+
 
 def page_bytes(
     num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -114,7 +116,12 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        attention: Sequence[LayerAttention] = (),
     ) -> None:
+        """``attention``: one :class:`LayerAttention` per layer (empty: plain causal
+        attention on every layer)."""
+        if attention and len(attention) != num_layers:
+            raise ValueError(f"{len(attention)} layer attentions for {num_layers} layers")
         for name, value in (
             ("num_layers", num_layers),
             ("num_pages", num_pages),
@@ -131,6 +138,10 @@ class PagePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        # Each layer's window (0: every earlier key); empty where no layer has one.
+        self.windows: tuple[int, ...] = (
+            tuple(a.window for a in attention) if any(a.window for a in attention) else ()
+        )
         # NOTE: zero-initialised so a page never handed out before holds no stale bytes.
         self.kv = torch.zeros(
             (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim),

@@ -29,17 +29,20 @@ class StepAttention:
         # backend's, for an all-decode step on the CPU kernel) answers None when it cannot.
         self._write_attend: WriteAttend | None = getattr(kernel, "write_attend", None)
         self._native: NativeAttendOf | None = getattr(kernel, "native_attend", None)
+        self._windows = metadata.windows or (0,) * pool.num_layers
 
-    def native_attend(self, q_heads: int) -> NativeAttend | None:
+    def native_attend(self, q_heads: int, every_chunk: bool = False) -> NativeAttend | None:
         """This step's attention for native model code (:class:`NativeAttend`), where the
         kernel offers it (the torch backend's, for an all-decode float32 step on the CPU
-        kernel); else None, and the model calls this object per layer."""
+        kernel); else None, and the model calls this object per layer. ``every_chunk``
+        asks for it whatever the step's prefill chunks (each token one kernel row, whose
+        arithmetic is then the same in any batch: batch-invariant attention)."""
         if self._native is None:
             return None
         pool = self._pool
         if q_heads <= 0 or q_heads % pool.num_kv_heads != 0:
             raise InvalidRequest(f"{q_heads} query heads do not match the page pool")
-        return self._native(q_heads, pool.kv, self._rows)
+        return self._native(q_heads, pool.kv, self._rows, every_chunk)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -55,9 +58,10 @@ class StepAttention:
         if not 0 <= layer < pool.num_layers:
             raise InvalidRequest(f"layer {layer} out of range")
         kv_layer = pool.layer(layer)
+        window = self._windows[layer]
         if self._write_attend is not None:
-            out = self._write_attend(q, k, v, kv_layer, self._rows)
+            out = self._write_attend(q, k, v, kv_layer, self._rows, window)
             if out is not None:
                 return out
         write_kv_rows(kv_layer, k, v, self._rows)
-        return self._kernel(q, kv_layer)
+        return self._kernel(q, kv_layer, window)

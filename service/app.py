@@ -197,13 +197,20 @@ def load_for_serving(
     quotas checked against the pool it implies, so a bad configuration is refused before the
     weights load (``check_shares_before_load``)."""
     from service.model import load_model, open_model
+    from service.model.catalog import CATALOG, ensure_model
     from service.model.default import ensure_default_model
 
     registry = load_tenants(config.tenants)
+    named = config.model in CATALOG and not Path(str(config.model)).exists()
     path = Path(config.model) if config.model not in (None, "", "default") else None
-    if path is not None and not path.exists():
+    if path is not None and not named and not path.exists():
         raise ConfigError(f"--model: {path} does not exist")
-    model_path = path if path is not None else ensure_default_model()
+    template = None
+    if named:
+        model_path = ensure_model(str(config.model))
+        template = CATALOG[str(config.model)].chat_template
+    else:
+        model_path = path if path is not None else ensure_default_model()
     log.info("model.loading", path=str(model_path))
     opened = open_model(model_path)
     check_shares_before_load(config, registry.tenants, opened.config)
@@ -212,7 +219,9 @@ def load_for_serving(
         dtype=config.sizing.dtype,
         device=config.sizing.device,
         weights=config.sizing.weights,
+        batch_invariant=config.sizing.batch_invariant,
         progress=sys.stderr.isatty(),
+        chat_template=template,
     )
     return loaded, registry
 

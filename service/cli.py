@@ -46,11 +46,13 @@ def check_device(text: str) -> str:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from service.config import EngineSizing
     from service.preflight import DTYPES
 
     tuning = SchedulerTuning()  # the one source of the scheduling flags' defaults
     p = add_command(sub, "serve", "run the gRPC inference server")
-    _add(p, "--model", "default", "a .gguf file, an HF directory, or 'default'")
+    _add(p, "--model", "default",
+         "a .gguf file, an HF directory, 'default', or a name from `kvfence models list`")
     _add(p, "--host", "127.0.0.1", "address to bind")
     _add(p, "--port", 50051, "port to bind (0 = any free port)", type=int)
     _add(p, "--tenants", "tenants.toml", "tenants file (TOML; `kvfence tenants add` writes it)")
@@ -80,6 +82,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          "decode weights: auto keeps the file's 4/8-bit blocks on CPU (bf16 via torch's "
          "int4 kernel, float32 via kvfence's GEMV); bf16 dense, int4, int8",
          choices=["auto", "bf16", "int4", "int8"])
+    _add(p, "--batch-invariant", EngineSizing().batch_invariant,
+         "a request's tokens never depend on what else is in the batch: auto (on where "
+         "kvfence's 4-bit GEMV serves the model on CPU), on (refuse where it cannot), off "
+         "(faster batch-variant kernels; docs/batch-invariance.md)",
+         choices=["auto", "on", "off"])
     _add(p, "--compile", "off",
          "torch.compile small decode batches at start (CPU, bf16, a C++ compiler): "
          "auto where it can run, on (fail the start where it cannot), off",
@@ -169,9 +176,18 @@ def _tenants_add(args: argparse.Namespace) -> int:
 
 
 def _models_pull(args: argparse.Namespace) -> int:
-    from service.model.default import pull_default_model
+    from service.model.catalog import catalog_entry, pull_model
 
-    print(pull_default_model())
+    print(pull_model(catalog_entry(args.name)))
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from service.model.catalog import CATALOG, model_path
+
+    for model in CATALOG.values():
+        state = "pulled" if model_path(model).exists() else "not pulled"
+        print(f"{model.name:24} {model.about} ({model.file}, {state})")
     return 0
 
 
@@ -206,8 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     add.set_defaults(func=_tenants_add)
     models = add_command(sub, "models", "manage local models")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    add_command(msub, "pull", "download and verify the default model").set_defaults(
-        func=_models_pull
+    pull = add_command(msub, "pull", "download and verify a model (see `models list`)")
+    pull.add_argument("name", nargs="?", default="default", help="model name (default: the default model)")
+    pull.set_defaults(func=_models_pull)
+    add_command(msub, "list", "the models `pull` and `serve --model NAME` know").set_defaults(
+        func=_models_list
     )
     certs = add_command(sub, "certs", "make TLS certificates")
     csub = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")

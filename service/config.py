@@ -87,6 +87,8 @@ class EngineSizing:
     dtype: str = "auto"
     device: str = "cpu"
     weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
+    # --batch-invariant: auto | on | off (service/model/loader.py, docs/batch-invariance.md)
+    batch_invariant: str = "auto"
     compile: str = "off"  # --compile: auto | on | off (service/engine/compiled.py)
     scrub_policy: Literal["reassign", "always", "off"] = "reassign"
     prefix_ttl_s: float = 600.0
@@ -157,6 +159,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         dtype=args.dtype,
         device=args.device,
         weights=args.weights,
+        batch_invariant=args.batch_invariant,
         compile=args.compile,
         scrub_policy=args.scrub_policy,
         prefix_ttl_s=args.prefix_ttl,

@@ -121,8 +121,10 @@ class KVFenceServer:
         self.http_front: OpenAIFront | None = None
         self._apply(registry)
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
+        # Tokenizer time is charged to the tenant's fair share of the engine, like compiles.
+        self._tokenizer_pool = TokenizerPool(options.tokenizer_threads, on_cost=engine.charge_cpu)
         self._prompts = PromptBuilder(
-            model.tokenizer, model.chat_template, limits, TokenizerPool(options.tokenizer_threads)
+            model.tokenizer, model.chat_template, limits, self._tokenizer_pool
         )
         self.inference = InferenceServicer(
             engine,
@@ -161,6 +163,7 @@ class KVFenceServer:
             on_denied=lambda code: self.metrics.auth_denials.labels(code).inc(),
             client_certs=opts.tls is not None and opts.tls.client_ca is not None,
             pace=RefusalPace(),
+            cheap=RefusalPace(max_wait_s=2.0),
         )
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
@@ -308,6 +311,7 @@ class KVFenceServer:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+        self._tokenizer_pool.shutdown()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

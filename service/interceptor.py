@@ -13,7 +13,8 @@ Two steps, because gRPC hands the two halves of a credential to different places
 
 gRPC still reads the refused message off the wire (up to the receive limit), but never hands
 it to Python; refusals are paced per peer host (``service/refusal_pace.py``), so a client that
-retries at once on every refusal cannot keep the server busy reading bodies.
+retries at once on every refusal cannot keep the server busy reading bodies. The cheap
+authenticated calls (``CHEAP_METHODS``) are paced per tenant the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from service.tenants import Tenant
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
 KVFENCE_PREFIX = "/kvfence."  # handlers of these services take the tenant explicitly
+# Calls that cost the server little and touch no engine work: paced per tenant (``cheap``),
+# so a tenant answering each with the next cannot keep a core busy with them.
+CHEAP_METHODS = frozenset({"/kvfence.v1.Inference/ListModels", "/kvfence.v1.Cache/GetUsage"})
 
 Check = Callable[[grpc.aio.ServicerContext, str], Awaitable[Tenant]]
 Authorize = Callable[[grpc.aio.ServicerContext], Awaitable[tuple[Tenant, ...]]]
@@ -55,6 +59,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         on_denied: Callable[[str], None] = lambda _code: None,
         client_certs: bool = False,
         pace: RefusalPace | None = None,
+        cheap: RefusalPace | None = None,
     ) -> None:
         self._auth = authenticator
         self._is_draining = is_draining
@@ -62,6 +67,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._on_denied = on_denied
         self._client_certs = client_certs
         self._pace = pace
+        self._cheap = cheap
 
     async def intercept_service(
         self,
@@ -89,6 +95,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise permission_denied("tenant may not use server reflection", "REFLECTION")
         except ServiceError as err:
             await self._deny(context, method, err)
+        if self._cheap is not None and method in CHEAP_METHODS:
+            key = f"tenant:{tenant.name}"
+            wait = self._cheap.hold(key)
+            if wait > 0:
+                try:
+                    await asyncio.sleep(wait)  # paced per tenant (service/refusal_pace.py)
+                finally:
+                    self._cheap.release(key)
         return tenant
 
     async def _deny(

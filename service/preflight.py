@@ -132,11 +132,14 @@ def check_tenants(path: Path) -> None:
 
 
 def check_model(model: str | None) -> None:
-    if model in (None, "", "default"):
+    if model in (None, "", "default") or Path(model).exists():
         return
-    if not Path(model).exists():
+    from service.model.catalog import CATALOG  # imports torch: only for a name given
+
+    if model not in CATALOG:
         raise ConfigError(f"--model {model}: no such file or directory; give a .gguf file, a "
-                          "Hugging Face directory, or 'default'")
+                          "Hugging Face directory, 'default' or a name `kvfence models list` "
+                          "shows")
 
 
 def check_all(config: ServeConfig) -> None:

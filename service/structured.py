@@ -6,9 +6,7 @@ Both fronts (gRPC and the OpenAI-compatible HTTP front) call ``compile_response_
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from protos.kvfence.v1 import inference_pb2
 from service.engine.compile_executor import CompileExecutor
@@ -21,9 +19,9 @@ from service.engine.grammar import (
     Vocabulary,
 )
 from service.errors import invalid_argument
+from service.held_work import outlive_cancel
 
 FIELD = "response_format"
-T = TypeVar("T")
 
 
 def spec_from_proto(msg: inference_pb2.ResponseFormat) -> GrammarSpec | None:
@@ -62,29 +60,6 @@ async def compile_response_format(
         return await outlive_cancel(compiler.submit(tenant, spec))
     except GrammarError as err:
         raise invalid_argument([(FIELD, str(err))]) from None
-
-
-async def outlive_cancel(work: concurrent.futures.Future[T]) -> T:
-    """``work``'s result. A cancelled caller cancels work that has not started; work that
-    has started is waited for before the cancellation goes on, so whatever the caller holds
-    (its stream slot) stays taken while the thread still burns a core for it."""
-    waiting = asyncio.wrap_future(work)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(waiting)
-            break
-        except asyncio.CancelledError:
-            if work.cancel() or waiting.done():  # never started, or over
-                raise
-            cancelled = True
-        except BaseException:
-            if cancelled:
-                raise asyncio.CancelledError() from None
-            raise
-    if cancelled:
-        raise asyncio.CancelledError()
-    return result
 
 
 class VocabTokenizer(Protocol):

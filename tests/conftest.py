@@ -38,6 +38,15 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def served_model(default_model_path: Path) -> LoadedModel:
+    """The default model loaded as ``kvfence serve`` loads it (every flag at its default:
+    the fast paths and, on CPU, batch invariance)."""
+    from service.model import load_model
+
+    return load_model(default_model_path, progress=False)
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_path: Path) -> LoadedModel:
     """The default model loaded by our runtime, dense fp32 on CPU: the oracle's weights and
     math, so parity holds to 1e-3. (In float32 ``--weights auto`` serves decode-sized batches
@@ -53,3 +62,24 @@ def hf_oracle(default_model_path: Path) -> tuple[Any, Any]:
     from tools.parity.checks import load_hf_oracle
 
     return load_hf_oracle(default_model_path)
+
+
+#: A test that takes longer than this (setup + call + teardown, on 2 cores) belongs to the
+#: slow tier: ``make test`` runs ``-m "not slow"`` first, then ``-m slow``.
+SLOW_SECONDS = 20.0
+_unmarked_slow: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "slow" in report.keywords:
+        return
+    _unmarked_slow[report.nodeid] = _unmarked_slow.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Name the tests outside the slow tier that took longer than ``SLOW_SECONDS``."""
+    over = sorted(((s, t) for t, s in _unmarked_slow.items() if s > SLOW_SECONDS), reverse=True)
+    if over:
+        terminalreporter.write_sep("-", f"over {SLOW_SECONDS:.0f} s without @pytest.mark.slow")
+        for seconds, test in over:
+            terminalreporter.write_line(f"{seconds:6.1f}s {test}")

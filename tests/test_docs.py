@@ -46,3 +46,13 @@ def test_readme_is_a_users_page_of_at_most_500_lines() -> None:
     local = [link.split("#")[0] for link in links if not link.startswith(("http", "#"))]
     missing = [link for link in local if not (ROOT / link).exists()]
     assert missing == [], f"README links to missing files: {missing}"
+
+
+def test_every_suite_and_every_result_file_reaches_the_benchmarks_page() -> None:
+    import json
+
+    from bench.summary import SUITE_ORDER
+
+    assert tuple(benchmarks_doc.SUITES) == SUITE_ORDER
+    named = {json.loads(p.read_text()).get("suite") for p in benchmarks_doc.RESULTS.glob("*.json")}
+    assert named - {None} <= set(benchmarks_doc.SUITES)

@@ -230,12 +230,14 @@ PROBES: tuple[Probe, ...] = (
           "test_http_cached_tokens", "prefix lookups off", PREFIX_OFF),
     probe("test_http_tenants::grammar-cache median ratio, B on A's schema / B novel",
           "test_http_grammar_cache", "one grammar cache for all tenants",
-          *(edit(GRAMMAR, f"            cache = self._caches.setdefault(tenant, OrderedDict())\n{nxt}",
-                 f'            cache = self._caches.setdefault("shared", OrderedDict())\n{nxt}')
-            for nxt in ("            hit = cache.get(key)", "            cache[key] = compiled"))),
+          edit(GRAMMAR, "            cache = self._caches.get(tenant)\n",
+               '            cache = self._caches.get("shared")\n'),
+          edit(GRAMMAR, "            cache = self._caches.setdefault(tenant, OrderedDict())\n",
+               '            cache = self._caches.setdefault("shared", OrderedDict())\n')),
     probe("test_http_tenants::A warm (own cache hit) / B cold, median ratio (power)",
           "test_http_grammar_cache", "grammar cache never hits",
-          edit(GRAMMAR, "            hit = cache.get(key)\n", "            hit = None\n")),
+          edit(GRAMMAR, "            hit = cache.get(key) if cache is not None else None\n",
+               "            hit = None\n")),
     # test_timing_channel
     probe("test_timing_channel::96.7% CI of B's TTFT ratio, A's prefix / novel (TOST)",
           "test_cross_tenant_cached", "one prefix namespace", mutant="tenant-blind-cache"),

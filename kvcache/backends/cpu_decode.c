@@ -7,7 +7,8 @@
  *
  * Layout (kvcache/pool.py): one layer is [num_pages, 2 (K|V), page_size, Hkv, D].
  * Sequence b attends over its first lens[b] keys, on pages
- * indices[indptr[b] .. indptr[b + 1]); nothing outside those pages is read.
+ * indices[indptr[b] .. indptr[b + 1]); nothing outside those pages is read. With a window
+ * w > 0 it attends over the last w of them only (keys lens[b] - w .. lens[b] - 1).
  */
 #include <math.h>
 #include <stdint.h>
@@ -123,7 +124,7 @@ static inline __m512 exp16(__m512 x) {
  * products, float32 sums, as a bf16 matmul computes them), then softmax and the weighted
  * sum of V in float32, 16 keys at a time. dim is a multiple of 32. */
 static void job_avx512(const uint16_t *q, const uint16_t *kv, int first, int last,
-                       const int32_t *indices, int n, uint16_t *out, int group, int dim,
+                       const int32_t *indices, int n, int off, uint16_t *out, int group, int dim,
                        int64_t row, int64_t half, int page_size, float scale) {
     const int chunks = dim / 32; /* 32 bf16 per dot-product instruction */
     const int lanes = dim / 16;  /* 16 float32 per accumulator */
@@ -140,9 +141,10 @@ static void job_avx512(const uint16_t *q, const uint16_t *kv, int first, int las
     }
     for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
         const int count = n - start < page_size ? n - start : page_size;
+        const int from = p == first ? off : 0; /* keys before a window are not read */
         const uint16_t *k_page = kv + (int64_t)indices[p] * 2 * half;
         const uint16_t *v_page = k_page + half;
-        for (int b0 = 0; b0 < count; b0 += 16) {
+        for (int b0 = from; b0 < count; b0 += 16) {
             const int nb = count - b0 < 16 ? count - b0 : 16;
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
             for (int o = 0; o < nb; ++o) {
@@ -227,7 +229,7 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *kv, in
  * took ~21% of the run's CPU samples, the bf16 kernel (job_avx512) ~17% of a bf16 run's. */
 static inline __attribute__((always_inline)) void job_avx512_f32q(
     const float *q, const void *kv, int first, int last, const int32_t *indices, int n,
-    float *out, int group, int dim, int64_t row, int64_t half, int page_size, float scale,
+    int off, float *out, int group, int dim, int64_t row, int64_t half, int page_size, float scale,
     const int kv16) {
     const int lanes = dim / 16;
     __m512 qv[MAX_GROUP][MAX_DIM / 16];
@@ -244,9 +246,10 @@ static inline __attribute__((always_inline)) void job_avx512_f32q(
     }
     for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
         const int count = n - start < page_size ? n - start : page_size;
+        const int from = p == first ? off : 0; /* keys before a window are not read */
         const int64_t k_page = (int64_t)indices[p] * 2 * half; /* element offsets */
         const int64_t v_page = k_page + half;
-        for (int b0 = 0; b0 < count; b0 += 16) {
+        for (int b0 = from; b0 < count; b0 += 16) {
             const int nb = count - b0 < 16 ? count - b0 : 16;
             const __mmask16 live = (__mmask16)((1u << nb) - 1u);
             for (int g = 0; g < group; ++g) {
@@ -288,15 +291,15 @@ static inline __attribute__((always_inline)) void job_avx512_f32q(
 }
 
 static void job_avx512_f32(const float *q, const void *kv, int first, int last,
-                           const int32_t *indices, int n, float *out, int group, int dim,
+                           const int32_t *indices, int n, int off, float *out, int group, int dim,
                            int64_t row, int64_t half, int page_size, float scale) {
-    job_avx512_f32q(q, kv, first, last, indices, n, out, group, dim, row, half, page_size, scale, 0);
+    job_avx512_f32q(q, kv, first, last, indices, n, off, out, group, dim, row, half, page_size, scale, 0);
 }
 
 static void job_avx512_bf16kv(const float *q, const void *kv, int first, int last,
-                              const int32_t *indices, int n, float *out, int group, int dim,
+                              const int32_t *indices, int n, int off, float *out, int group, int dim,
                               int64_t row, int64_t half, int page_size, float scale) {
-    job_avx512_f32q(q, kv, first, last, indices, n, out, group, dim, row, half, page_size, scale, 1);
+    job_avx512_f32q(q, kv, first, last, indices, n, off, out, group, dim, row, half, page_size, scale, 1);
 }
 #endif
 
@@ -338,7 +341,7 @@ static inline float hmax8f(__m256 v) {
  * NOTE: measured on a 2-core AVX2 EPYC (3 KV heads of 64, a group of 3): a layer's call at
  * 128 keys took 18.8 us in the plain C loops (job_portable). */
 static void job_avx2_f32(const float *q, const float *kv, int first, int last,
-                         const int32_t *indices, int n, float *out, int group, int dim,
+                         const int32_t *indices, int n, int off, float *out, int group, int dim,
                          int64_t row, int64_t half, int page_size, float scale) {
     const int lanes = dim / 8;
     __m256 qv[MAX_GROUP][MAX_DIM / 8];
@@ -355,9 +358,10 @@ static void job_avx2_f32(const float *q, const float *kv, int first, int last,
     }
     for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
         const int count = n - start < page_size ? n - start : page_size;
+        const int from = p == first ? off : 0; /* keys before a window are not read */
         const float *k_page = kv + (int64_t)indices[p] * 2 * half;
         const float *v_page = k_page + half;
-        for (int b0 = 0; b0 < count; b0 += 8) {
+        for (int b0 = from; b0 < count; b0 += 8) {
             const int nb = count - b0 < 8 ? count - b0 : 8;
             for (int o = 0; o < nb; ++o) {
                 const float *k_row = k_page + (b0 + o) * row;
@@ -407,7 +411,7 @@ static void job_avx2_f32(const float *q, const float *kv, int first, int last,
 /* One (sequence, KV head) job in plain C loops (vectorized by the compiler), for bf16 or
  * float32 (q32) q and out, over bf16 or float32 (kv32) KV. */
 static void job_portable(const void *q_, const void *kv_, int first, int last,
-                         const int32_t *indices, int n, void *out_, int group, int dim,
+                         const int32_t *indices, int n, int off, void *out_, int group, int dim,
                          int64_t row, int64_t half, int page_size, float scale, int q32,
                          int kv32) {
     float qf[MAX_GROUP][MAX_DIM];
@@ -429,9 +433,10 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
     }
     for (int p = first, start = 0; p < last && start < n; ++p, start += page_size) {
         const int count = n - start < page_size ? n - start : page_size;
+        const int from = p == first ? off : 0; /* keys before a window are not read */
         const int64_t k_page = (int64_t)indices[p] * 2 * half; /* element offsets */
         const int64_t v_page = k_page + half;
-        for (int o = 0; o < count; ++o) {
+        for (int o = from; o < count; ++o) {
             const int64_t k_row = k_page + o * row;
             if (kv32) {
                 memcpy(kf, (const float *)kv_ + k_row, sizeof(float) * (size_t)dim);
@@ -450,11 +455,11 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
         for (int g = 0; g < group; ++g) {
             float top = m[g];
 #pragma omp simd reduction(max : top)
-            for (int o = 0; o < count; ++o) top = s[g][o] > top ? s[g][o] : top;
+            for (int o = from; o < count; ++o) top = s[g][o] > top ? s[g][o] : top;
             const float rescale = expf(m[g] - top); /* 0 on the first page */
             float sum = l[g] * rescale;
 #pragma omp simd reduction(+ : sum)
-            for (int o = 0; o < count; ++o) {
+            for (int o = from; o < count; ++o) {
                 s[g][o] = expf(s[g][o] - top);
                 sum += s[g][o];
             }
@@ -465,7 +470,7 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
             m[g] = top;
             l[g] = sum;
         }
-        for (int o = 0; o < count; ++o) {
+        for (int o = from; o < count; ++o) {
             const int64_t v_row = v_page + o * row;
             if (kv32) {
                 memcpy(kf, (const float *)kv_ + v_row, sizeof(float) * (size_t)dim);
@@ -498,7 +503,7 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
 static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
                         const int32_t *indices, const int32_t *lens, void *out, int batch,
                         int hq, int hkv, int dim, int page_size, float scale, int q32,
-                        int kv32) {
+                        int kv32, int window) {
     const int group = hq / hkv;
     const int64_t row = (int64_t)hkv * dim;          /* one slot: all heads */
     const int64_t half = (int64_t)page_size * row;   /* K or V of one page */
@@ -508,36 +513,41 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
     for (int job = 0; job < batch * hkv; ++job) {
         const int b = job / hkv, h = job % hkv;
         const int n = lens[b];
+        /* A window reads the last `window` keys only: whole pages before them are skipped,
+         * and `off` keys of the first page read. */
+        const int lo = window > 0 && n > window ? n - window : 0;
+        const int first = indptr[b] + lo / page_size, kept = n - (lo / page_size) * page_size;
+        const int off = lo % page_size;
         const size_t at = (size_t)(((int64_t)b * hq + h * group) * dim) * elem;
         const char *qb = (const char *)q + at, *kvb = (const char *)kv + (size_t)(h * dim) * kv_elem;
         char *ob = (char *)out + at;
 #ifdef KVF_AVX512
         if (!q32 && !kv32 && dim % 32 == 0) {
-            job_avx512((const uint16_t *)qb, (const uint16_t *)kvb, indptr[b], indptr[b + 1],
-                       indices, n, (uint16_t *)ob, group, dim, row, half, page_size, scale);
+            job_avx512((const uint16_t *)qb, (const uint16_t *)kvb, first, indptr[b + 1],
+                       indices, kept, off, (uint16_t *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
 #ifdef KVF_AVX512
         if (q32 && kv32 && dim % 16 == 0) {
-            job_avx512_f32((const float *)qb, kvb, indptr[b], indptr[b + 1], indices, n,
+            job_avx512_f32((const float *)qb, kvb, first, indptr[b + 1], indices, kept, off,
                            (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
         if (q32 && !kv32 && dim % 16 == 0) {
-            job_avx512_bf16kv((const float *)qb, kvb, indptr[b], indptr[b + 1], indices, n,
+            job_avx512_bf16kv((const float *)qb, kvb, first, indptr[b + 1], indices, kept, off,
                               (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
 #ifdef KVF_AVX2
         if (q32 && kv32 && dim % 8 == 0) {
-            job_avx2_f32((const float *)qb, (const float *)kvb, indptr[b], indptr[b + 1],
-                         indices, n, (float *)ob, group, dim, row, half, page_size, scale);
+            job_avx2_f32((const float *)qb, (const float *)kvb, first, indptr[b + 1],
+                         indices, kept, off, (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
-        job_portable(qb, kvb, indptr[b], indptr[b + 1], indices, n, ob, group, dim, row, half,
+        job_portable(qb, kvb, first, indptr[b + 1], indices, kept, off, ob, group, dim, row, half,
                      page_size, scale, q32, kv32);
     }
 }
@@ -546,13 +556,13 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
 static int checked_decode(const void *q, const void *kv, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, void *out, int batch,
                           int hq, int hkv, int dim, int page_size, float scale, int q32, int kv32,
-                          int64_t n_indices, int64_t num_pages) {
+                          int64_t n_indices, int64_t num_pages, int window) {
     int status = check_shape(batch, hq, hkv, dim, page_size);
     if (status == 0)
         status = check_plan(indptr, indices, lens, batch, n_indices, num_pages, page_size);
     if (status == 0)
         decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, q32,
-                    kv32);
+                    kv32, window);
     return status;
 }
 
@@ -561,18 +571,18 @@ static int checked_decode(const void *q, const void *kv, const int32_t *indptr,
 int kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
                     const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
                     int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices,
-                    int64_t num_pages) {
+                    int64_t num_pages, int window) {
     return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
-                          scale, 0, 0, n_indices, num_pages);
+                          scale, 0, 0, n_indices, num_pages, window);
 }
 
 /* The same for float32 q, kv and out (the float32 engine's decode rows). */
 int kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
                    const int32_t *indices, const int32_t *lens, float *out, int batch, int hq,
                    int hkv, int dim, int page_size, float scale, int64_t n_indices,
-                   int64_t num_pages) {
+                   int64_t num_pages, int window) {
     return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
-                          scale, 1, 1, n_indices, num_pages);
+                          scale, 1, 1, n_indices, num_pages, window);
 }
 
 /* Float32 q and out over bf16 KV (--dtype auto on bf16 CPUs: float32 compute, KV stored in
@@ -580,9 +590,9 @@ int kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
 int kvf_decode_f32_bf16kv(const float *q, const uint16_t *kv, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, float *out, int batch,
                           int hq, int hkv, int dim, int page_size, float scale,
-                          int64_t n_indices, int64_t num_pages) {
+                          int64_t n_indices, int64_t num_pages, int window) {
     return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
-                          scale, 1, 0, n_indices, num_pages);
+                          scale, 1, 0, n_indices, num_pages, window);
 }
 
 /* 0 when every one of the 2 * batch rows is inside the layer, else -1. */
@@ -632,12 +642,13 @@ int kvf_write_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
                           int hq, int hkv, int dim, int page_size, float scale,
-                          int64_t n_indices) {
+                          int64_t n_indices, int window) {
     const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
                                    page_size, n_indices);
     if (status != 0) return status;
     write_rows(k, v, kv, rows, batch, hkv, dim, sizeof(uint16_t));
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0, 0);
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0, 0,
+                window);
     return 0;
 }
 
@@ -659,24 +670,26 @@ int kvf_write_decode_f32_bf16kv(const float *q, const float *k, const float *v, 
                                 const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                                 const int32_t *indices, const int32_t *lens, float *out,
                                 int batch, int hq, int hkv, int dim, int page_size, float scale,
-                                int64_t n_indices) {
+                                int64_t n_indices, int window) {
     const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
                                    page_size, n_indices);
     if (status != 0) return status;
     write_rows_to_bf16(k, v, kv, rows, batch, hkv, dim);
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 0);
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 0,
+                window);
     return 0;
 }
 
 int kvf_write_decode_f32(const float *q, const float *k, const float *v, float *kv,
                          const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                          const int32_t *indices, const int32_t *lens, float *out, int batch,
-                         int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices) {
+                         int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices, int window) {
     const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
                                    page_size, n_indices);
     if (status != 0) return status;
     write_rows(k, v, kv, rows, batch, hkv, dim, sizeof(float));
-    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 1);
+    decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 1,
+                window);
     return 0;
 }
 
@@ -698,6 +711,7 @@ typedef struct {
     float scale;
     int32_t kv16;           /* the pool holds bf16 (float32 q, k, v and out all the same) */
     int64_t n_indices;      /* page indices in the plan */
+    const int32_t *windows; /* [layers] each layer's window (0: every key), or NULL: none */
 } kvf_step_ctx;
 
 /* q [batch, Hq, D], k and v [batch, Hkv, D] contiguous float32; out [batch, Hq, D]. Returns
@@ -705,12 +719,14 @@ typedef struct {
 int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const float *k,
                         const float *v, float *out) {
     if (layer < 0 || layer >= c->layers) return -1;
+    const int window = c->windows ? c->windows[layer] : 0;
     if (c->kv16)
         return kvf_write_decode_f32_bf16kv(q, k, v, (uint16_t *)c->kv + (size_t)layer * (size_t)c->layer_elems,
                                            c->rows, c->layer_rows, c->indptr, c->indices, c->lens,
                                            out, c->batch, c->hq, c->hkv, c->dim, c->page_size,
-                                           c->scale, c->n_indices);
+                                           c->scale, c->n_indices, window);
     return kvf_write_decode_f32(q, k, v, (float *)c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
                                 c->layer_rows, c->indptr, c->indices, c->lens, out, c->batch,
-                                c->hq, c->hkv, c->dim, c->page_size, c->scale, c->n_indices);
+                                c->hq, c->hkv, c->dim, c->page_size, c->scale, c->n_indices,
+                                window);
 }

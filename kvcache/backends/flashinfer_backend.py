@@ -89,12 +89,14 @@ def query_rows(meta: AttentionMetadata, which: Sequence[int]) -> list[int]:
     return [r for i in which for r in range(offsets[i], offsets[i + 1])]
 
 
-def _plan_options(shape: HeadShape) -> dict[str, Any]:
+def _plan_options(shape: HeadShape, window: int) -> dict[str, Any]:
     return {
         "pos_encoding_mode": "NONE",  # RoPE is applied by the model before attention
         "q_data_type": shape.dtype,
         "kv_data_type": shape.dtype,
         "sm_scale": shape.head_dim**-0.5,
+        # FlashInfer's query at position p reads keys p - window_left .. p; -1 reads all.
+        "window_left": window - 1 if window > 0 else -1,
     }
 
 
@@ -110,26 +112,34 @@ class FlashInferStep:
         decode = [i for i, n in enumerate(metadata.qo_lens) if n == 1]
         prefill = [i for i, n in enumerate(metadata.qo_lens) if n != 1]
         heads = (shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
-        opts = _plan_options(shape)
-        if decode:
-            c = csr(metadata, decode, device)
-            backend.decode.plan(c.kv_indptr, c.kv_indices, c.kv_last_page_len, *heads, **opts)
-        if prefill:
-            c = csr(metadata, prefill, device)
-            backend.prefill.plan(
-                c.qo_indptr,
-                c.kv_indptr,
-                c.kv_indices,
-                c.kv_last_page_len,
-                *heads,
-                causal=True,
-                **opts,
-            )
-        self._only: Any = None
+        dec_csr = csr(metadata, decode, device) if decode else None
+        pre_csr = csr(metadata, prefill, device) if prefill else None
+        # One plan per distinct window of the pool's layers (a plan fixes window_left), each
+        # on its own pair of wrappers; layers with the same window share it.
+        self._pairs: dict[int, tuple[Any, Any]] = {}
+        for window in sorted(set(metadata.windows or (0,))):
+            dec, pre = self._pairs[window] = backend.wrappers(window)
+            opts = _plan_options(shape, window)
+            if dec_csr is not None:
+                c = dec_csr
+                dec.plan(c.kv_indptr, c.kv_indices, c.kv_last_page_len, *heads, **opts)
+            if pre_csr is not None:
+                c = pre_csr
+                pre.plan(
+                    c.qo_indptr,
+                    c.kv_indptr,
+                    c.kv_indices,
+                    c.kv_last_page_len,
+                    *heads,
+                    causal=True,
+                    **opts,
+                )
+        # 0: decode wrapper only, 1: prefill only, None: both on their own rows
+        self._only: int | None = None
         if not prefill:
-            self._only = backend.decode
+            self._only = 0
         elif not decode:
-            self._only = backend.prefill
+            self._only = 1
         else:
             # NOTE: mixed steps run the two wrappers on their own rows; the rows are gathered
             # with index tensors built once here, not per layer.
@@ -137,14 +147,14 @@ class FlashInferStep:
             self._decode_rows = torch.tensor(rows[0], dtype=torch.long, device=device)
             self._prefill_rows = torch.tensor(rows[1], dtype=torch.long, device=device)
 
-    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        b = self._backend
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+        pair = self._pairs[window]
         qx = q.to(kv_layer.dtype)
         if self._only is not None:
-            return self._only.run(qx, kv_layer).to(q.dtype)  # type: ignore[no-any-return]
+            return pair[self._only].run(qx, kv_layer).to(q.dtype)  # type: ignore[no-any-return]
         out = torch.empty_like(qx)
-        dec = b.decode.run(qx.index_select(0, self._decode_rows), kv_layer)
-        pre = b.prefill.run(qx.index_select(0, self._prefill_rows), kv_layer)
+        dec = pair[0].run(qx.index_select(0, self._decode_rows), kv_layer)
+        pre = pair[1].run(qx.index_select(0, self._prefill_rows), kv_layer)
         out.index_copy_(0, self._decode_rows, dec)
         out.index_copy_(0, self._prefill_rows, pre)
         return out.to(q.dtype)
@@ -169,10 +179,22 @@ class FlashInferBackend:
     ) -> None:
         self.shape = shape
         self.device = torch.device(device)
-        make = wrappers if wrappers is not None else flashinfer_wrappers(self.device)
+        self._make = wrappers if wrappers is not None else flashinfer_wrappers(self.device)
         # NOTE: separate workspaces: in a mixed step both wrappers are planned before either runs.
-        self.decode: Any = make("decode")
-        self.prefill: Any = make("prefill")
+        self.decode: Any = self._make("decode")
+        self.prefill: Any = self._make("prefill")
+        # Pairs for sliding-window layers, by window: made on the first step that needs one.
+        self._windowed: dict[int, tuple[Any, Any]] = {}
+
+    def wrappers(self, window: int) -> tuple[Any, Any]:
+        """The (decode, prefill) wrappers planned for layers with ``window`` (0: full
+        attention, the pair above)."""
+        if window == 0:
+            return self.decode, self.prefill
+        pair = self._windowed.get(window)
+        if pair is None:
+            pair = self._windowed[window] = (self._make("decode"), self._make("prefill"))
+        return pair
 
     def prepare(self, metadata: AttentionMetadata) -> FlashInferStep:
         return FlashInferStep(self, metadata)
@@ -251,7 +273,7 @@ class FlashInferGraphDecode:
             s.num_kv_heads,
             s.head_dim,
             s.page_size,
-            **_plan_options(s),
+            **_plan_options(s, 0),  # graphs never serve a windowed pool (GraphDecodeAttention)
         )
 
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ class _Chunk:
     upcast: bool = False  # by-rows decode whose matmuls run in float32 (see above)
     # The C kernel's page metadata (indptr, indices, lens: int32), or None for the torch path
     paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    window: int = 0  # the layer's sliding window (0: every key), in the mask or the C call
 
 
 class TorchStep:
@@ -81,12 +82,14 @@ class TorchStep:
     def __init__(self, metadata: AttentionMetadata) -> None:
         self._device = metadata.slot_mapping.device
         self._meta = metadata
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[_Chunk] = []  # the plan of layers without a window
+        self._windowed: dict[int, list[_Chunk]] = {}  # plans by window, made on first use
         self._budget = _CPU_GATHER_BYTES if self._device.type == "cpu" else _GPU_GATHER_BYTES
         self._offsets = [0]
         for n in metadata.qo_lens:
             self._offsets.append(self._offsets[-1] + n)
         self._num_kv_heads = 0  # set on first call, when the pool layout is known
+        self._bytes_per_key = 0  # set on first call
         self._matmul_decode = False  # set on first call, from the query dtype
         self._kernel: cpu_decode.DecodeKernel | None = None  # set on first call
         # write_attend's checked call for this step, or False where it has none; first call
@@ -94,31 +97,36 @@ class TorchStep:
         self._built = False
 
     def _build(self, dtype: torch.dtype, q_heads: int, kv_layer: torch.Tensor) -> None:
-        meta = self._meta
         self._num_kv_heads = kv_layer.shape[-2]
         self._matmul_decode = dtype in _MATMUL_DECODE
         if dtype in (torch.bfloat16, torch.float32) and self._device.type == "cpu":
             kernel = cpu_decode.kernel()
             if kernel is not None and kernel.supports(q_heads, kv_layer):
                 self._kernel = kernel
-        bytes_per_key = 2 * kv_layer.shape[-2] * kv_layer.shape[-1] * kv_layer.element_size()
+        self._bytes_per_key = 2 * kv_layer.shape[-2] * kv_layer.shape[-1] * kv_layer.element_size()
+        self._chunks = self._plan(0)
+        self._built = True
+
+    def _plan(self, window: int) -> list[_Chunk]:
+        meta = self._meta
+        chunks: list[_Chunk] = []
         pending: list[int] = []  # consecutive decode sequences not yet chunked
         for i, n in enumerate(meta.qo_lens):
             if n == 1:
                 longest = max([meta.kv_lens[i], *(meta.kv_lens[j] for j in pending)])
-                gathered = (len(pending) + 1) * longest * bytes_per_key
+                gathered = (len(pending) + 1) * longest * self._bytes_per_key
                 if pending and self._kernel is None and gathered > self._budget:
-                    self._chunks.append(self._decode_chunk(pending))
+                    chunks.append(self._decode_chunk(pending, window))
                     pending = []
                 pending.append(i)
                 continue
             if pending:
-                self._chunks.append(self._decode_chunk(pending))
+                chunks.append(self._decode_chunk(pending, window))
                 pending = []
-            self._chunks.append(self._prefill_chunk(i))
+            chunks.append(self._prefill_chunk(i, window))
         if pending:
-            self._chunks.append(self._decode_chunk(pending))
-        self._built = True
+            chunks.append(self._decode_chunk(pending, window))
+        return chunks
 
     def _index(self, seqs: list[int], length: int, by_rows: bool) -> torch.Tensor:
         """What to gather from the layer for ``seqs``, each padded to ``length`` keys with
@@ -153,7 +161,7 @@ class TorchStep:
             slots = torch.cat((slots, slots[:1].expand(length - n)))
         return slots
 
-    def _decode_chunk(self, seqs: list[int]) -> _Chunk:
+    def _decode_chunk(self, seqs: list[int], window: int) -> _Chunk:
         meta, device = self._meta, self._device
         start = self._offsets[seqs[0]]
         if self._kernel is not None:  # the rows' own pages, read in place
@@ -177,12 +185,16 @@ class TorchStep:
                 causal=False,
                 decode=True,
                 paged=paged,
+                window=window,
             )
         lens = [meta.kv_lens[i] for i in seqs]
         kv_len = max(lens)
         mask = padding = None
-        if min(lens) != kv_len:
-            valid = torch.arange(kv_len)[None, :] < torch.tensor(lens)[:, None]
+        if min(lens) != kv_len or 0 < window < kv_len:
+            keys, ends = torch.arange(kv_len)[None, :], torch.tensor(lens)[:, None]
+            valid = keys < ends
+            if window > 0:
+                valid &= keys >= ends - window
             mask = valid[:, None, None].to(device)
             padding = mask.logical_not()
         upcast = (
@@ -204,13 +216,16 @@ class TorchStep:
             upcast=upcast,
         )
 
-    def _prefill_chunk(self, i: int) -> _Chunk:
+    def _prefill_chunk(self, i: int, window: int) -> _Chunk:
         meta, device = self._meta, self._device
         n, q_start, kv_len = meta.qo_lens[i], meta.q_starts[i], meta.kv_lens[i]
         mask = None
-        if q_start != 0:
+        if q_start != 0 or 0 < window < kv_len:
             q_pos = torch.arange(q_start, q_start + n, device=device)[:, None]
-            mask = torch.arange(kv_len, device=device)[None, :] <= q_pos
+            keys = torch.arange(kv_len, device=device)[None, :]
+            mask = keys <= q_pos
+            if window > 0:
+                mask &= keys > q_pos - window
         return _Chunk(
             start=self._offsets[i],
             end=self._offsets[i + 1],
@@ -224,15 +239,22 @@ class TorchStep:
             decode=False,
         )
 
-    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
         if not self._built:
             self._build(q.dtype, q.shape[1], kv_layer)
-        if len(self._chunks) == 1:
-            return self._run(q, kv_layer, self._chunks[0])
+        chunks = self._chunks if window == 0 else self._window_plan(window)
+        if len(chunks) == 1:
+            return self._run(q, kv_layer, chunks[0])
         out = torch.empty_like(q)
-        for c in self._chunks:
+        for c in chunks:
             out[c.start : c.end] = self._run(q[c.start : c.end], kv_layer, c)
         return out
+
+    def _window_plan(self, window: int) -> list[_Chunk]:
+        plan = self._windowed.get(window)
+        if plan is None:
+            plan = self._windowed[window] = self._plan(window)
+        return plan
 
     def write_attend(
         self,
@@ -241,6 +263,7 @@ class TorchStep:
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         rows: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor | None:
         """Where the whole step is one run of decode rows on the C kernel, store ``k``/``v``
         at ``rows`` (:func:`kvcache.metadata.kv_rows`) and attend in one C call
@@ -251,15 +274,18 @@ class TorchStep:
         layer, the one checked-once call ~15."""
         if self._writer is None:
             self._writer = self._layer_writer(q, k, v, kv_layer, rows)
-        return None if self._writer is False else self._writer(q, k, v, kv_layer)
+        return None if self._writer is False else self._writer(q, k, v, kv_layer, window)
 
     def native_attend(
-        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor
+        self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor, every_chunk: bool = False
     ) -> NativeAttend | None:
         """Where the step runs on the C kernel over a float32 pool ``kv`` (all layers), the
         step's attention for native model code (``DecodeKernel.step_context``), one kernel
         row per token: all-decode steps, and steps whose prefill chunks are short enough
-        (:meth:`_token_rows`); else None. ``rows`` as :meth:`write_attend`'s.
+        (:meth:`_token_rows`), or with ``every_chunk`` any steps; else None. ``rows`` as
+        :meth:`write_attend`'s. Each token is then one kernel job per KV head over its own
+        prefix, keys in page order, with no split across threads: its arithmetic does not
+        depend on the batch, the chunking or the token's place in the step.
         NOTE: measured on a 2-core Xeon (AMX), SmolLM2-135M, 13 sequences decoding at ~150
         keys: a step that also carried a 6-token chunk took 8.5 ms more than the decode step
         through the per-layer Python path and 2.7 ms more this way (a 30-token chunk 17
@@ -270,19 +296,27 @@ class TorchStep:
         kernel = cpu_decode.kernel()
         if kernel is None or not kernel.supports(q_heads, kv[0]):
             return None
+        # None where no layer has a window: nothing to build per step
+        windows = torch.tensor(meta.windows, dtype=torch.int32) if meta.windows else None
         if all(n == 1 for n in meta.qo_lens):
             # The step's own CSR metadata (what _build's one decode chunk slices out of it)
             lens = torch.tensor(meta.kv_lens, dtype=torch.int32)
-            return kernel.step_context(q_heads, kv, rows, meta.kv_indptr, meta.kv_indices, lens)
-        per_token = self._token_rows()
-        return None if per_token is None else kernel.step_context(q_heads, kv, rows, *per_token)
+            return kernel.step_context(
+                q_heads, kv, rows, meta.kv_indptr, meta.kv_indices, lens, windows
+            )
+        per_token = self._token_rows(None if every_chunk else _NATIVE_CHUNK_KEYS)
+        if per_token is None:
+            return None
+        return kernel.step_context(q_heads, kv, rows, *per_token, windows)
 
-    def _token_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _token_rows(
+        self, max_keys: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The step's metadata with every token a row of its own, for the decode kernel: a
         prefill chunk's token at position p attends over its sequence's first p + 1 keys
         (causal), through that sequence's own pages. None where the chunks' tokens would
-        read more than ``_NATIVE_CHUNK_KEYS`` keys between them (each token reads its whole
-        prefix: cheap beside short contexts, not beside long ones)."""
+        read more than ``max_keys`` keys between them (each token reads its whole prefix:
+        cheap beside short contexts, not beside long ones); None for no limit."""
         meta = self._meta
         pages = meta.kv_indptr.tolist()
         indptr, lens, spans = [0], [], []
@@ -291,7 +325,7 @@ class TorchStep:
             first, last = pages[i], pages[i + 1]
             if n > 1:
                 keys += n * total
-                if keys > _NATIVE_CHUNK_KEYS:
+                if max_keys is not None and keys > max_keys:
                     return None
             for j in range(n):
                 lens.append(total - n + j + 1)
@@ -325,7 +359,7 @@ class TorchStep:
 
     def _run(self, q: torch.Tensor, kv_layer: torch.Tensor, c: _Chunk) -> torch.Tensor:
         if c.paged is not None and self._kernel is not None:
-            return self._kernel.run(q, kv_layer, *c.paged)
+            return self._kernel.run(q, kv_layer, *c.paged, c.window)
         _, hq, d = q.shape
         hkv = kv_layer.shape[-2]
         n = c.kv_len

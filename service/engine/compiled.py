@@ -80,6 +80,8 @@ def unavailable_reason(model: LlamaModel, pool: PagePool) -> str | None:
         return f"it needs bf16 compute (dtype is {dtype}: pass --dtype bfloat16)"
     if model.max_packed_rows == 0:
         return "it serves the packed decode weights (--weights auto, int4 or int8), and there are none"
+    if pool.windows:
+        return "a layer attends within a sliding window, which its decode kernel does not take"
     if cxx_compiler() is None:
         return "no C++ compiler found (install g++ or set CXX)"
     if not cpu_graph.available(model.config.num_heads, pool.layer(0)):

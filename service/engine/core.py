@@ -242,7 +242,10 @@ class EngineCore:
         start = time.perf_counter()
         result, forward_s = self._execute(plan)
         sampled = self._update(plan, result)
-        self._scheduler.observe_step(shape, time.perf_counter() - start)
+        # The rows' own sampling costs are counted per row (``SeqState.sample_s``); the step
+        # model learns the rest, or one expensive row would inflate every row's cost.
+        extra_s = sum(result.row_s) if result is not None else 0.0
+        self._scheduler.observe_step(shape, time.perf_counter() - start - extra_s)
         return StepStats(
             plan.num_tokens, len(plan.entries), sampled, len(plan.preempted), forward_s
         )
@@ -294,7 +297,18 @@ class EngineCore:
         for e, token, lp in zip(samplers, result.token_ids, result.logprobs, strict=True):
             if e.seq.status is SeqStatus.RUNNING:
                 self._accept(e.seq, token, lp)
+        self._charge_sampling(samplers, result.row_s)
         return len(samplers)
+
+    def _charge_sampling(self, samplers: list[ScheduledSeq], row_s: list[float]) -> None:
+        """Each row's measured sampling cost: remembered on the sequence (the scheduler
+        counts it in the next steps' cost) and charged to its tenant."""
+        owed: dict[str, float] = {}
+        for e, seconds in zip(samplers, row_s, strict=False):
+            e.seq.sample_s = seconds if not e.seq.sample_s else (e.seq.sample_s + seconds) / 2
+            owed[e.seq.tenant] = owed.get(e.seq.tenant, 0.0) + seconds
+        for tenant, seconds in owed.items():
+            self._scheduler.charge_cpu(tenant, seconds)
 
     def _accept(self, seq: SeqState, token: int, logprob: TokenLogprob | None) -> None:
         self._scheduler.append(seq, token)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvcache import CacheConfig, KVCacheManager, PagePool, size_pool
+from kvcache import CacheConfig, KVCacheManager, LayerAttention, PagePool, size_pool
 from kvcache.backends import AttentionBackend
 from service.engine.core import EngineCore
 from service.engine.engine import Engine
@@ -58,6 +58,7 @@ def build_cache(
             cfg.head_dim,
             model.kv_dtype,
             model.device,
+            tuple(LayerAttention(window=w) for w in cfg.layer_windows),
         )
     )
     return KVCacheManager(pool, cache_config, clock, backend)

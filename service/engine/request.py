@@ -78,6 +78,9 @@ class SeqState:
     in_cache: bool = False  # opened in the KVCacheManager and not freed yet
     first_token_at: float | None = None
     grammar: GrammarMatcher | None = None  # structured output: this sequence's grammar state
+    # Set by the engine after each sampled token: what sampling this row costs beyond a plain
+    # argmax (its grammar mask, its share of penalties, truncation, logprobs), smoothed.
+    sample_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_ids)

@@ -17,12 +17,17 @@ tensor) back. Order of processing, per row:
 Logprobs are ``log_softmax`` of the logits after steps 1–2 and temperature scaling
 (temperature 1 for greedy rows), before top-k/top-p/min-p truncation: the model's
 distribution as the request shaped it, with every alternative still finite.
+
+Each row's cost beyond a plain argmax (its grammar mask, its share of the stages it opted
+into) is measured and returned (``SampleResult.row_s``): the scheduler charges it to the
+row's tenant and counts it in the step's cost.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +53,27 @@ class SampleRow:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # Seconds of this step's sampling owed to each row beyond a plain argmax: its grammar
+    # mask, and its share of each stage only some rows need (penalties, truncation, the
+    # draw, logprobs), split among the rows that asked for it. Empty: not measured.
+    row_s: list[float] = field(default_factory=list)
+
+
+class _RowCosts:
+    """Per-row seconds of the stages rows opt into (``SampleResult.row_s``)."""
+
+    def __init__(self, n: int) -> None:
+        self.seconds = [0.0] * n
+        self._began = time.perf_counter()
+
+    def lap(self, rows: Sequence[int]) -> None:
+        """The time since the last lap was spent for ``rows`` (split evenly)."""
+        now = time.perf_counter()
+        if rows:
+            share = (now - self._began) / len(rows)
+            for i in rows:
+                self.seconds[i] += share
+        self._began = now
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -72,13 +98,22 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sample rows")
         logits = logits.float()
         self._ban(logits, rows)
-        apply_grammar_masks(logits, [(i, r.grammar) for i, r in enumerate(rows) if r.grammar])
-        if any(_has_penalty(r.params) for r in rows):
+        costs = _RowCosts(len(rows))
+        constrained = [i for i, r in enumerate(rows) if r.grammar]
+        masks = apply_grammar_masks(
+            logits, [(i, r.grammar) for i, r in enumerate(rows) if r.grammar]
+        )
+        for i, mask_s in zip(constrained, masks, strict=True):
+            costs.seconds[i] += mask_s
+        costs.lap([])  # the masks' unpacking: shared by the step
+        penalized = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        if penalized:
             logits = self._penalize(logits, rows)
+            costs.lap(penalized)
         greedy = [r.params.temperature == 0.0 for r in rows]
         max_n = max(r.num_logprobs for r in rows)
         if all(greedy) and max_n == 0:
-            return SampleResult(_argmax(logits), [None] * len(rows))
+            return SampleResult(_argmax(logits), [None] * len(rows), costs.seconds)
 
         temps = torch.tensor(
             [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)],
@@ -86,13 +121,17 @@ class Sampler:
         )
         scaled = logits / temps[:, None]
         chosen = logits.argmax(dim=-1)
+        costs.lap([])
         if not all(greedy):
             sampled = self._draw(self._truncate(scaled, rows), rows)
             greedy_mask = torch.tensor(greedy, device=self.device)
             chosen = torch.where(greedy_mask, chosen, sampled)
+            costs.lap([i for i, g in enumerate(greedy) if not g])
         if max_n == 0:
-            return SampleResult(chosen.tolist(), [None] * len(rows))
-        return self._with_logprobs(scaled, chosen, rows, max_n)
+            return SampleResult(chosen.tolist(), [None] * len(rows), costs.seconds)
+        result = self._with_logprobs(scaled, chosen, rows, max_n)
+        costs.lap([i for i, r in enumerate(rows) if r.num_logprobs])
+        return SampleResult(result.token_ids, result.logprobs, costs.seconds)
 
     def _ban(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
         pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned_ids]
@@ -156,7 +195,12 @@ class Sampler:
                 ranks = torch.arange(vocab, device=self.device)[None, :]
                 remove |= ranks >= ks[:, None]
             if use_p:
-                ps = torch.tensor([r.params.top_p for r in rows], device=self.device)
+                # Rows without top-p keep every token (inf, not 1.0: a cumsum may round
+                # past 1.0), so their draw does not depend on other rows asking for it.
+                ps = torch.tensor(
+                    [r.params.top_p if r.params.top_p < 1.0 else float("inf") for r in rows],
+                    device=self.device,
+                )
                 probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
                 before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
                 remove |= before > ps[:, None]

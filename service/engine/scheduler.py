@@ -68,6 +68,7 @@ class Scheduler:
         self.fair = FairShare(lambda t: policy(t).weight)
         self.budget = StepBudget(config.tuning, regime or Regime())
         self._presence = Presence(clock, config.tuning.idle_grace_s)
+        self._cpu_owed: dict[str, float] = {}  # tenant -> a fraction of a token charge_cpu owes
 
     def use_regime(self, regime: Regime) -> None:
         """The model now runs with ``regime`` (e.g. CUDA graphs were captured at start): the
@@ -210,9 +211,11 @@ class Scheduler:
     def charge_cpu(self, tenant: str, seconds: float) -> int:
         """Charge ``tenant`` for CPU work done for it off the model's forward (a grammar
         compile, its masks, a tokenization) in the fairness currency: the prefill tokens a
-        step could have computed in that time (``StepBudget.cpu_tokens``). Returns the
-        tokens charged."""
-        tokens = self.budget.cpu_tokens(seconds)
+        step could have computed in that time (``StepBudget.cpu_tokens``). Fractions of a
+        token are carried to the next charge. Returns the whole tokens charged now."""
+        owed = self._cpu_owed.get(tenant, 0.0) + self.budget.cpu_tokens(seconds)
+        tokens = int(owed + 1e-9)
+        self._cpu_owed[tenant] = owed - tokens
         if tokens:
             self.fair.counter.charge(tenant, tokens)
         return tokens

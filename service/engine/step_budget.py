@@ -43,6 +43,11 @@ class DecodeRow(Protocol):
     @property
     def num_computed(self) -> int: ...
 
+    @property
+    def sample_s(self) -> float:
+        """The row's measured sampling cost (grammar mask, penalties, logprobs)."""
+        ...
+
 
 R = TypeVar("R", bound=DecodeRow)
 
@@ -126,12 +131,12 @@ class StepBudget:
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape.rows, shape.row_keys, shape.chunks, seconds)
 
-    def cpu_tokens(self, seconds: float) -> int:
-        """The prefill tokens a step computes in ``seconds`` of CPU time, by the fitted
-        per-token cost (``cpu_seconds_per_token`` before a chunk was seen)."""
+    def cpu_tokens(self, seconds: float) -> float:
+        """The prefill tokens (a fraction too) a step computes in ``seconds`` of CPU time,
+        by the fitted per-token cost (``cpu_seconds_per_token`` before a chunk was seen)."""
         cost = self.cost.fit()
         per_token = cost.per_token_s if cost is not None and cost.per_token_s > 0 else 0.0
-        return math.ceil(max(0.0, seconds) / (per_token or self.tuning.cpu_seconds_per_token))
+        return max(0.0, seconds) / (per_token or self.tuning.cpu_seconds_per_token)
 
     def decode_rows(
         self, fair: FairShare, decoding: Sequence[R], cost: StepCost | None
@@ -145,13 +150,19 @@ class StepBudget:
             return list(decoding), math.inf
         first, rest = fair.decode_order(decoding)
         keys = sum(s.num_computed + 1 for s in first)
-        guard = max(1.0, stretch) * cost.decode_seconds(len(first), keys)
+        # A row's sampling cost (its grammar mask, penalties, truncation, logprobs) is part
+        # of what it adds to the step, measured per row: a grammar's mask can cost far more
+        # than the forward (170 ms a token for an ambiguous grammar), so an expensive row
+        # runs beside others' decodes only when its tenant is the least served.
+        sampling = sum(s.sample_s for s in first)
+        guard = max(1.0, stretch) * (cost.decode_seconds(len(first), keys) + sampling)
         rows = list(first)
         for seq in rest:
             more = keys + seq.num_computed + 1
-            if cost.decode_seconds(len(rows) + 1, more) <= guard:
+            if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:
                 rows.append(seq)
                 keys = more
+                sampling += seq.sample_s
                 fair.ran(seq.tenant, seq.admit_order)
         chosen = {id(s) for s in rows}
         return [s for s in decoding if id(s) in chosen], guard

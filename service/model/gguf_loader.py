@@ -14,49 +14,33 @@ from gguf.quants import dequantize
 
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
-from service.model.gguf_tokenizer import build_bpe_tokenizer
+from service.model.families import ConfigKeys, Family, Source, Tokens, gguf_family
+from service.model.families import llama as _llama
+from service.model.families.base import GGUF_GLOBAL_NAMES
+from service.model.families.keys import refuse_unread_gguf
+from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
 from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0
 from service.model.tokenizer import Tokenizer
-
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 # llama.cpp counts these as end-of-generation when the file marks them as control tokens.
 _EOG_TEXTS = frozenset(
     ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>"]
 )
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_ROPE_FREQS = "rope_freqs.weight"
+LLAMA = _llama.FAMILY
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF-style name of a GGUF tensor, or None for tensors the model does not use."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, family: Family = LLAMA) -> str | None:
+    """The HF-style name of a GGUF tensor in ``family``'s files, or None for a tensor no
+    decoder tensor comes from."""
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = family.gguf_layer_names
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
 
 
 def _inverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -75,25 +59,57 @@ class GGUFCheckpoint:
     tokenizer: Tokenizer
     chat_template: str | None
     special_tokens: dict[str, str]  # bos_token/eos_token/... strings for the chat template
-    tensors: dict[str, ReaderTensor]  # HF name -> raw tensor
+    tensors: dict[str, ReaderTensor]  # HF-style file name -> raw tensor
     rope_freq_factors: torch.Tensor | None
+    family: Family
+    unmapped: tuple[str, ...] = ()  # GGUF tensors no decoder tensor comes from
+
+    @property
+    def file_tensors(self) -> frozenset[str]:
+        """Every tensor in the file that carries weights, by its GGUF name."""
+        return frozenset(t.name for t in self.tensors.values()) | frozenset(self.unmapped)
+
+    def file_name(self, name: str) -> str:
+        """The GGUF name of the file tensor decoder tensor ``name`` comes from."""
+        src = self.source(name).name
+        raw = self.tensors.get(src)
+        return src if raw is None else str(raw.name)
+
+    def source(self, name: str) -> Source:
+        return self.family.source(self.config, name)
+
+    def _raw(self, name: str) -> tuple[ReaderTensor, Source]:
+        src = self.source(name)
+        raw = self.tensors.get(src.name)
+        if raw is None:
+            raise ModelLoadError(f"missing tensor {src.name}")
+        if src.stop and src.stop > int(raw.shape[-1]):
+            raise ModelLoadError(
+                f"tensor {raw.name} has {int(raw.shape[-1])} rows, expected {src.stop}"
+            )
+        return raw, src
+
+    def _permuted(self, name: str) -> int:
+        """Heads whose Q/K rows llama.cpp's converter interleaved, or 0."""
+        if not self.family.gguf_permutes_qk or not name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
+            return 0
+        return self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
 
     def get(self, name: str) -> torch.Tensor:
-        raw = self.tensors.get(name)
-        if raw is None:
-            raise ModelLoadError(f"missing tensor {name}")
+        raw, src = self._raw(name)
         w = _dequantize(raw)
-        if self.config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+        if src.stop:
+            w = w[src.start : src.stop]
+        if heads := self._permuted(name):
             w = _inverse_permute(w, heads)
         return w
 
     def int4_codes(self, name: str) -> Int4Codes | None:
         """The tensor's own blocks as exact int4 codes, or None when its type has no exact
         int4 mapping (see service/model/quant.py)."""
-        raw = self.tensors.get(name)
-        if raw is None:
-            raise ModelLoadError(f"missing tensor {name}")
+        raw, src = self._raw(name)
         unpack = _INT4_EXACT.get(GGMLQuantizationType(raw.tensor_type))
         if unpack is None or len(raw.shape) != 2 or int(raw.shape[0]) % 32:
             return None
@@ -102,8 +118,10 @@ class GGUFCheckpoint:
             codes = unpack(raw.data, rows)
         except ValueError as e:
             raise ModelLoadError(f"tensor {raw.name} is corrupt ({e})") from None
-        if self.config.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+        if src.stop:
+            codes = codes.rows(torch.arange(src.start, src.stop))
+            rows = src.stop - src.start
+        if heads := self._permuted(name):
             order = _inverse_permute(torch.arange(rows)[:, None], heads)[:, 0]
             codes = codes.rows(order)
         return codes
@@ -139,6 +157,10 @@ class _Meta:
         field = self._fields.get(key)
         return default if field is None else field.contents()
 
+    def fields(self) -> dict[str, Any]:
+        """Every metadata key with its value (tensor data excluded)."""
+        return {k: f.contents() for k, f in self._fields.items() if not k.startswith("tokenizer.")}
+
     def need(self, key: str) -> Any:
         if key not in self._fields:
             raise ModelLoadError(f"missing metadata key {key}")
@@ -153,15 +175,26 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
         raise ModelLoadError(f"not a valid GGUF file (corrupt or truncated: {e})") from None
     meta = _Meta(reader)
     arch = meta.need("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    family = gguf_family(arch)
     raw = {t.name: t for t in reader.tensors}
-    tensors = {name: t for gguf_name, t in raw.items() if (name := hf_name(gguf_name)) is not None}
+    tensors, unmapped = {}, []
+    for gguf_name, t in raw.items():
+        if gguf_name == _ROPE_FREQS:
+            continue  # read below, as the RoPE frequencies' divisors
+        if (name := hf_name(gguf_name, family)) is None:
+            unmapped.append(gguf_name)
+        else:
+            tensors[name] = t
     tokenizer, specials = _tokenizer(meta)
-    config = _config(meta, arch, tensors, tokenizer)
-    freq_factors = _dequantize(raw["rope_freqs.weight"]) if "rope_freqs.weight" in raw else None
+    keys = ConfigKeys(meta.fields(), "GGUF metadata")
+    if family.gguf_config is None:
+        raise ModelLoadError(f"the {family.name} family is not served from GGUF")
+    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
+    config = family.gguf_config(
+        keys, shapes, Tokens(tokenizer.bos_token_id, tokenizer.eos_token_ids)
+    )
+    refuse_unread_gguf(keys, arch, family.gguf_harmless)
+    freq_factors = _dequantize(raw[_ROPE_FREQS]) if _ROPE_FREQS in raw else None
     return GGUFCheckpoint(
         config=config,
         tokenizer=tokenizer,
@@ -169,41 +202,8 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
         special_tokens=specials,
         tensors=tensors,
         rope_freq_factors=freq_factors,
-    )
-
-
-def _config(
-    meta: _Meta, arch: str, tensors: dict[str, ReaderTensor], tok: Tokenizer
-) -> ModelConfig:
-    def key(name: str) -> str:
-        return f"{arch}.{name}"
-
-    scaling = meta.get(key("rope.scaling.type"), "none")
-    if scaling not in ("none", None):
-        raise ModelLoadError(f"unsupported rope scaling {scaling!r}")
-    hidden = int(meta.need(key("embedding_length")))
-    heads = int(meta.need(key("attention.head_count")))
-    embed = tensors.get("model.embed_tokens.weight")
-    if embed is None:
-        raise ModelLoadError("missing tensor token_embd.weight")
-    return ModelConfig(
-        arch=arch,
-        vocab_size=int(embed.shape[1]),
-        hidden_size=hidden,
-        intermediate_size=int(meta.need(key("feed_forward_length"))),
-        num_layers=int(meta.need(key("block_count"))),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(key("attention.head_count_kv"), heads)),
-        head_dim=int(meta.get(key("attention.key_length"), hidden // heads)),
-        rms_norm_eps=float(meta.need(key("attention.layer_norm_rms_epsilon"))),
-        rope_theta=float(meta.get(key("rope.freq_base"), 10000.0)),
-        rope_scaling=None,
-        max_position_embeddings=int(meta.get(key("context_length"), 4096)),
-        tie_word_embeddings="lm_head.weight" not in tensors,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
-        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
-        bos_token_id=tok.bos_token_id,
-        eos_token_ids=tok.eos_token_ids,
+        family=family,
+        unmapped=tuple(unmapped),
     )
 
 
@@ -223,15 +223,26 @@ def _tokenizer(meta: _Meta) -> tuple[Tokenizer, dict[str, str]]:
     if any(not 0 <= i < len(tokens) for i in named.values()):
         raise ModelLoadError("special token id out of vocabulary range")
     bos = named.get("bos_token")
-    backend = build_bpe_tokenizer(
-        model=meta.need("tokenizer.ggml.model"),
-        pre=meta.get("tokenizer.ggml.pre"),
-        tokens=tokens,
-        merges=list(meta.get("tokenizer.ggml.merges", [])),
-        token_types=types,
-        special_token_ids=sorted(set(named.values())),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        bos_token_id=bos,
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces"):
+        raise ModelLoadError("tokenizer.ggml.remove_extra_whitespaces is not served")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_prefix = meta.get("tokenizer.ggml.add_space_prefix")
+    backend = build_gguf_tokenizer(
+        GGUFVocab(
+            model=meta.need("tokenizer.ggml.model"),
+            pre=meta.get("tokenizer.ggml.pre"),
+            tokens=tokens,
+            token_types=types,
+            scores=list(meta.get("tokenizer.ggml.scores", [])),
+            merges=list(meta.get("tokenizer.ggml.merges", [])),
+            special_token_ids=sorted(set(named.values())),
+            bos_token_id=bos,
+            eos_token_id=named.get("eos_token"),
+            unk_token_id=named.get("unk_token"),
+            add_bos_token=None if add_bos is None else bool(add_bos),
+            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=None if add_prefix is None else bool(add_prefix),
+        )
     )
     eos: list[int] = []
     for k in ("eos_token_id", "eot_token_id", "eom_token_id"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from service.model.config import ModelConfig, RopeScaling
+from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
+from service.model.families import ConfigKeys, Family, Source, Tokens, hf_family
+from service.model.families.keys import refuse_unread_hf
 from service.model.tokenizer import Tokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -43,30 +45,70 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Buffers older checkpoints saved that the config fully determines (RoPE's frequencies):
+# recomputed from the config, never read.
+_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Stored narrower than any dense dtype the decoder computes in: such a tensor is a
+# quantized code that needs its scales (quantization_config), which are not served.
+_CODE_DTYPES = {
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "uint8")
+    if hasattr(torch, n)
+}
+
+
 @dataclass(slots=True)
 class HFCheckpoint:
     config: ModelConfig
     tokenizer: Tokenizer
     chat_template: str | None
     special_tokens: dict[str, str]
-    files: dict[str, Path]  # tensor name -> shard
+    files: dict[str, Path]  # tensor name in the file -> shard
+    family: Family
     _open: dict[Path, Any] = field(default_factory=dict)
+
+    @property
+    def file_tensors(self) -> frozenset[str]:
+        """Every tensor in the checkpoint that carries weights."""
+        return frozenset(n for n in self.files if not _DERIVED.fullmatch(n))
+
+    def source(self, name: str) -> Source:
+        return self.family.source(self.config, name)
+
+    def file_name(self, name: str) -> str:
+        """The name of the file tensor decoder tensor ``name`` comes from."""
+        return self.source(name).name
 
     def int4_codes(self, name: str) -> None:
         """safetensors hold no 4-bit blocks; ``--weights int4`` quantizes the dense tensor."""
         return None
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.files.get(name)
+        """The decoder tensor ``name`` (HF name): the file's tensor, or its rows where the
+        family fuses it with others."""
+        src = self.source(name)
+        path = self.files.get(src.name)
         if path is None:
-            raise ModelLoadError(f"missing tensor {name}")
+            raise ModelLoadError(f"missing tensor {src.name}")
         try:
             handle = self._open.get(path)
             if handle is None:
                 handle = self._open[path] = safe_open(str(path), framework="pt")
-            return handle.get_tensor(name)  # type: ignore[no-any-return]
+            t: torch.Tensor = handle.get_tensor(src.name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{path.name}: corrupt or truncated safetensors ({e})") from None
+        if t.dtype in _CODE_DTYPES:
+            raise ModelLoadError(
+                f"tensor {src.name} is stored as {str(t.dtype).removeprefix('torch.')}: "
+                "quantized safetensors are not served (use a dense or GGUF checkpoint)"
+            )
+        if src.stop:
+            if src.stop > t.shape[0]:
+                raise ModelLoadError(
+                    f"tensor {src.name} has {t.shape[0]} rows, expected {src.stop}"
+                )
+            t = t[src.start : src.stop]
+        return t
 
 
 def read_hf_dir(path: Path) -> HFCheckpoint:
@@ -97,8 +139,13 @@ def read_hf_dir(path: Path) -> HFCheckpoint:
     if bos is None and "bos_token" in specials:
         bos = backend.token_to_id(specials["bos_token"])
     tokenizer = Tokenizer(backend, bos_token_id=bos, eos_token_ids=tuple(eos))
+    family = hf_family(raw.get("model_type"))
+    keys = ConfigKeys(raw, "config.json")
+    config = family.hf_config(keys, Tokens(None if bos is None else int(bos), tuple(eos)))
+    refuse_unread_hf(keys, family.name)
     return HFCheckpoint(
-        config=_config(raw, bos, tuple(eos)),
+        config=config,
+        family=family,
         tokenizer=tokenizer,
         chat_template=_chat_template(path, tok_config),
         special_tokens=specials,
@@ -148,56 +195,3 @@ def _index_tensors(path: Path) -> dict[str, Path]:
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{shard.name}: corrupt or truncated safetensors ({e})") from None
     return files
-
-
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in ("default", None):
-        return theta, None
-    if kind != "llama3":
-        raise ModelLoadError(f"unsupported rope scaling {kind!r}")
-    return theta, RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
-
-
-def _config(raw: dict[str, Any], bos: int | None, eos: tuple[int, ...]) -> ModelConfig:
-    arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
-    if raw.get("mlp_bias") or raw.get("use_sliding_window"):
-        raise ModelLoadError("unsupported config: mlp_bias / sliding window attention")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"unsupported activation {raw.get('hidden_act')!r}")
-    try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        theta, scaling = _rope(raw)
-        return ModelConfig(
-            arch=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"config.json is missing or has a bad field ({e})") from None

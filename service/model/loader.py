@@ -18,6 +18,7 @@ from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
 from service.model.config import ModelConfig
 from service.model.errors import ModelLoadError
+from service.model.families.base import refuse_unused
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.llama import LlamaModel
@@ -43,6 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "bf16"  # resolved --weights mode: bf16 (dense only), file, int4 or int8
     dense_dtype: torch.dtype | None = None  # the dense projections' dtype where not ``dtype``
+    batch_invariant: bool = False  # resolved --batch-invariant (LlamaModel.batch_invariant)
 
     @property
     def dense_weights_dtype(self) -> torch.dtype:
@@ -134,16 +136,26 @@ def load_model(
     device: str = "cpu",
     progress: bool = True,
     weights: str = "auto",
+    chat_template: str | None = None,
+    batch_invariant: str = "auto",
 ) -> LoadedModel:
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
 
+    ``chat_template`` is the template of a file that carries none (a pullable model's own,
+    :mod:`service.model.catalog`); the file's template wins where it has one.
+
     ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
-    copies of the projections for decode-sized batches. ``path`` may be a file already
-    opened by :func:`open_model`."""
+    copies of the projections for decode-sized batches. ``batch_invariant``
+    (``auto|on|off``, ``kvfence serve``'s default is ``auto`` too) makes every step compute
+    each token the same way whatever the batch: ``auto`` where kvfence's 4-bit GEMV
+    serves every projection (the default model on CPU), ``on`` refuses a model or flags
+    that cannot, ``off`` keeps the faster batch-variant paths (docs/batch-invariance.md).
+    ``path`` may be a file already opened by :func:`open_model`."""
     p = path.path if isinstance(path, ModelFile) else Path(path).expanduser()
     try:
         torch_dtype, dense_dtype = resolve_precision(dtype, device, weights)
         mode = resolve_weights(weights, torch_dtype, device)
+        invariant = _wants_invariance(batch_invariant, torch_dtype, device, mode)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     started = time.monotonic()
@@ -167,16 +179,26 @@ def load_model(
         finally:
             bar.close()
         template = None
-        if checkpoint.chat_template:
-            template = ChatTemplate(checkpoint.chat_template, checkpoint.special_tokens)
+        if text := checkpoint.chat_template or chat_template:
+            template = ChatTemplate(text, checkpoint.special_tokens)
     except ModelLoadError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     except ChatTemplateError as e:
         raise ModelLoadError(f"{p}: {e}") from None
     factors = checkpoint.rope_freq_factors if isinstance(checkpoint, GGUFCheckpoint) else None
-    model = on_fresh_thread(
-        lambda: LlamaModel(checkpoint.config, built, rope_freq_factors=factors).eval()
-    )
+
+    def build(invariant: bool) -> LlamaModel:
+        return LlamaModel(
+            checkpoint.config, built, rope_freq_factors=factors, batch_invariant=invariant
+        ).eval()
+
+    try:
+        model = on_fresh_thread(lambda: build(invariant))
+    except ValueError as e:
+        if batch_invariant == "on":
+            raise ModelLoadError(f"{p}: --batch-invariant on: {e}") from None
+        invariant = False  # auto: this checkpoint's weights are not all on the GEMV
+        model = on_fresh_thread(lambda: build(False))
     name = p.name if p.is_file() else p.resolve().name
     log.info(
         "model_loaded",
@@ -185,6 +207,7 @@ def load_model(
         dtype=str(torch_dtype),
         dense_dtype=str(dense_dtype),
         weights=mode,
+        batch_invariant=invariant,
         packed_mb=round((built.packed.nbytes if built.packed else 0) / 2**20, 1),
         device=device,
         seconds=round(time.monotonic() - started, 2),
@@ -198,10 +221,43 @@ def load_model(
         dtype=torch_dtype,
         weights=mode,
         dense_dtype=None if dense_dtype == torch_dtype else dense_dtype,
+        batch_invariant=invariant,
     )
 
 
+BATCH_INVARIANT_MODES = ("auto", "on", "off")
+
+
+def _wants_invariance(flag: str, dtype: torch.dtype, device: str, mode: str) -> bool:
+    """Whether to build the model batch-invariant (``load_model``'s ``batch_invariant``):
+    only kvfence's float32 4-bit GEMV and C decode attention give every row one
+    arithmetic at every batch size; ``on`` without them is refused in one line."""
+    if flag not in BATCH_INVARIANT_MODES:
+        raise ValueError(f"unknown --batch-invariant {flag!r}; use auto, on or off")
+    if flag == "off":
+        return False
+    able = (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and mode in ("file", "int4")
+        and native_gemv.kernel() is not None
+    )
+    if flag == "on" and not able:
+        raise ValueError(
+            "--batch-invariant on runs on CPU through kvfence's 4-bit GEMV only (--dtype auto "
+            "or float32, --weights auto or int4, a C compiler); use --batch-invariant off"
+        )
+    return able
+
+
 def _read(p: Path) -> GGUFCheckpoint | HFCheckpoint:
+    checkpoint = _read_file(p)
+    needed = {checkpoint.file_name(n) for n in tensor_names(checkpoint.config)}
+    refuse_unused(checkpoint.family.name, checkpoint.file_tensors, needed, "the checkpoint")
+    return checkpoint
+
+
+def _read_file(p: Path) -> GGUFCheckpoint | HFCheckpoint:
     if p.is_dir():
         return read_hf_dir(p)
     if not p.exists():

@@ -133,6 +133,8 @@ def build_packed(
         return None  # "file": this weight is stored wider than any kernel; it stays dense
 
     def layers(kind: str) -> tuple[Linear | None, ...]:
+        if config.num_experts and kind in ("gate_up", "down"):
+            return (None,) * config.num_layers  # experts run dense (service.model.moe)
         return tuple(
             one(f"{kind}.{i}", [n.format(i=i) for n in parts[kind]])
             for i in range(config.num_layers)

@@ -34,7 +34,10 @@
 #define BLOCK 32
 /* In a weight's q8 argument: bit 0 says 8-bit blocks; KVF_TILES allows the tile path. */
 #define KVF_TILES 2
-#define MAX_ROWS 64
+/* Rows (a step's tokens) in one call: the per-row work is the same at any count (the
+ * scratch is on the heap), so a batch-invariant step sends all its tokens in one call; the
+ * packs' max_rows picks how many a batch-variant step sends here. */
+#define MAX_ROWS 65536
 #define INT16_STEPS 32767.0f
 #define MAX_GROUPS 2048 /* k <= 65536: the SIMD path keeps a tile's scales on the stack */
 
@@ -255,7 +258,8 @@ int64_t kvf_q4_scratch_threads(void) { return __atomic_load_n(&scratch_threads, 
 
 /* A tiny block (0 < top < TINY_TOP) as int16 with the exact step 2^(e - 14), e = ilogb(top),
  * fewer if top would round past 32767: x / step is exact (a power of two) and only the
- * rounding to integers is lost, as in the ordinary path. Answers the step. */
+ * rounding to integers is lost, as in the ordinary path. Answers the step (below ~2^-135 it
+ * underflows to 0 and the block adds nothing, as float32 products of such inputs do). */
 static float tiny_block_to_int16(const float *xp, float top, int16_t *qp) {
     int shift = 14 - ilogbf(top);
     if (ldexpf(top, shift) > INT16_STEPS) --shift;

@@ -7,10 +7,14 @@ thread for as long as it takes.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from functools import cache
 
 import tokenizers
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @cache
@@ -121,13 +125,22 @@ class Tokenizer:
         # NOTE: precomputed once so detokenizing a token is a list lookup, not a decode call.
         table = _unicode_to_bytes()
         vocab = self._backend.get_vocab(with_added_tokens=False)
+        model = json.loads(self._backend.to_str()).get("model", {})
+        pieces = model.get("type") == "BPE" and bool(model.get("byte_fallback"))
         out = [b""] * self.vocab_size
         for token, i in vocab.items():
             if i >= self.vocab_size:
                 continue
-            if all(ch in table for ch in token):
+            if pieces:
+                # SentencePiece: ``▁`` is a space and ``<0xNN>`` one raw byte. Spelled here, not
+                # by the decoder, which would strip the leading space of every lone piece.
+                byte = _BYTE_PIECE.fullmatch(token)
+                out[i] = (
+                    bytes([int(byte[1], 16)]) if byte else token.replace("\u2581", " ").encode()
+                )
+            elif all(ch in table for ch in token):
                 out[i] = bytes(table[ch] for ch in token)
-            else:  # not byte-level (e.g. sentencepiece pieces): let the decoder spell it
+            else:  # neither: let the decoder spell it
                 out[i] = str(self._backend.decode([i], skip_special_tokens=False)).encode("utf-8")
         for i, content in added.items():
             if i < self.vocab_size:

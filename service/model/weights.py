@@ -30,9 +30,23 @@ def tensor_names(config: ModelConfig) -> list[str]:
             names.append(f"{p}self_attn.{proj}.weight")
         if config.attention_bias:
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.o_bias:
+            names.append(p + "self_attn.o_proj.bias")
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if config.sandwich_norms:
+            names += [p + "attn_out_norm.weight", p + "mlp_out_norm.weight"]
+        if config.num_experts:
+            names.append(p + "mlp.gate.weight")
+            names += [
+                f"{p}mlp.experts.{e}.{proj}.weight"
+                for e in range(config.num_experts)
+                for proj in ("gate_proj", "up_proj", "down_proj")
+            ]
+            continue
         names += [f"{p}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+        if config.mlp_bias:
+            names += [f"{p}mlp.{proj}.bias" for proj in ("gate_proj", "up_proj", "down_proj")]
     return names
 
 
@@ -155,10 +169,37 @@ def _build_dense(
     o = s.stacked(n, [(attn + "o_proj.weight", (h, q))])
     mlp_norm = s.stacked(n, [("model.layers.{i}.post_attention_layernorm.weight", (h,))])
     inter = c.intermediate_size
-    gate_up = s.stacked(
-        n, [(mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
-    )
-    down = s.stacked(n, [(mlp + "down_proj.weight", (h, inter))])
+    experts = _experts(c, s) if c.num_experts else None
+    if experts is None:
+        gate_up = s.stacked(
+            n, [(mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
+        )
+        down = s.stacked(n, [(mlp + "down_proj.weight", (h, inter))])
+    else:  # no dense MLP: every layer's MLP is its experts
+        gate_up = torch.empty((n, 0, h), dtype=dtype, device=device)
+        down = torch.empty((n, h, 0), dtype=dtype, device=device)
+    post = None
+    if c.sandwich_norms:
+        post = s.stacked(
+            n,
+            [
+                ("model.layers.{i}.attn_out_norm.weight", (h,)),
+                ("model.layers.{i}.mlp_out_norm.weight", (h,)),
+            ],
+        ).view(n, 2, h)
+    o_bias = s.stacked(n, [(attn + "o_proj.bias", (h,))]) if c.o_bias else None
+    gate_up_bias = down_bias = None
+    if c.mlp_bias:
+        gate_up_bias = s.stacked(
+            n, [(mlp + "gate_proj.bias", (inter,)), (mlp + "up_proj.bias", (inter,))]
+        )
+        down_bias = s.stacked(n, [(mlp + "down_proj.bias", (h,))])
+    if c.norm_offset:
+        # (1 + w) norms: the offset is added once here, in the compute dtype, as the
+        # reference adds it on every call.
+        for norm in (final_norm, attn_norm, mlp_norm, qk_norm, post):
+            if norm is not None:
+                norm.add_(c.norm_offset)
     return DecoderWeights(
         embed=embed,
         lm_head=lm_head,
@@ -171,4 +212,30 @@ def _build_dense(
         mlp_norm=mlp_norm.view(n, h),
         gate_up=gate_up,
         down=down,
+        o_bias=o_bias,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        post_norms=post,
+        router=None if experts is None else experts[0],
+        experts_gate_up=None if experts is None else experts[1],
+        experts_down=None if experts is None else experts[2],
     )
+
+
+def _experts(c: ModelConfig, s: _Stacker) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router [L, E, H], gate_up [L, E, 2I, H], down [L, E, H, I])``."""
+    n, h, inter, e = c.num_layers, c.hidden_size, c.intermediate_size, c.num_experts
+    mlp = "model.layers.{i}.mlp."
+    router = s.stacked(n, [(mlp + "gate.weight", (e, h))])
+    gate_up = s.stacked(
+        n,
+        [
+            (mlp + f"experts.{j}.{proj}.weight", (inter, h))
+            for j in range(e)
+            for proj in ("gate_proj", "up_proj")
+        ],
+    ).view(n, e, 2 * inter, h)
+    down = s.stacked(
+        n, [(mlp + f"experts.{j}.down_proj.weight", (h, inter)) for j in range(e)]
+    ).view(n, e, h, inter)
+    return router, gate_up, down

@@ -17,7 +17,7 @@ from tests.serverutil import TenantSpec, write_tenants_file
 
 @pytest.mark.parametrize(("signum", "stage", "code"), [
     (signal.SIGINT, '"event": "model.loading"', 130),
-    (signal.SIGTERM, '"event": "engine.starting"', 0),
+    pytest.param(signal.SIGTERM, '"event": "engine.starting"', 0, marks=pytest.mark.slow),
 ])
 def test_signal_during_start_up_exits_at_once(signum: int, stage: str, code: int,
                                               tmp_path: Path) -> None:

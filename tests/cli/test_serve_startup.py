@@ -45,7 +45,7 @@ def test_second_server_on_a_used_port_fails_in_one_line_under_3s(
     (["--page-size", "-4"], "--page-size -4: must be at least 1"),
     (["--model", "/nonexistent/model.gguf"],
      "--model /nonexistent/model.gguf: no such file or directory; give a .gguf file, "
-     "a Hugging Face directory, or 'default'"),
+     "a Hugging Face directory, 'default' or a name `kvfence models list` shows"),
     (["--tls-cert", "README.md", "--tls-key", "README.md"],
      "--tls-cert README.md --tls-key README.md: not a PEM certificate and its key "
      "(no PEM data found)"),
@@ -100,6 +100,7 @@ def test_empty_tenants_file_is_refused(tmp_path: Path) -> None:
         f"`kvfence tenants add NAME --file {empty}` creates a tenant and prints its key"])
 
 
+@pytest.mark.slow
 def test_compile_on_where_it_cannot_run_says_why(tenants: Path) -> None:
     code, lines, _ = _serve("--port", str(free_port()), "--tenants", str(tenants),
                             "--dtype", "float32", "--compile", "on")

@@ -11,10 +11,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.cli.conftest import ROOT, clean_env, free_port
 from tests.serverutil import SERVING_RE
 
 
+@pytest.mark.slow
 def test_try_command_answers_with_a_sentence(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(

@@ -25,6 +25,9 @@ from tests.engine.conftest import (
 )
 from tools.parity.corpus import PROMPTS, tokenizer_corpus
 
+# 48 requests on the default model, each run alone and in three batched configurations.
+pytestmark = pytest.mark.slow
+
 N = 48
 
 

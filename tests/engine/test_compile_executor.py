@@ -13,7 +13,7 @@ import time
 import pytest
 
 from service.engine.compile_executor import CompileExecutor
-from service.structured import outlive_cancel
+from service.held_work import outlive_cancel
 from tests.serverutil import ROOT
 
 _CHILD = """

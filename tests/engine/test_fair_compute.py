@@ -8,8 +8,6 @@ tenant most over its share is the one preempted.
 
 from __future__ import annotations
 
-import math
-
 from kvcache import TenantCachePolicy
 from service.engine.cost_model import StepCost
 from service.engine.tuning import SchedulerTuning
@@ -266,7 +264,7 @@ def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
     core.set_tenant_policy("heavy", sched=TenantSchedPolicy(weight=2.0))
     counter = core.scheduler.counter
     # No prefill fitted yet: cpu_seconds_per_token a token.
-    unfitted = math.ceil(0.25 / tuning.cpu_seconds_per_token)
+    unfitted = int(0.25 / tuning.cpu_seconds_per_token + 1e-9)
     assert core.charge_cpu("a", 0.25) == unfitted
     assert core.charge_cpu("heavy", 0.25) == unfitted
     # weighted, as processed tokens
@@ -279,4 +277,7 @@ def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
     fit = core.scheduler.budget.cost.fit()
     assert fit is not None and fit.per_token_s > 0
     # Once prefill is measured, a second is what that many prefill tokens would take.
-    assert core.charge_cpu("a", 0.25) == math.ceil(0.25 / fit.per_token_s)
+    assert core.charge_cpu("a", 0.25) == int(0.25 / fit.per_token_s + 1e-9)
+    # A fraction of a token is carried: four charges of a quarter token make one.
+    quarter = fit.per_token_s / 4
+    assert [core.charge_cpu("c", quarter) for _ in range(4)] == [0, 0, 0, 1]

@@ -49,12 +49,12 @@ def _half_request(port: int) -> socket.socket:
 
 
 def _closed(s: socket.socket, wait_s: float) -> bool:
-    s.settimeout(wait_s)
+    s.settimeout(wait_s)  # 0: do not wait
     try:
         return s.recv(1) == b""
     except ConnectionResetError:
         return True
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError):
         return False
 
 
@@ -69,8 +69,11 @@ def test_slowloris_connections_are_capped_and_timed_out_while_others_are_served(
     before = _open_fds()
     socks = [_half_request(port) for _ in range(300)]
     try:
-        time.sleep(0.5)
-        closed_at_once = [s for s in socks if _closed(s, 0.01)]
+        closed_at_once: list[socket.socket] = []
+        deadline = time.monotonic() + 10  # the server accepts them at its own pace
+        while len(closed_at_once) < 300 - GUARD.max_per_peer and time.monotonic() < deadline:
+            closed_at_once += [s for s in socks if s not in closed_at_once and _closed(s, 0)]
+            time.sleep(0.1)
         assert len(closed_at_once) == 300 - GUARD.max_per_peer
         held = [s for s in socks if s not in closed_at_once]
         assert not any(_closed(s, 0.01) for s in held)  # still within the header timeout
@@ -149,7 +152,7 @@ def test_one_tenants_flood_does_not_pace_another_tenant(guarded: ServerHandle) -
     _flood(port, GUARD.paced_burst + 5, "GET", "/v1/models", guarded.keys["acme"])
     elapsed, codes = _flood(port, 5, "GET", "/v1/models", guarded.keys["globex"])
     assert codes == {200}
-    assert elapsed < 0.5, elapsed
+    assert elapsed < 2.5, elapsed  # held, five answers would take 5 s
 
 
 def test_the_connection_cap_follows_the_descriptor_limit() -> None:

@@ -196,6 +196,7 @@ async def _run2(srv: ServerHandle, prompts: list[list[int]], vocab: int) -> Run2
 
 
 @pytest.mark.timeout(size(420, 1800))
+@pytest.mark.slow
 def test_tenant_b_cannot_change_or_see_tenant_a(srv: ServerHandle, record: Recorder) -> None:
     vocab = srv.engine.vocab_size
     prompts = _tokenize(srv, a_prompts(N))

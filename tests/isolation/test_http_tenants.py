@@ -66,6 +66,7 @@ def _cached(srv: ServerHandle, tenant: str, prompt: str) -> int:
 
 
 @pytest.mark.timeout(size(300, 900))
+@pytest.mark.slow
 def test_http_cached_tokens_are_never_another_tenants(srv: ServerHandle, record: Recorder) -> None:
     rng = random.Random(11)
     page = srv.engine.page_size
@@ -102,6 +103,7 @@ def _latency(srv: ServerHandle, tenant: str, schema: dict[str, Any]) -> float:
 
 
 @pytest.mark.timeout(size(300, 900))
+@pytest.mark.slow
 def test_http_grammar_cache_timing_is_per_tenant(srv: ServerHandle, record: Recorder) -> None:
     rng = random.Random(7)
     for tenant in ("alice", "bob"):  # first-call effects go here

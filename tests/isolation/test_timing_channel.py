@@ -58,6 +58,7 @@ def _ttft(srv: ServerHandle, tenant: str, prompt: list[int]) -> StreamResult:
 
 
 @pytest.mark.timeout(size(600, 1800))
+@pytest.mark.slow
 def test_cross_tenant_cached_prefix_is_invisible_in_ttft(srv: ServerHandle, record: Recorder) -> None:
     rng = random.Random(5)
 

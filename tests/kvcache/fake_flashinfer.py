@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 
-PLAN_OPTIONS = {"pos_encoding_mode", "q_data_type", "kv_data_type", "sm_scale", "causal"}
+PLAN_OPTIONS = {
+    "pos_encoding_mode",
+    "q_data_type",
+    "kv_data_type",
+    "sm_scale",
+    "causal",
+    "window_left",
+}
 
 
 class ReferenceWrapper:
@@ -36,6 +43,7 @@ class ReferenceWrapper:
         for t in (qo, indptr, last):
             assert t.device.type == "cpu" and t.dtype == torch.int32
         assert indices.dtype == torch.int32
+        self.window_left = int(options.get("window_left", -1))
         self._plan = (qo, indptr, indices, last, hq, hkv, d, ps, options["sm_scale"])
         self.plans += 1
 
@@ -56,7 +64,10 @@ class ReferenceWrapper:
             scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
             # Causal, bottom-right aligned: query j sits at position n - rows + j.
             pos = torch.arange(n - rows, n)[:, None]
-            scores.masked_fill_(torch.arange(n)[None, :] > pos, float("-inf"))
+            keys = torch.arange(n)[None, :]
+            scores.masked_fill_(keys > pos, float("-inf"))
+            if self.window_left >= 0:  # keys pos - window_left .. pos only
+                scores.masked_fill_(keys < pos - self.window_left, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[int(qo[i]) : int(qo[i + 1])] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         return out

@@ -366,7 +366,8 @@ def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
     decode row and for a chunk after computed tokens. The same holds over a bf16 pool
     (float32 compute with KV stored in bf16: each value rounded to nearest even as torch
     converts it, widened as it is read). Steps whose chunks would read more than
-    ``_NATIVE_CHUNK_KEYS`` keys between them are left to the per-layer calls."""
+    ``_NATIVE_CHUNK_KEYS`` keys between them are left to the per-layer calls, unless the
+    model asks for every chunk (``every_chunk``: batch-invariant steps)."""
 
     def layers(step: StepAttention, native: bool) -> list[torch.Tensor]:
         plan = step.native_attend(9)
@@ -395,7 +396,10 @@ def test_native_attend_gives_each_prefill_token_a_row_over_its_own_prefix(
     assert step.native_attend(9) is not None  # all decode: no chunk keys at all
     mgr.open("d", "t", list(range(9)), use_prefix_cache=False)
     grow(mgr, "d", 5)
-    assert attn_of(mgr, [StepEntry("d", 0, 5)]).native_attend(9) is None
+    long_chunk = attn_of(mgr, [StepEntry("d", 0, 5)])
+    assert long_chunk.native_attend(9) is None
+    plan = long_chunk.native_attend(9, every_chunk=True)
+    assert plan is not None and plan.batch == 5
 
 
 def test_float32_queries_attend_over_a_bf16_pool_as_over_its_widened_copy() -> None:

@@ -8,6 +8,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -54,10 +55,26 @@ def _metadata(pages: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, ..
 
 def _built_for(tmp_path: Path, march: str) -> cpu_decode.DecodeKernel:
     """The kernel built for another x86-64 level: ``x86-64-v2`` the plain C loops,
-    ``x86-64-v3`` the AVX2 float32 path (without AVX512)."""
+    ``x86-64-v3`` the AVX2 float32 path (without AVX512); with this run's extra flags
+    (``make sanitize``'s)."""
     target = tmp_path / f"{march}.so"
-    native_build.compile_library(str(shutil.which("cc")), cpu_decode._SOURCE, target, march)
+    native_build.compile_library(
+        str(shutil.which("cc")), cpu_decode._SOURCE, target, march, native_build.extra_flags()
+    )
     return cpu_decode.DecodeKernel(ctypes.CDLL(str(target)))
+
+
+@pytest.fixture(scope="module")
+def built_for(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], cpu_decode.DecodeKernel]:
+    """:func:`_built_for`, each ``march`` built once for the module."""
+    made: dict[str, cpu_decode.DecodeKernel] = {}
+
+    def get(march: str) -> cpu_decode.DecodeKernel:
+        if march not in made:
+            made[march] = _built_for(tmp_path_factory.mktemp("builds"), march)
+        return made[march]
+
+    return get
 
 
 def _has_avx2() -> bool:
@@ -79,7 +96,11 @@ def _has_avx2() -> bool:
     ids=["bf16", "float32", "float32-over-bf16"],
 )
 def test_kernel_builds_and_matches_float32_attention(
-    build: str, dtype: torch.dtype, pool_dtype: torch.dtype, fresh: Path, tmp_path: Path
+    build: str,
+    dtype: torch.dtype,
+    pool_dtype: torch.dtype,
+    fresh: Path,
+    built_for: Callable[[str], cpu_decode.DecodeKernel],
 ) -> None:
     if build == "native":
         kernel = cpu_decode.kernel()
@@ -90,7 +111,7 @@ def test_kernel_builds_and_matches_float32_attention(
             pytest.skip("the other builds are checked on x86-64")
         if build == "avx2" and not _has_avx2():
             pytest.skip("this CPU has no AVX2")
-        kernel = _built_for(tmp_path, "x86-64-v3" if build == "avx2" else "x86-64-v2")
+        kernel = built_for("x86-64-v3" if build == "avx2" else "x86-64-v2")
     torch.manual_seed(0)
     layer = torch.randn(40, 2, PAGE, HKV, DIM).to(pool_dtype)
     # Lengths on and off page boundaries, one key, and scattered, out-of-order pages.
@@ -303,7 +324,12 @@ def test_step_context_attends_each_layer_as_write_run() -> None:
 )
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_a_nan_in_q_k_or_v_reaches_the_output_as_in_torch(
-    where: str, build: str, dtype: torch.dtype, pool_dtype: torch.dtype, fresh: Path, tmp_path: Path
+    where: str,
+    build: str,
+    dtype: torch.dtype,
+    pool_dtype: torch.dtype,
+    fresh: Path,
+    built_for: Callable[[str], cpu_decode.DecodeKernel],
 ) -> None:
     """A NaN in one query head, or in one key's or value's head, makes exactly the outputs
     that float attention makes NaN (the SIMD exp once clamped NaN to a finite -87), and no
@@ -314,7 +340,7 @@ def test_a_nan_in_q_k_or_v_reaches_the_output_as_in_torch(
     elif platform.machine() != "x86_64" or (build == "avx2" and not _has_avx2()):
         pytest.skip("the other builds are checked on x86-64 with AVX2")
     else:
-        kernel = _built_for(tmp_path, "x86-64-v3" if build == "avx2" else "x86-64-v2")
+        kernel = built_for("x86-64-v3" if build == "avx2" else "x86-64-v2")
     torch.manual_seed(4)
     layer = torch.randn(8, 2, PAGE, HKV, DIM).to(pool_dtype)
     pages, lens = [[3, 5], [1]], [20, 9]

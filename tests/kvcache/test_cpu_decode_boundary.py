@@ -96,13 +96,14 @@ def test_the_c_entry_point_checks_the_plan_itself(case: str) -> None:
     out = torch.full_like(q, 7.0)
     status = kernel._fn32(
         q.data_ptr(), pool[1].data_ptr(), *(t.data_ptr() for t in plan), out.data_ptr(),
-        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, plan[1].numel(), PAGES,
+        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, plan[1].numel(), PAGES, 0,
     )
-    assert status < 0 and str(cpu_decode.refused(status)) and (out == 7.0).all()
+    codes = {"page index outside the pool": -3, "spans": -2, "length": -4}
+    assert status == codes[BAD_PLANS[case][3]] and (out == 7.0).all()
     good = _step(torch.float32, torch.float32)[4:]
     status = kernel._fn32(
         q.data_ptr(), pool[1].data_ptr(), *(t.data_ptr() for t in good), out.data_ptr(),
-        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, good[1].numel(), PAGES,
+        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, good[1].numel(), PAGES, 0,
     )
     assert status == 0 and not (out == 7.0).any()
 

@@ -278,3 +278,32 @@ def test_loading_is_once_per_process_even_from_threads(env: Path, tmp_path: Path
     for t in threads:
         t.join()
     assert len(results) == 4 and len({id(r) for r in results}) == 1 and results[0] is not None
+
+
+def test_a_truncated_decode_kernel_is_rebuilt_and_attends(
+    env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real kernel: its cache entry cut short (SIGBUS on every start when it was loaded
+    raw) is rebuilt on the next start, which then computes what the first one did."""
+    import torch
+
+    from kvcache.backends import cpu_decode
+
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    kernel = cpu_decode.kernel()
+    assert kernel is not None
+    torch.manual_seed(0)
+    layer = torch.randn(4, 2, 16, 3, 64)
+    q = torch.randn(1, 9, 64)
+    plan = (torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32),
+            torch.tensor([20], dtype=torch.int32))
+    want = kernel.run(q, layer, *plan)
+    (entry,) = (env / "kernels").glob("cpu_decode-*.so")
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:4096])
+    monkeypatch.setattr(cpu_decode, "_loaded", {})  # a fresh start
+    with structlog.testing.capture_logs() as logs:
+        again = cpu_decode.kernel()
+    assert again is not None and torch.equal(again.run(q, layer, *plan), want)
+    assert entry.read_bytes() == whole
+    assert [e["event"] for e in logs] == ["native_kernel_rebuilt"]

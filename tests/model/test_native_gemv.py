@@ -20,7 +20,7 @@ from kvcache import native_build
 from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
 from kvcache.errors import KernelRefused
-from service.model import load_model, native_gemv
+from service.model import ModelLoadError, load_model, native_gemv
 from service.model.loader import resolve_precision
 from service.model.quant import (
     Int4Codes,
@@ -600,8 +600,11 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
     assert resolve_precision("auto", "cpu", "int8") == (torch.bfloat16, torch.bfloat16)
     assert resolve_precision("float32", "cpu", "auto") == (torch.float32, torch.float32)
     assert resolve_precision("auto", "cuda", "auto") == (torch.bfloat16, torch.bfloat16)
-    lm = load_model(default_model_path, weights="auto", progress=False)
-    fp32 = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
+    # the batch-variant fast paths (--batch-invariant off); the invariant ones: below
+    lm = load_model(default_model_path, weights="auto", progress=False, batch_invariant="off")
+    fp32 = load_model(
+        default_model_path, dtype="float32", weights="auto", progress=False, batch_invariant="off"
+    )
     m, ref = lm.model, fp32.model
     assert lm.dtype == torch.float32 and lm.dense_dtype == torch.bfloat16
     assert m.embed.dtype == torch.float32 and m.attn_norm.dtype == torch.float32
@@ -642,3 +645,31 @@ def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
     assert resolve_precision("auto", "cpu", "auto") == (torch.bfloat16, torch.bfloat16)
     lm = load_model(default_model_path, weights="auto", progress=False)
     assert lm.dtype == torch.bfloat16 and lm.dense_dtype is None
+
+
+def test_the_served_model_is_batch_invariant_with_one_kernel_for_every_batch_size(
+    default_model_path: Path,
+) -> None:
+    """``--batch-invariant auto`` (the default) on this CPU: every projection and the head on
+    the float32 GEMV with the tile unit off, at any row count, and one cost regime for the
+    scheduler. A row's product is the same bits in a batch of 1, 3, 4, 5, 8, 70 or 130 rows
+    at any place in it (the tile unit, or the dense weights past 64 rows, would round
+    differently)."""
+    lm = load_model(default_model_path, progress=False)
+    m = lm.model
+    assert lm.batch_invariant and m.batch_invariant and m.max_packed_rows == 0
+    assert m.packed is not None and m._stack is not None
+    packs = [*m.packed.qkv, *m.packed.o, *m.packed.gate_up, *m.packed.down, m.packed.lm_head]
+    assert all(isinstance(p, native_gemv.Q4Linear) and not p.tiles for p in packs)
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(130, m.config.hidden_size, generator=gen)
+    for lin in (m.packed.qkv[0], m.packed.lm_head):
+        assert lin is not None
+        alone = torch.cat([lin(rows[i : i + 1]) for i in range(rows.shape[0])])
+        for n in (3, 4, 5, 8, 70, 130):
+            for start in (0, rows.shape[0] - n):
+                assert torch.equal(lin(rows[start : start + n]), alone[start : start + n]), n
+    off = load_model(default_model_path, progress=False, batch_invariant="off")
+    assert not off.batch_invariant and off.model.max_packed_rows > 0
+    with pytest.raises(ModelLoadError, match="--batch-invariant on"):
+        load_model(default_model_path, weights="bf16", progress=False, batch_invariant="on")

@@ -9,8 +9,7 @@ import ctypes
 import shutil
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,22 +23,30 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C co
 BUILDS = {"native": None, "avx2": "x86-64-v3", "portable": "x86-64"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("KVFENCE_HOME", str(tmp_path))
-    monkeypatch.setattr(native_gemv, "_loaded", {})
-    yield
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, native_gemv.Q4Kernel]:
+    """The other builds, each made once for the module."""
+    made: dict[str, native_gemv.Q4Kernel] = {}
+    for build, arch in BUILDS.items():
+        if arch is not None:
+            target = tmp_path_factory.mktemp("builds") / f"{build}.so"
+            native_build.compile_library(
+                str(shutil.which("cc")), native_gemv._SOURCE, target, arch, native_build.extra_flags()
+            )
+            made[build] = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
+    return made
 
 
-def _built(build: str, tmp_path: Path) -> native_gemv.Q4Kernel:
-    arch = BUILDS[build]
-    if arch is None:
+@pytest.fixture
+def built(builds: dict[str, native_gemv.Q4Kernel]) -> Callable[[str], native_gemv.Q4Kernel]:
+    def get(build: str) -> native_gemv.Q4Kernel:
+        if BUILDS[build] is not None:
+            return builds[build]
         kernel = native_gemv.kernel()
         assert kernel is not None, "a C compiler is here: the kernel must build"
         return kernel
-    target = tmp_path / f"{build}.so"
-    native_build.compile_library(str(shutil.which("cc")), native_gemv._SOURCE, target, arch)
-    return native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
+
+    return get
 
 
 def _packed(kernel: native_gemv.Q4Kernel, n: int, k: int, seed: int) -> native_gemv.Q4Linear:
@@ -49,11 +56,13 @@ def _packed(kernel: native_gemv.Q4Kernel, n: int, k: int, seed: int) -> native_g
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("scale", [1e-36, 1e-31, 1e-20], ids=["1e-36", "1e-31", "1e-20"])
-def test_tiny_blocks_keep_their_sign_and_size(build: str, scale: float, tmp_path: Path) -> None:
+def test_tiny_blocks_keep_their_sign_and_size(
+    build: str, scale: float, built: Callable[[str], native_gemv.Q4Kernel]
+) -> None:
     """A row whose blocks' largest |x| is below ~1e-34 once overflowed 32767 / top (every
     value read as -32768: the wrong sign, ~100x too large); now it is the product to float32
     accuracy, as the same row scaled up by a power of two is."""
-    kernel = _built(build, tmp_path)
+    kernel = built(build)
     lin = _packed(kernel, 40, 64, 1)
     dense = lin(torch.eye(64)).T  # the weights as the kernel reads them (exact at this size)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
@@ -69,10 +78,12 @@ def test_tiny_blocks_keep_their_sign_and_size(build: str, scale: float, tmp_path
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
-def test_a_strided_norm_weight_is_read_as_its_values(build: str, tmp_path: Path) -> None:
+def test_a_strided_norm_weight_is_read_as_its_values(
+    build: str, built: Callable[[str], native_gemv.Q4Kernel]
+) -> None:
     """``gamma`` not contiguous: the kernel reads a contiguous copy, which must outlive the
     call (a pointer to a freed temporary gave errors up to 7.0)."""
-    kernel = _built(build, tmp_path)
+    kernel = built(build)
     lin = _packed(kernel, 64, 128, 3)
     gen = torch.Generator().manual_seed(4)
     wide = torch.randn(128, 2, generator=gen) + 1.0
@@ -87,10 +98,12 @@ def test_a_strided_norm_weight_is_read_as_its_values(build: str, tmp_path: Path)
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("n", [64, 4096], ids=["one thread", "workers"])
-def test_a_threads_scratch_is_freed_when_it_exits(build: str, n: int, tmp_path: Path) -> None:
+def test_a_threads_scratch_is_freed_when_it_exits(
+    build: str, n: int, built: Callable[[str], native_gemv.Q4Kernel]
+) -> None:
     """Each calling thread (and each OpenMP worker of a parallel call) keeps its scratch
     between calls, on the heap, and gives it back when the thread exits."""
-    kernel = _built(build, tmp_path)
+    kernel = built(build)
     lin = _packed(kernel, n, 128, 5)
     x = torch.randn(4, 128)
     before = kernel.scratch_threads()

@@ -10,6 +10,10 @@ from service.model import LoadedModel
 from tools.parity import checks as parity
 from tools.parity.corpus import CONVERSATIONS, PROMPTS, tokenizer_corpus
 
+# The default model against the transformers oracle (loading the oracle alone takes minutes
+# on 2 busy cores); `make parity` runs the same checks at full size.
+pytestmark = pytest.mark.slow
+
 
 def test_prompts_cover_long_unicode_emoji_and_code(default_model: LoadedModel) -> None:
     lengths = [len(default_model.tokenizer.encode(p)) for p in PROMPTS]

@@ -160,3 +160,24 @@ def test_authenticated_calls_never_wait(monkeypatch: pytest.MonkeyPatch) -> None
     slept, codes = _calls((("authorization", f"Bearer {KEY}"),), 5, monkeypatch)
     assert codes == [grpc.StatusCode.OK] * 5
     assert slept == []
+
+
+def test_a_tenants_flood_of_cheap_calls_is_paced_and_another_tenant_is_not(srv: Any) -> None:
+    """ListModels back to back: the first 100 at once, then 50 a second (a flood's calls
+    held up to 2 s each); another tenant's calls meanwhile are answered at once."""
+    import time
+
+    from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+
+    stub = inference_pb2_grpc.InferenceStub(srv.channel())
+    req = inference_pb2.ListModelsRequest()
+    began = time.monotonic()
+    for _ in range(300):
+        stub.ListModels(req, metadata=srv.auth("acme"), timeout=30)
+    flood_s = time.monotonic() - began
+    began = time.monotonic()
+    for _ in range(5):
+        stub.ListModels(req, metadata=srv.auth("globex"), timeout=30)
+    other_s = time.monotonic() - began
+    assert flood_s >= (300 - 100) / 50 * 0.9, flood_s
+    assert other_s < 2.0, (other_s, flood_s)  # held, five calls would take 10 s

@@ -48,7 +48,7 @@ EVERY_FLAG = [
     "--grace-seconds", "3", "--reflection", "--log-content", "--log-format", "json",
     "--kv-memory", "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "99",
     "--max-model-len", "300", "--page-size", "8", "--dtype", "float16", "--device", "cuda:1",
-    "--weights", "int8", "--compile", "on", "--scrub-policy", "always", "--prefix-ttl", "5",
+    "--weights", "int8", "--batch-invariant", "off", "--compile", "on", "--scrub-policy", "always", "--prefix-ttl", "5",
     "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
     "--decode-stretch", "1.5", "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
@@ -90,6 +90,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             dtype="float16",
             device="cuda:1",
             weights="int8",
+            batch_invariant="off",
             compile="on",
             scrub_policy="always",
             prefix_ttl_s=5.0,
@@ -111,6 +112,18 @@ def test_the_scheduling_flags_reach_the_engine_tuning() -> None:
         tuning.max_num_batched_tokens, tuning.max_step_ms, tuning.decode_stretch,
         tuning.prefill_chunk,
     ) == (99, 40.0, 1.5, 64)
+
+
+def test_batch_invariance_is_auto_by_default_for_serve_and_the_library() -> None:
+    import inspect
+
+    from service import cli
+    from service.model import load_model
+
+    assert EngineSizing().batch_invariant == "auto"
+    assert serve_config(cli.parse_args(["serve"])).sizing.batch_invariant == "auto"
+    default = inspect.signature(load_model).parameters["batch_invariant"].default
+    assert default == EngineSizing().batch_invariant
 
 
 def test_compile_reaches_the_engine_config_and_is_off_by_default() -> None:

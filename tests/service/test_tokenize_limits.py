@@ -189,3 +189,49 @@ def test_text_over_the_byte_cap_is_refused_untokenized(
         )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert spy.calls == 0
+
+
+def _burn(seconds: float) -> Callable[[], None]:
+    def work() -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    return work
+
+
+def test_a_tenants_tokenizer_time_is_held_to_its_share_and_charged() -> None:
+    costs: list[tuple[str, float]] = []
+    now = [100.0]  # the budget's clock stands still: only what was spent counts
+
+    async def main() -> tuple[float, float]:
+        pool = TokenizerPool(workers=1, cpu_share=0.25, burst_s=0.1,
+                             on_cost=lambda t, s: costs.append((t, s)), clock=lambda: now[0])
+        await pool.run("flood", _burn(0.02))  # within the burst: at once
+        pool.spend("flood", 0.23)  # 0.25 s spent of a 0.1 s burst: 0.15 s in debt
+        began = time.monotonic()
+        await pool.run("flood", lambda: None)  # waits the debt out at a quarter core
+        flood_s = time.monotonic() - began
+        began = time.monotonic()
+        await pool.run("other", lambda: None)  # another tenant's budget is its own
+        return flood_s, time.monotonic() - began
+
+    flood_s, other_s = asyncio.run(main())
+    assert flood_s >= 0.15 / 0.25 * 0.95, flood_s
+    assert other_s < flood_s / 2, (other_s, flood_s)
+    assert [t for t, _ in costs] == ["flood", "flood", "flood", "other"]
+    assert costs[0][1] >= 0.02 and costs[1][1] == 0.23  # measured thread time, then spent
+
+
+def test_a_cancelled_callers_call_ends_only_when_its_thread_does() -> None:
+    async def main() -> None:
+        pool = TokenizerPool(workers=1)
+        call = asyncio.create_task(pool.run("a", lambda: time.sleep(0.3)))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.sleep(0.1)
+        assert not call.done()  # the caller (and the stream slot it holds) is still there
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(main())

@@ -17,6 +17,11 @@ Runs the checks of tests/model/test_parity_default.py on the default model, in f
     bf16 --weights bf16  dense bf16 vs transformers bf16 (same weights, rounded alike)
     bf16 --weights auto  --dtype bfloat16 --weights auto vs transformers bf16
 
+A sixth row covers the second pullable model, Gemma 3 270M Q4_K_M (``kvfence models pull
+gemma-3-270m``, pulled here if absent; see tools/parity/second.py): dense fp32 against
+transformers fp32 on the same GGUF: tokenizer identical, greedy identical on the four
+prompts, and chat through its own template rendered and continued identically.
+
 The bf16 rows compare two bf16 implementations whose sums round differently, so near-ties
 may flip; they pass at >= 97% teacher-forced top-1 agreement (the oracle's next-token pick on
 our history equals our token) and print greedy-identical prompts and the logit difference.
@@ -104,8 +109,25 @@ def main() -> int:
         row = decode_parity(loaded, hf_bf16, prompts)
         print(row.line(f"bf16 --weights {weights} ({loaded.weights})"), flush=True)
         ok &= row.agree >= BF16_MIN_AGREEMENT * row.positions
+    del hf_bf16
+    ok &= _second_model(started)
     print(f"parity: {'pass' if ok else 'FAIL'}")
     return 0 if ok else 1
+
+
+def _second_model(started: float) -> bool:
+    from service.model.catalog import GEMMA3_270M, ensure_model
+    from tools.parity.checks import load_hf_oracle
+    from tools.parity.second import load_second, second_model_parity
+
+    path = ensure_model(GEMMA3_270M.name)
+    stage(f"loading {path.name} with transformers (the second model's fp32 oracle)", started)
+    hf_model, hf_tok = load_hf_oracle(path)
+    stage(f"kvfence fp32 dense {GEMMA3_270M.name} vs the oracle", started)
+    loaded = load_second(path, GEMMA3_270M.chat_template)
+    row = second_model_parity(loaded, hf_model, hf_tok)
+    print(row.line(f"{GEMMA3_270M.name} fp32 --weights bf16"), flush=True)
+    return row.ok
 
 
 if __name__ == "__main__":

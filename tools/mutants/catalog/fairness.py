@@ -157,7 +157,9 @@ MUTANTS = (
     mutant(
         "decode-guard-off",
         "beside a less-served tenant's streams, other tenants' decode rows fit within its guard",
-        edit(STEP_BUDGET, "if cost.decode_seconds(len(rows) + 1, more) <= guard:", "if True:"),
+        edit(STEP_BUDGET,
+             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
+             "if True:"),
         tests=(f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
                T_GAP),
     ),

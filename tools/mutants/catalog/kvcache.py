@@ -135,4 +135,27 @@ MUTANTS = (
         edit("kvcache/backends/cpu_decode.py", "            or not kv.is_contiguous()  # the C code", "            or False  # the C code"),
         tests=f"{T_BOUNDARY}::test_step_context_refuses_a_pool_whose_layers_are_not_contiguous",
     ),
+    mutant(
+        "kernel-cache-foreign-owner",
+        "a kernel library another user owns or could write is never loaded",
+        edit("kvcache/native_build.py",
+             "if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:",
+             "if not stat.S_ISREG(st.st_mode):"),
+        tests="tests/kvcache/test_native_build.py::test_a_planted_library_is_never_loaded",
+    ),
+    mutant(
+        "kernel-cache-digest",
+        "a kernel library whose bytes differ from the digest written at its build is never loaded",
+        edit("kvcache/native_build.py",
+             'if digest is None or data[:4] != b"\\x7fELF" or _sidecar(data) != digest:',
+             'if digest is None or data[:4] != b"\\x7fELF":'),
+        tests="tests/kvcache/test_native_build.py::test_an_entry_whose_bytes_do_not_match_its_digest_is_never_loaded",
+    ),
+    mutant(
+        "decode-exp-drops-nan",
+        "a NaN in q, K or V reaches the CPU decode kernel's output",
+        edit(DECODE_C, "x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);", "x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));"),
+        edit(DECODE_C, "x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);", "x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));"),
+        tests="tests/kvcache/test_cpu_decode.py::test_a_nan_in_q_k_or_v_reaches_the_output_as_in_torch",
+    ),
 )

@@ -1,0 +1,61 @@
+"""Switch-offs of the hardening on tenant-controlled work: grammar depth and stack, sampling
+costs, tokenizer budget, the HTTP connection guard and pacing, and cluster lease renewal."""
+
+from tools.mutants.mutant import edit, mutant
+
+GRAMMAR = "service/engine/grammar.py"
+GUARD = "service/http/guard.py"
+T_GUARD = "tests/http/test_guard.py"
+
+MUTANTS = (
+    mutant(
+        "grammar-depth-unchecked",
+        "a Lark grammar whose rule references chain past the limit is refused before llguidance",
+        edit(GRAMMAR, "            if depth > limits.max_depth:\n                return f\"lark",
+             "            if False:\n                return f\"lark"),
+        tests="tests/engine/test_grammar_depth.py",
+    ),
+    mutant(
+        "compile-on-default-stack",
+        "grammars compile on large-stack threads, so a chain the limit misses cannot crash",
+        edit("service/engine/compile_executor.py",
+             "previous = threading.stack_size(stack_bytes)",
+             "previous = threading.stack_size(0)"),
+        tests="tests/engine/test_compile_executor.py",
+    ),
+    mutant(
+        "sampling-cost-outside-the-step",
+        "a row's measured sampling cost counts in the decode guard",
+        edit("service/engine/step_budget.py",
+             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
+             "if cost.decode_seconds(len(rows) + 1, more) <= guard:"),
+        tests="tests/engine/test_sampling_cost.py",
+    ),
+    mutant(
+        "tokenizer-budget-off",
+        "a tenant's tokenizer time is held to its share of a core",
+        edit("service/tokenizer_pool.py",
+             "await asyncio.sleep(self._debt_wait(tenant))", "await asyncio.sleep(0)"),
+        tests="tests/service/test_tokenize_limits.py",
+    ),
+    mutant(
+        "http-per-peer-cap-off",
+        "one peer holds at most max_per_peer HTTP connections",
+        edit(GUARD, " or self.peers.by_peer[peer] >= self.guard.max_per_peer", ""),
+        tests=f"{T_GUARD}::test_slowloris_connections_are_capped_and_timed_out_while_others_are_served",
+    ),
+    mutant(
+        "http-pacing-off",
+        "floods of cheap HTTP answers are held to the paced rate",
+        edit("service/http/pacing.py", "wait = pace.hold(key)", "wait = 0.0"),
+        tests=f"{T_GUARD}::test_floods_of_cheap_answers_are_paced",
+    ),
+    mutant(
+        "lease-renewal-xx",
+        "a lease renewal re-adds leases a restarted Redis lost",
+        edit("service/redis_limits.py",
+             "redis.call('ZADD', key, expires, ARGV[i + 1])",
+             "redis.call('ZADD', key, 'XX', expires, ARGV[i + 1])"),
+        tests="tests/cluster/test_redis_limits.py",
+    ),
+)
