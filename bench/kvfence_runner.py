@@ -26,6 +26,7 @@ from kvcache.config import ScrubPolicy
 from service.app import EngineSizing, build_server
 from service.engine.engine import Engine
 from service.engine.factory import build_engine
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import (
     Admitted,
     Delta,
@@ -51,25 +52,28 @@ class Sizing:
     """Engine and KV settings shared by the in-process engine and the gRPC server."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = SchedulerTuning().max_num_batched_tokens
     max_model_len: int = 2048
     kv_bytes: int = 1 << 30
     kv_pages: int | None = None  # set: the in-process engine's pool has exactly this many pages
     scrub_policy: ScrubPolicy = "reassign"
     prefix_ttl_s: float = 600.0
     # The in-process engine's step budget: 0 = untimed (the whole token budget each step);
-    # the served default (EngineSizing) is a 100 ms target with decode_stretch 2.
+    # the served default is SchedulerTuning's (100 ms with decode_stretch 2).
     max_step_ms: float = 0.0
-    decode_stretch: float = 2.0
+    decode_stretch: float = SchedulerTuning().decode_stretch
     compile: str = "off"  # --compile (service/engine/compiled.py)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            max_num_seqs=self.max_num_seqs,
+        tuning = SchedulerTuning(
             max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
             max_step_ms=self.max_step_ms,
             decode_stretch=self.decode_stretch,
+        )
+        return EngineConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            tuning=tuning,
             compile=self.compile,
         )
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from clients import cli as client_cli
 from clients.cli_parser import add_command, new_parser, parse
+from service.engine.tuning import SchedulerTuning
 from service.env_flags import UsageError, add_flag, add_switch, resolve_env
 
 # Short names for the flag table in _add_serve.
@@ -48,6 +49,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     from service.config import EngineSizing
     from service.preflight import DTYPES
 
+    tuning = SchedulerTuning()  # the one source of the scheduling flags' defaults
     p = add_command(sub, "serve", "run the gRPC inference server")
     _add(p, "--model", "default",
          "a .gguf file, an HF directory, 'default', or a name from `kvfence models list`")
@@ -67,7 +69,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          choices=["json", "console", "auto"])
     _add(p, "--kv-memory", "512MiB", "KV pool size: bytes (512MiB, 2GB) or a fraction (0.5)")
     _add(p, "--max-num-seqs", 64, "most sequences in one batch", type=int)
-    _add(p, "--max-num-batched-tokens", 512, "token budget of one engine step", type=int)
+    _add(p, "--max-num-batched-tokens", tuning.max_num_batched_tokens, "token budget of one engine step", type=int)
     _add(p, "--max-model-len", 0, "context length (0 = the model's)", type=int)
     _add(p, "--page-size", 16, "tokens per KV page", type=int)
     _add(p, "--dtype", "auto",
@@ -106,15 +108,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(
         p,
         "--max-step-ms",
-        100.0,
-        "while two or more tenants have work, the most time prefill chunks may add to a step "
-        "(0 = off; one tenant alone gets the whole token budget)",
+        tuning.max_step_ms,
+        "while another tenant has work, the most time a tenant's prefill chunks may add to a "
+        "step (0 = off; one tenant alone gets the whole token budget)",
         type=float,
     )
     _add(
         p,
         "--decode-stretch",
-        2.0,
+        tuning.decode_stretch,
         "a step the least-served decoding tenant's streams are in lasts at most this many "
         "times what their rows alone cost: others' decode rows and prefill chunks fit in "
         "that or wait a step (0 = off)",
@@ -123,7 +125,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(
         p,
         "--prefill-chunk",
-        0,
+        tuning.prefill_chunk,
         "one request's prefill tokens per step while others wait (0 = half the step's budget)",
         type=int,
     )

@@ -10,18 +10,21 @@
 Everything else is derived from a ``ServeConfig`` by the pure functions below, never built
 from another derived config: ``engine_config`` (the engine), ``cache_config`` (kvcache) and
 ``kv_budget`` (what ``kvcache.size_pool`` is given). ``service.preflight`` checks a
-``ServeConfig`` before anything loads. This module imports neither torch nor the engine.
+``ServeConfig`` before anything loads. This module imports neither torch nor the engine
+(``service.engine.tuning`` is plain data).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from service.cluster_limits import ClusterLimitsConfig
+from service.engine.tuning import SchedulerTuning
 from service.health import DEFAULT_MAX_WATCHES
 
 if TYPE_CHECKING:
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from service.http.guard import HttpGuard
 
 MiB = 1024 * 1024
+TUNING = SchedulerTuning()  # the scheduling defaults: flags, EngineSizing and EngineConfig share them
 
 
 class ConfigError(ValueError):
@@ -78,7 +82,7 @@ class EngineSizing:
 
     kv_memory: str = "512MiB"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = TUNING.max_num_batched_tokens
     max_model_len: int = 0  # 0 = the model's own context length
     page_size: int = 16
     dtype: str = "auto"
@@ -91,15 +95,12 @@ class EngineSizing:
     prefix_ttl_s: float = 600.0
     warmup: bool = True
     sampler_seed: int | None = None
-    # Fair compute: prefill chunks add at most max_step_ms to a step (0 = the whole
-    # max_num_batched_tokens every step); prefill_chunk caps one request's chunk while others
-    # have work (0 = half the step's budget).
-    max_step_ms: float = 100.0
-    prefill_chunk: int = 0
-    # A step the least-served decoding tenant's streams are in lasts at most decode_stretch
-    # times what their rows alone cost (0 = off): more-served tenants' decode rows and
-    # prefill chunks fit within that or wait, so nobody's load stretches another's gap.
-    decode_stretch: float = 2.0
+    # Fair compute (service/engine/tuning.py, docs/scheduling.md): no other tenant's work
+    # makes a tenant's inter-token gap longer than decode_stretch times what its own rows
+    # cost plus max_step_ms; prefill_chunk caps one request's chunk while others have work.
+    max_step_ms: float = TUNING.max_step_ms
+    prefill_chunk: int = TUNING.prefill_chunk
+    decode_stretch: float = TUNING.decode_stretch
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,13 +196,21 @@ def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
 
     return EngineConfig(
         max_num_seqs=sizing.max_num_seqs,
-        max_num_batched_tokens=sizing.max_num_batched_tokens,
         max_model_len=sizing.max_model_len or model_len,
+        tuning=scheduler_tuning(sizing),
         warmup=sizing.warmup,
         compile=sizing.compile,
+    )
+
+
+def scheduler_tuning(sizing: EngineSizing) -> SchedulerTuning:
+    """The scheduling constants the serve flags set; the rest keep ``SchedulerTuning``'s."""
+    return dataclasses.replace(
+        TUNING,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
         max_step_ms=sizing.max_step_ms,
         decode_stretch=sizing.decode_stretch,
-        long_prefill_threshold=sizing.prefill_chunk,
+        prefill_chunk=sizing.prefill_chunk,
     )
 
 

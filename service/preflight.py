@@ -64,8 +64,10 @@ def check_numbers(config: ServeConfig) -> None:
 
 
 def check_fair_compute(config: ServeConfig) -> None:
-    if config.sizing.max_step_ms < 0 or config.sizing.prefill_chunk < 0:
-        raise ConfigError("--max-step-ms and --prefill-chunk must be >= 0")
+    if not 0 <= config.sizing.max_step_ms < float("inf"):  # NaN fails too
+        raise ConfigError("--max-step-ms must be a number >= 0")
+    if config.sizing.prefill_chunk < 0:
+        raise ConfigError("--prefill-chunk must be >= 0")
     if not config.sizing.decode_stretch >= 0 or config.sizing.decode_stretch == float("inf"):
         raise ConfigError("--decode-stretch must be a number >= 0")
 

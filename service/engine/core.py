@@ -15,7 +15,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
@@ -23,13 +23,15 @@ import torch
 from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
 from kvcache.stats import TenantUsage
+from service.engine.cost_model import Regime
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.grammar import GrammarMatcher
 from service.engine.invariants import validate_request
+from service.engine.plan import ScheduledSeq, SchedulerOutput
 from service.engine.request import SeqState, SeqStatus
 from service.engine.runner import ForwardModel, GraphReplay, ModelRunner, build_inputs
 from service.engine.sampler import Sampler, SampleResult, SampleRow
-from service.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from service.engine.scheduler import Scheduler
 from service.engine.stop import StopMatcher
 from service.engine.tokens import TokenizerLike, TokenSource
 from service.engine.types import (
@@ -79,11 +81,9 @@ class EngineCore:
         self.tokens = tokens
         self._clock = clock
         self._policies: dict[str, TenantSchedPolicy] = {}
-        # Models with packed decode weights (LlamaModel.max_packed_rows) cost two regimes.
-        packed_rows = int(getattr(model, "max_packed_rows", 0))
-        self._scheduler = Scheduler(
-            config, cache, self.policy, clock, config.drr_quantum, packed_rows
-        )
+        # What the model reports about its step costs (packed decode weights on CPU).
+        self._regime = Regime(packed_rows=int(getattr(model, "max_packed_rows", 0)))
+        self._scheduler = Scheduler(config, cache, self.policy, clock, self._regime)
         self.pool = cache.pool
         self._runner = ModelRunner(model, device)
         self._sampler = Sampler(device, sampler_seed)
@@ -117,6 +117,8 @@ class EngineCore:
         """Serve decode-only steps through ``graphs`` (``DecodeGraphs``: compiled or
         captured forwards, built while no page is in use); other steps stay eager."""
         self._runner = ModelRunner(self._runner.model, self._runner.device, graphs)
+        # The regime now includes the graphs' padded batch sizes (what a decode step costs).
+        self._scheduler.use_regime(replace(self._regime, graph_sizes=tuple(graphs.buckets)))
 
     # ---- commands ------------------------------------------------------------------------
     def set_tenant_policy(

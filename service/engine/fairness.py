@@ -1,22 +1,30 @@
-"""Weighted deficit round-robin over tenants' waiting queues.
+"""Who is owed service: one currency, weighted processed tokens (a virtual token counter).
 
-Each tenant with waiting requests sits in a ring. Visiting a tenant adds
-``weight * quantum`` tokens to its deficit; the tenant may then admit requests while the
-head request's cost (prompt + remaining output budget, in tokens) fits the deficit. When it
-does not, the ring moves on. A tenant that empties its queue leaves the ring and loses its
-deficit, so idle time earns no credit. Under saturation each tenant's admitted tokens are
-proportional to its weight; a newcomer waits at most one round of the others' quanta.
+Every prefill or decode token a step computes for a tenant adds ``1 / weight`` to its count
+(``TokenCounter``, after Sheng et al., OSDI'24). Everything the scheduler decides about
+tenants follows from the counts, with what the step being planned already gave
+(``FairShare.served``):
 
-Admission is peek-then-pop: the scheduler peeks, tries to allocate KV for the candidate,
-and pops it only on success. Tenants at their running cap are skipped without earning.
-Per-step cost is O(tenants), never O(waiting requests).
+- admission: the next request comes from the eligible tenant with the lowest count
+  (``TenantQueues.peek``), each tenant's queue in order;
+- prefill chunks: the running prefill or waiting request of the lowest count goes first;
+- decode rows: the least-served decoding tenant's rows always run; other tenants' rows join
+  least-served tenant first, each tenant's rows taking turns (``FairShare.decode_order``);
+- a tenant is *owed* service in a step when no decoding tenant in it has a lower count.
+
+Lag bound: a chunk goes to a tenant only while its count is no higher than that of every
+tenant whose schedulable work gets nothing before it in the step, so while tenants a and b
+both have prefill work the scheduler can run, a's count exceeds b's by at most what one
+step gives one tenant: ``max_num_batched_tokens / weight_a`` (tests/engine/
+test_scheduler_properties.py checks it over random arrivals). A tenant that comes back
+after being idle starts level with the lowest active count (``TokenCounter.lift``), so idle
+time earns no credit to burst with later.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 
@@ -24,131 +32,23 @@ class Queued(Protocol):
     @property
     def tenant(self) -> str: ...
 
-    @property
-    def cost(self) -> int: ...
-
 
 T = TypeVar("T", bound=Queued)
 
 
-class FairQueue(Generic[T]):
-    """Per-tenant FIFO queues served by weighted deficit round-robin."""
+class _Row(Protocol):
+    @property
+    def tenant(self) -> str: ...
 
-    def __init__(self, quantum: int, weight: Callable[[str], float]) -> None:
-        if quantum <= 0:
-            raise ValueError("quantum must be positive")
-        self._quantum = quantum
-        self._weight = weight
-        self._queues: dict[str, deque[T]] = {}
-        self._ring: deque[str] = deque()
-        self._deficit: dict[str, float] = {}
-        self._visiting = False  # the ring head already received its quantum this visit
-        self._len = 0
+    @property
+    def admit_order(self) -> int: ...
 
-    def __len__(self) -> int:
-        return self._len
 
-    def tenants(self) -> tuple[str, ...]:
-        """Tenants with waiting requests."""
-        return tuple(self._ring)
-
-    def num_waiting(self, tenant: str) -> int:
-        q = self._queues.get(tenant)
-        return len(q) if q else 0
-
-    def push(self, item: T, front: bool = False) -> None:
-        """Queue ``item``; ``front`` puts a preempted request back ahead of its tenant's others."""
-        q = self._queues.get(item.tenant)
-        if q is None:
-            q = self._queues[item.tenant] = deque()
-        if not q:
-            self._ring.append(item.tenant)
-            self._deficit[item.tenant] = 0.0
-        if front:
-            q.appendleft(item)
-        else:
-            q.append(item)
-        self._len += 1
-
-    def remove(self, item: T) -> bool:
-        """Drop ``item`` (abort, deadline). O(tenant's queue); only on those paths."""
-        q = self._queues.get(item.tenant)
-        if not q or item not in q:
-            return False
-        if q[0] is item:
-            self.pop(item, charge=False)
-            return True
-        q.remove(item)
-        self._len -= 1
-        return True
-
-    def peek(self, eligible: Callable[[str], bool]) -> T | None:
-        """The next request DRR would admit among eligible tenants, without removing it."""
-        if not self._ring:
-            return None
-        for _ in range(2):  # the second pass runs after skipping the fruitless rounds
-            for _ in range(len(self._ring)):
-                tenant = self._ring[0]
-                if eligible(tenant):
-                    if not self._visiting:
-                        self._deficit[tenant] += self._quantum * self._weight(tenant)
-                        self._visiting = True
-                    head = self._queues[tenant][0]
-                    if head.cost <= self._deficit[tenant]:
-                        return head
-                self._ring.rotate(-1)
-                self._visiting = False
-            if not self._skip_rounds(eligible):
-                return None
-        raise AssertionError("DRR made no progress after skipping rounds")
-
-    def pop(self, item: T, charge: bool = True) -> None:
-        """Remove the request ``peek`` returned (it was admitted)."""
-        tenant = item.tenant
-        q = self._queues[tenant]
-        if q[0] is not item:
-            raise ValueError("pop() must take the queue head")
-        q.popleft()
-        self._len -= 1
-        if charge:
-            self._deficit[tenant] -= item.cost
-        if not q:
-            del self._queues[tenant]
-            del self._deficit[tenant]
-            if self._ring[0] == tenant:
-                self._ring.popleft()
-                self._visiting = False
-            else:
-                self._ring.remove(tenant)
-
-    def _skip_rounds(self, eligible: Callable[[str], bool]) -> bool:
-        """A full round admitted nothing: credit every eligible tenant with the further whole
-        rounds it takes until the first one can afford its head. False if none is eligible."""
-        rounds: list[int] = []
-        for tenant in self._ring:
-            if eligible(tenant):
-                need = self._queues[tenant][0].cost - self._deficit[tenant]
-                rounds.append(math.ceil(need / (self._quantum * self._weight(tenant))))
-        if not rounds:
-            return False
-        # Each eligible tenant gets one more quantum when visited in the next pass.
-        extra = max(0, min(rounds) - 1)
-        for tenant in self._ring:
-            if eligible(tenant):
-                self._deficit[tenant] += extra * self._quantum * self._weight(tenant)
-        return True
+RowT = TypeVar("RowT", bound=_Row)
 
 
 class TokenCounter:
-    """Weighted tokens each tenant has had processed: a virtual token counter (after Sheng et
-    al., OSDI'24). Every prefill or decode token a step computes for a tenant adds
-    ``1 / weight``; work is offered to the tenant with the lowest count first, so a tenant
-    sending long prompts spends its own share of the steps, not the others'.
-
-    A tenant that comes back after being idle starts level with the lowest active count
-    (``lift``), or with the highest count when no other tenant is active, so idle time earns
-    no credit to burst with later.
-    """
+    """Weighted tokens each tenant has had processed."""
 
     def __init__(self, weight: Callable[[str], float]) -> None:
         self._weight = weight
@@ -177,3 +77,132 @@ class TokenCounter:
         keep_set = set(keep)
         for tenant in [t for t in self._count if t not in keep_set]:
             del self._count[tenant]
+
+
+class FairShare:
+    """The counts as the scheduler reads them while planning one step: the counter plus
+    what the step already gave (``spend``; ``new_step`` clears it)."""
+
+    def __init__(self, weight: Callable[[str], float]) -> None:
+        self._weight = weight
+        self.counter = TokenCounter(weight)
+        self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
+        self._cursor: dict[str, int] = {}  # tenant -> admit order of its last row that ran
+
+    def new_step(self) -> None:
+        self._spent = {}
+
+    def spend(self, tenant: str, tokens: int) -> None:
+        self._spent[tenant] = self._spent.get(tenant, 0) + tokens
+
+    def served(self, tenant: str) -> float:
+        """The tenant's weighted processed tokens, with what this step already gave it."""
+        return self.counter[tenant] + self._spent.get(tenant, 0) / self._weight(tenant)
+
+    def order(self, tenant: str, admit_order: int) -> tuple[float, int]:
+        """Sort key: lowest count first, then the earlier admission."""
+        return self.served(tenant), admit_order
+
+    def owed(self, tenant: str, decoding: Iterable[str]) -> bool:
+        """Whether no other tenant decoding in the step has a lower count than ``tenant``:
+        the step's decodes then belong to tenants that have had at least their share, and
+        stretching their gap is their share being spent."""
+        mine = self.served(tenant)
+        return all(mine <= self.served(t) for t in decoding if t != tenant)
+
+    def decode_order(self, rows: Sequence[RowT]) -> tuple[list[RowT], list[RowT]]:
+        """``rows`` split into the least-served tenants' (always run) and the others in the
+        order they may join: least-served tenant first, each tenant's rows after the last
+        one that ran first (round robin within the tenant)."""
+        served = {t: self.served(t) for t in {r.tenant for r in rows}}
+        least = min(served.values(), default=0.0)
+        first = [r for r in rows if served[r.tenant] <= least]
+        rest: list[RowT] = []
+        for tenant in sorted({r.tenant for r in rows} - {r.tenant for r in first},
+                             key=served.__getitem__):
+            cursor = self._cursor.get(tenant, 0)
+            rest += sorted((r for r in rows if r.tenant == tenant),
+                           key=lambda r: (r.admit_order <= cursor, r.admit_order))
+        return first, rest
+
+    def ran(self, tenant: str, admit_order: int) -> None:
+        """A row that had to wait its turn ran (``decode_order``'s round robin)."""
+        self._cursor[tenant] = admit_order
+
+    def idle(self, tenant: str) -> None:
+        """The tenant has no running sequence left: its round robin starts over."""
+        self._cursor.pop(tenant, None)
+
+
+class Presence:
+    """Which tenants have work: running or waiting now, or a request that ended within
+    ``grace_s`` (``SchedulerTuning.idle_grace_s``)."""
+
+    def __init__(self, clock: Callable[[], float], grace_s: float) -> None:
+        self._clock = clock
+        self._grace_s = grace_s
+        self._seen: dict[str, float] = {}  # tenant -> when it last had work
+
+    def update(self, with_work: Iterable[str]) -> None:
+        """Record the tenants with work now (once per step) and forget the long gone."""
+        now = self._clock()
+        for tenant in with_work:
+            self._seen[tenant] = now
+        for tenant in [t for t, at in self._seen.items() if now - at > self._grace_s]:
+            del self._seen[tenant]
+
+    def others(self, tenant: str) -> bool:
+        """Whether a tenant other than ``tenant`` has work."""
+        return any(t != tenant for t in self._seen)
+
+
+class TenantQueues(Generic[T]):
+    """Per-tenant FIFO queues; ``peek`` offers the head of the eligible tenant with the
+    lowest ``rank`` (the fair share's count). Per-step cost is O(tenants)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[T]] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def tenants(self) -> tuple[str, ...]:
+        """Tenants with waiting requests, in the order their queues started."""
+        return tuple(self._queues)
+
+    def num_waiting(self, tenant: str) -> int:
+        q = self._queues.get(tenant)
+        return len(q) if q else 0
+
+    def push(self, item: T, front: bool = False) -> None:
+        """Queue ``item``; ``front`` puts a preempted request back ahead of its tenant's others."""
+        q = self._queues.setdefault(item.tenant, deque())
+        if front:
+            q.appendleft(item)
+        else:
+            q.append(item)
+        self._len += 1
+
+    def remove(self, item: T) -> bool:
+        """Drop ``item`` (admitted, abort, deadline)."""
+        q = self._queues.get(item.tenant)
+        if not q or item not in q:
+            return False
+        if q[0] is item:
+            q.popleft()
+        else:
+            q.remove(item)
+        self._len -= 1
+        if not q:
+            del self._queues[item.tenant]
+        return True
+
+    def peek(self, eligible: Callable[[str], bool], rank: Callable[[str], float]) -> T | None:
+        """The head request of the eligible tenant with the lowest ``rank`` (ties: the tenant
+        whose queue started first), without removing it."""
+        best: str | None = None
+        for tenant in self._queues:
+            if eligible(tenant) and (best is None or rank(tenant) < rank(best)):
+                best = tenant
+        return None if best is None else self._queues[best][0]

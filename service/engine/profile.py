@@ -16,6 +16,7 @@ import torch
 
 from kvcache import CacheConfig
 from service.engine.factory import build_core
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import EngineConfig, Request, SamplingParams, StoppingParams
 from service.model.loader import LoadedModel
 
@@ -28,7 +29,8 @@ def measure_step_overhead(
         raise ValueError("batch, context and repeats must be >= 1")
     config = EngineConfig(
         max_num_seqs=batch,
-        max_num_batched_tokens=batch * (context + 1),  # every prompt in one step
+        # every prompt in one step
+        tuning=SchedulerTuning(max_num_batched_tokens=batch * (context + 1)),
         max_model_len=context + 2 * repeats + 8,
         warmup=False,
     )

@@ -114,11 +114,6 @@ class SeqState:
     def max_total_tokens(self) -> int:
         return self.num_prompt + self.max_tokens
 
-    @property
-    def cost(self) -> int:
-        """DRR cost in tokens: what is left to compute and generate."""
-        return self.max_total_tokens - self.num_computed
-
     def banned_ids(self) -> tuple[int, ...]:
         """Stop tokens may not be sampled before ``min_tokens`` outputs exist."""
         if self.num_output < self.request.stopping.min_tokens:

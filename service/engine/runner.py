@@ -15,7 +15,7 @@ import torch
 
 from kvcache.attention import AttentionFn
 from kvcache.step import StepAttention
-from service.engine.scheduler import ScheduledSeq
+from service.engine.plan import ScheduledSeq
 
 
 class ForwardModel(Protocol):
@@ -57,6 +57,11 @@ def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> Batch
 
 class GraphReplay(Protocol):
     """What the runner needs of ``service.engine.cuda_graphs.DecodeGraphs``."""
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The batch sizes captured: a decode step runs padded to the smallest that holds it."""
+        ...
 
     def run(self, inputs: BatchInputs, step: StepAttention) -> torch.Tensor | None: ...
 

@@ -1,261 +1,207 @@
-"""What a step costs, so the scheduler can size it to a time target.
+"""How much a step may carry: the token budget and the time bound, from the cost model.
 
-A step is its decode rows plus its prefill chunks, and the two cost differently:
+The guarantee, for operators: while a tenant's streams decode, no other tenant's work makes
+the step they are in longer than ``decode_stretch`` times what the tenant's own rows cost
+plus ``max_step_ms`` (``SchedulerTuning``), give or take the cost model's error and the
+prefill floor. It is kept by three bounds, each from the cost model:
 
-- the decode-only part, ``base_s + per_row_s * rows + per_row_key_s * keys`` (plus
-  ``dense_s`` once rows exceed ``packed_rows``), is fitted on decode-only steps. On CPU one
-  row costs about as much as several (the weights are read once either way), so it cannot
-  be extrapolated from prefill steps. Where the model serves batches of up to
-  ``packed_rows`` tokens from packed 4-bit weights and larger ones from dense weights, the
-  step's cost jumps at that size (on a 2-core AVX2 CPU in float32, 4 rows took ~26 ms and
-  the dense step above ~100 ms), which no line through both regimes predicts;
-- each prefill chunk adds ``per_chunk_s + per_token_s * tokens + per_key_s * keys``, fitted
-  on what steps with chunks took beyond their decode-only part. The key term matters: on
-  CPU a 16-token chunk at position 1,500 costs several times what it costs at position 0,
-  so a per-token model alone lets late chunks of a long prompt overrun the target.
+- decode rows: the least-served decoding tenant's rows always run; other tenants' rows join
+  while the decode part stays within ``decode_stretch`` times what those rows alone cost
+  (the guard, ``decode_rows``);
+- a prefill chunk of a tenant served more than some decoding tenant fits in what the decode
+  rows leave of the guard (``ChunkTerms.stretched``);
+- every chunk beside another tenant's work adds at most ``max_step_ms`` to the step
+  (``ChunkTerms.timed``); a tenant alone is held to the token budget only, since a timed
+  step on CPU is mostly fixed cost (docs/scheduling.md has the measurement).
 
-Both fits are exponentially weighted least squares, so they follow a machine whose load
-changes. The scheduler sizes steps from them in the spirit of Sarathi-Serve's stall-free
-batching: decodes always run, and prefill chunks take what is left of the step's time.
+The step's first ``min_prefill_tokens`` prefill tokens are granted whatever the clock says,
+so a long prompt still advances under a tight bound; beside another tenant's decodes only a
+chunk owed service (or one that finishes its prompt within the floor) gets all of it.
+Hardware is not special-cased here: the regime (packed weights, CUDA-graph sizes) reaches
+the budget only through ``StepCost``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-_DECAY = 0.9  # weight of the past per observed step
-
-
-def chunk_keys(context: int, tokens: int) -> int:
-    """Keys read by ``tokens`` new tokens after ``context`` computed ones (causal)."""
-    return tokens * context + tokens * (tokens + 1) // 2
+from service.engine.cost_model import Regime, StepCost, StepCostModel, StepShape
+from service.engine.fairness import FairShare
+from service.engine.tuning import SchedulerTuning
 
 
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """What a step's cost depends on: its decode rows and the keys they read, and its
-    prefill chunks as ``(context, tokens)``."""
-
-    rows: int
-    row_keys: int
-    chunks: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    """A fitted step cost: the decode-only part and what each prefill chunk adds."""
-
-    base_s: float
-    per_row_s: float
-    per_row_key_s: float
-    per_chunk_s: float
-    per_token_s: float
-    per_key_s: float
-    dense_s: float = 0.0  # what a decode step above ``packed_rows`` rows adds (dense weights)
-    packed_rows: int = 0  # the largest batch the packed weights serve; 0: no packed regime
-
-    def decode_seconds(self, rows: int, keys: int) -> float:
-        """Predicted wall time of a step of ``rows`` decode rows reading ``keys`` keys."""
-        line = (self.base_s, self.per_row_s, self.per_row_key_s, self.dense_s)
-        return _decode_seconds(line, self.packed_rows, rows, keys)
-
-    def chunk_seconds(self, context: int, tokens: int) -> float:
-        """What a chunk of ``tokens`` after ``context`` computed tokens adds to a step."""
-        keys = chunk_keys(context, tokens)
-        return self.per_chunk_s + self.per_token_s * tokens + self.per_key_s * keys
-
-    def chunk_tokens(self, seconds: float, context: int) -> int:
-        """The most tokens one chunk after ``context`` computed tokens adds within ``seconds``."""
-        seconds -= self.per_chunk_s
-        if seconds <= 0:
-            return 0
-        # per_key/2 t^2 + (per_token + per_key (context + 1/2)) t <= seconds
-        a = self.per_key_s / 2
-        b = self.per_token_s + self.per_key_s * (context + 0.5)
-        if a <= 0:
-            tokens = seconds / b if b > 0 else float(1 << 30)
-        else:
-            tokens = (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
-        return int(tokens + 1e-6)  # a fit's rounding must not lose a whole token
-
-
-@dataclass(slots=True)
-class LeastSquares:
-    """Exponentially weighted least squares of ``y`` on a few non-negative coefficients."""
-
-    size: int
-    _xx: list[list[float]] = field(init=False)  # decayed sum of x x^T
-    _xy: list[float] = field(init=False)  # decayed sum of x y
-
-    def __post_init__(self) -> None:
-        self._xx = [[0.0] * self.size for _ in range(self.size)]
-        self._xy = [0.0] * self.size
+class DecodeRow(Protocol):
+    @property
+    def tenant(self) -> str: ...
 
     @property
-    def measured(self) -> bool:
-        return any(self._xx[i][i] > 0 for i in range(self.size))
+    def admit_order(self) -> int: ...
 
-    def observe(self, x: Sequence[float], y: float) -> None:
-        for i in range(self.size):
-            self._xy[i] = _DECAY * self._xy[i] + x[i] * y
-            for j in range(self.size):
-                self._xx[i][j] = _DECAY * self._xx[i][j] + x[i] * x[j]
+    @property
+    def num_computed(self) -> int: ...
 
-    def fit(self, tries: Sequence[tuple[int, ...]], mean_of: int) -> list[float]:
-        """Coefficients of the first feature subset in ``tries`` whose fit is non-negative
-        (steps too alike to tell terms apart drop the later ones); else all of ``y`` charged
-        to feature ``mean_of``."""
-        for used in tries:
-            xx = [[self._xx[i][j] for j in used] for i in used]
-            coef = _solve(xx, [self._xy[i] for i in used])
-            if coef is not None and all(c >= 0 for c in coef):
-                full = [0.0] * self.size
-                for i, c in zip(used, coef, strict=True):
-                    full[i] = c
-                return full
-        full = [0.0] * self.size
-        if self._xx[mean_of][mean_of] > 0:
-            # sum(x y) / sum(x x) over one feature: least squares through the origin
-            full[mean_of] = max(0.0, self._xy[mean_of] / self._xx[mean_of][mean_of])
-        return full
+    @property
+    def sample_s(self) -> float:
+        """The row's measured sampling cost (grammar mask, penalties, logprobs)."""
+        ...
 
 
-def _dense(rows: int, packed_rows: int) -> bool:
-    """Whether a batch of ``rows`` tokens runs on the dense weights past the packed ones."""
-    return packed_rows > 0 and rows > packed_rows
+R = TypeVar("R", bound=DecodeRow)
 
 
-def _decode_seconds(line: Sequence[float], packed_rows: int, rows: int, keys: int) -> float:
-    """A decode step's time from the fit's ``(base, per row, per key, dense jump)``."""
-    base, per_row, per_key, dense = line
-    jump = dense if _dense(rows, packed_rows) else 0.0
-    return base + per_row * rows + per_key * keys + jump
+@dataclass(frozen=True, slots=True)
+class ChunkTerms:
+    """What one prefill chunk is held to, decided per chunk from the fair share.
+
+    ``timed``: another tenant has work, so the chunk is held to ``max_step_ms``;
+    ``stretched``: its tenant is served more than a tenant decoding in the step, so it is
+    also held to the guard; ``full_floor``: it may take all of the step's prefill floor
+    (else one token of it, which spends the rest)."""
+
+    timed: bool
+    stretched: bool
+    full_floor: bool
 
 
-# Feature subsets the decode fit tries, most complete first: (1, rows, keys, dense).
-_DECODE_TRIES = ((0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 1, 2), (0, 1), (0,))
-
-
-@dataclass(slots=True)
-class StepCostModel:
-    """Fits ``StepCost`` from observed steps. ``packed_rows`` is the model's
-    ``max_packed_rows`` (0 where every batch runs on the same weights).
-    NOTE: before any decode step above ``packed_rows`` rows is seen, the dense term is
-    unknown and the fit is the packed line alone; the first such step teaches it."""
-
-    packed_rows: int = 0
-    # 1, rows, keys, dense (rows > packed_rows)
-    decode: LeastSquares = field(default_factory=lambda: LeastSquares(4))
-    chunks: LeastSquares = field(default_factory=lambda: LeastSquares(3))  # n, tokens, keys
-
-    def observe(
-        self, rows: int, row_keys: int, chunks: Sequence[tuple[int, int]], seconds: float
-    ) -> None:
-        """A step of ``rows`` decode rows reading ``row_keys`` keys and prefill ``chunks``
-        (each ``(context, tokens)``) took ``seconds``."""
-        if seconds <= 0 or (rows <= 0 and not chunks):
-            return
-        if not chunks:
-            dense = 1.0 if _dense(rows, self.packed_rows) else 0.0
-            self.decode.observe((1.0, rows, row_keys, dense), seconds)
-            return
-        rest = seconds - self._decode_part(rows, row_keys)
-        tokens = sum(t for _, t in chunks)
-        keys = sum(chunk_keys(c, t) for c, t in chunks)
-        self.chunks.observe((len(chunks), tokens, keys), rest)
-
-    def _decode_part(self, rows: int, keys: int) -> float:
-        """The decode rows' share of a step with chunks, at their own batch size: where a
-        chunk takes the step onto the dense weights, the chunk fit absorbs the jump."""
-        if not self.decode.measured:
-            return 0.0
-        return _decode_seconds(self.decode.fit(_DECODE_TRIES, 0), self.packed_rows, rows, keys)
-
-    def fit(self) -> StepCost | None:
-        """The fitted cost, or None before a step with prefill chunks was observed."""
-        if not self.chunks.measured:
-            return None
-        base, per_row, per_row_key, dense = self.decode.fit(_DECODE_TRIES, 0)
-        per_chunk, per_token, per_key = self.chunks.fit(((0, 1, 2), (1, 2), (0, 1), (1,)), 1)
-        return StepCost(
-            base, per_row, per_row_key, per_chunk, per_token, per_key, dense, self.packed_rows
-        )
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Least-squares coefficients from the normal equations ``a c = b``; None when the
-    features cannot be told apart. Each feature is scaled to unit size first (keys run to
-    millions where the intercept's sum is about 10), so the test for a singular system
-    means collinear features, not large numbers."""
-    n = len(b)
-    d = [math.sqrt(a[i][i]) for i in range(n)]
-    if not all(d):
-        return None
-    m = [[a[i][j] / (d[i] * d[j]) for j in range(n)] + [b[i] / d[i]] for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) <= 1e-9:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] / d[i] for i in range(n)]
+UNTIMED = ChunkTerms(timed=False, stretched=False, full_floor=True)
 
 
 @dataclass(slots=True)
 class StepRoom:
-    """What is left of one step while the scheduler fills it with prefill chunks.
-
-    ``tokens`` is what is left of ``max_num_batched_tokens``; ``seconds`` what is left of
-    the time prefill may add to the step (None: the step is sized in tokens alone), and
-    ``stretch_s`` what is left of the decode stretch, which binds a chunk only while
-    ``stretched`` is True. ``cap_tokens`` and ``cap_s`` bound one request's chunk while
-    others have work. The step's first ``floor`` prefill tokens are granted whatever the
-    clock says (not past the token caps), so a long prompt still advances when the time
-    target is tight; while ``full_floor`` is False a chunk is granted at most one token that
-    way, and taking it spends the rest of the floor. The scheduler sets ``stretched`` and
-    ``full_floor`` per chunk."""
+    """What is left of one step while prefill chunks fill it. ``seconds`` is what is left
+    of ``max_step_ms`` for timed chunks, ``stretch_s`` of the guard for stretched ones;
+    ``cap_tokens``/``cap_s`` bound one request's chunk while others have work."""
 
     tokens: int
+    step_tokens: int  # tokens the step carries so far (its regime depends on them)
     cost: StepCost | None = None
-    seconds: float | None = None
+    seconds: float = math.inf
+    stretch_s: float = math.inf
+    floor: int = 0
     cap_tokens: int = 1 << 30
     cap_s: float = math.inf
-    floor: int = 0
-    stretch_s: float = math.inf
-    stretched: bool = True
-    full_floor: bool = True
 
-    def chunk(self, context: int, want: int, capped: bool = True) -> int:
+    def chunk(self, context: int, want: int, terms: ChunkTerms, capped: bool = True) -> int:
         """Tokens (at most ``want``) for one chunk after ``context`` computed tokens."""
         n = min(want, self.tokens, self.cap_tokens) if capped else min(want, self.tokens)
-        if self.seconds is not None and self.cost is not None:
-            left = min(self.seconds, self.cap_s) if capped else self.seconds
-            if self.stretched:
-                left = min(left, self.stretch_s)
-            floor = self.floor if self.full_floor else min(self.floor, 1)
-            n = min(n, max(self.cost.chunk_tokens(left, context), floor))
+        if terms.timed:
+            floor = self.floor if terms.full_floor else min(self.floor, 1)
+            if self.cost is None:  # unmeasured: the floor alone; the first steps teach it
+                n = min(n, floor)
+            else:
+                left = min(self.seconds, self.cap_s) if capped else self.seconds
+                if terms.stretched:
+                    left = min(left, self.stretch_s)
+                fits = self.cost.chunk_tokens(left, context, self.step_tokens)
+                n = min(n, max(fits, floor))
         return max(n, 0)
 
-    def take(self, context: int, tokens: int) -> None:
+    def take(self, context: int, tokens: int, terms: ChunkTerms) -> None:
+        """Spend a chunk's tokens and time. Every chunk spends the time, timed or not, so
+        a later timed chunk is held to what is really left of the step."""
         self.tokens -= tokens
-        # A chunk held to one token of the floor spends all of it: beside other tenants'
-        # decodes the step's floor is one token for everyone but the least-served tenant.
-        self.floor = max(0, self.floor - tokens) if self.full_floor else 0
-        if self.seconds is not None and self.cost is not None:
-            spent = self.cost.chunk_seconds(context, tokens)
+        if terms.timed:
+            # A chunk held to one token of the floor spends all of it.
+            self.floor = max(0, self.floor - tokens) if terms.full_floor else 0
+        if self.cost is not None:
+            spent = self.cost.chunk_seconds(context, tokens, self.step_tokens)
             self.seconds -= spent
             self.stretch_s -= spent
+        self.step_tokens += tokens
 
     def is_open(self) -> bool:
-        """Whether a one-token chunk at position 0 still fits, for a chunk not held to the
-        decode stretch."""
-        if self.tokens <= 0:
-            return False
-        if self.floor > 0 or self.seconds is None or self.cost is None:
-            return True
-        return self.cost.chunk_tokens(self.seconds, 0) > 0
+        return self.tokens > 0
+
+
+class StepBudget:
+    """Sizes steps for the scheduler: ``decode_rows`` then ``room``, with ``terms`` per
+    chunk; ``observe`` feeds each step's wall time back into the cost model."""
+
+    def __init__(self, tuning: SchedulerTuning, regime: Regime) -> None:
+        self.tuning = tuning
+        self.cost = StepCostModel(regime, tuning.cost_decay)
+
+    def fit(self) -> StepCost | None:
+        """The cost model for this step; None while steps are sized in tokens alone."""
+        return self.cost.fit() if self.tuning.timed else None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(shape.rows, shape.row_keys, shape.chunks, seconds)
+
+    def cpu_tokens(self, seconds: float) -> float:
+        """The prefill tokens (a fraction too) a step computes in ``seconds`` of CPU time,
+        by the fitted per-token cost (``cpu_seconds_per_token`` before a chunk was seen)."""
+        cost = self.cost.fit()
+        per_token = cost.per_token_s if cost is not None and cost.per_token_s > 0 else 0.0
+        return max(0.0, seconds) / (per_token or self.tuning.cpu_seconds_per_token)
+
+    def decode_rows(
+        self, fair: FairShare, decoding: Sequence[R], cost: StepCost | None
+    ) -> tuple[list[R], float]:
+        """The decode rows this step runs, in ``decoding``'s order, and the guard: the step
+        time they leave (infinite when no guard applies).
+        NOTE: with every row in every step, a tenant's eight streams at 1,000 keys made a
+        victim's one stream decode at 80-90 ms a token against 30 ms alone (one thread)."""
+        stretch = self.tuning.decode_stretch
+        if cost is None or stretch <= 0 or not decoding:
+            return list(decoding), math.inf
+        first, rest = fair.decode_order(decoding)
+        keys = sum(s.num_computed + 1 for s in first)
+        # A row's sampling cost (its grammar mask, penalties, truncation, logprobs) is part
+        # of what it adds to the step, measured per row: a grammar's mask can cost far more
+        # than the forward (170 ms a token for an ambiguous grammar), so an expensive row
+        # runs beside others' decodes only when its tenant is the least served.
+        sampling = sum(s.sample_s for s in first)
+        guard = max(1.0, stretch) * (cost.decode_seconds(len(first), keys) + sampling)
+        rows = list(first)
+        for seq in rest:
+            more = keys + seq.num_computed + 1
+            if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:
+                rows.append(seq)
+                keys = more
+                sampling += seq.sample_s
+                fair.ran(seq.tenant, seq.admit_order)
+        chosen = {id(s) for s in rows}
+        return [s for s in decoding if id(s) in chosen], guard
+
+    def room(
+        self, decodes: Sequence[DecodeRow], cost: StepCost | None, guard_s: float, alone: bool
+    ) -> StepRoom:
+        """What the step's prefill chunks may take once ``decodes`` are in; ``alone``: one
+        request has work, so no per-request cap applies."""
+        t = self.tuning
+        tokens = max(t.max_num_batched_tokens - len(decodes), 0)
+        cap_tokens = t.prefill_chunk or (1 << 30 if alone else t.chunk_cap())
+        if not t.timed:
+            return StepRoom(tokens, len(decodes), cap_tokens=cap_tokens)
+        seconds = t.max_step_ms / 1000.0
+        stretch_s = math.inf
+        if cost is not None and decodes and math.isfinite(guard_s):
+            keys = sum(s.num_computed + 1 for s in decodes)
+            # NOTE: the bound is on what prefill adds, not on the whole step. Held to a
+            # 100 ms step, a CPU batch of 8 decodes (~70 ms) left about one floor of 16
+            # prefill tokens a step, and two tenants' offline work ran at half speed.
+            stretch_s = max(0.0, guard_s - cost.decode_seconds(len(decodes), keys))
+        cap_s = seconds * t.request_share if not alone and not t.prefill_chunk else math.inf
+        return StepRoom(
+            tokens, len(decodes), cost, seconds, stretch_s, t.min_prefill_tokens,
+            cap_tokens, cap_s,
+        )
+
+    def terms(
+        self, fair: FairShare, tenant: str, remaining: int, decoding: set[str], others: bool
+    ) -> ChunkTerms:
+        """The terms of a chunk of ``tenant`` with ``remaining`` prompt tokens to go, in a
+        step whose decode rows belong to ``decoding``; ``others``: another tenant has work.
+        NOTE: with a floor of one token for everyone beside decodes, a victim's short prompt
+        advanced a token a step while an attacker's streams decoded (TTFT 0.09 -> 0.5 s);
+        with the full floor for everyone, an attacker's long prompts added 16 tokens to
+        every one of the victim's steps (inter-token gap 0.018 -> 0.10 s)."""
+        if not self.tuning.timed or not others:
+            return UNTIMED
+        owed = fair.owed(tenant, decoding)
+        full = owed or remaining <= self.tuning.min_prefill_tokens
+        return ChunkTerms(timed=True, stretched=not owed, full_floor=full)

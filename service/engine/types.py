@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from service.engine.grammar import CompiledGrammar
 
 from kvcache.stats import CacheStats
+from service.engine.tuning import SchedulerTuning
 
 FinishReason = Literal["stop", "length", "abort", "deadline", "error"]
 
@@ -98,7 +99,8 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class TenantSchedPolicy:
-    """Per-tenant scheduling: DRR weight, concurrency cap, waiting-queue bound."""
+    """Per-tenant scheduling: fair-share weight (a tenant of weight 2 is owed twice the
+    processed tokens of one of weight 1), concurrency cap, waiting-queue bound."""
 
     weight: float = 1.0
     max_running: int = 64
@@ -107,37 +109,26 @@ class TenantSchedPolicy:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Engine limits.
-
-    ``max_num_batched_tokens`` is the per-step token budget shared by decodes and prefill
-    chunks. ``long_prefill_threshold`` (``--prefill-chunk``) caps one request's prefill chunk
-    per step while others have work (0 = half the step's budget), so one long prompt cannot
-    take a whole step from the others. ``max_step_ms`` > 0 sizes each step's prefill from a
-    measured cost model so it adds at most that long to the step while two or more tenants
-    have work (one tenant alone gets the whole token budget). A step that the least-served
-    decoding tenant's streams are in lasts at most ``decode_stretch`` times what their rows
-    alone cost (0 = no such bound): decode rows and prefill chunks of tenants that have had
-    more weighted tokens fit within that or wait a step, so a stream's inter-token gap stays
-    within that multiple of what it is alone.
-    ``drr_quantum`` is the tokens a weight-1 tenant may admit per round-robin visit (smaller
-    interleaves tenants more finely; costs are prompt + max_tokens).
+    """Engine limits. ``tuning`` holds every scheduling constant (the token budget, the step
+    time bound and decode stretch, the prefill chunk and floor; service/engine/tuning.py and
+    docs/scheduling.md), with the same defaults ``kvfence serve`` has.
     ``compile`` (``--compile``): ``on`` runs small decode batches through a ``torch.compile``
     forward built at start (service/engine/compiled.py) and fails the start where it cannot,
     ``auto`` does so where it can, ``off`` never.
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
     max_model_len: int = 2048
-    long_prefill_threshold: int = 0
-    max_step_ms: float = 0.0
-    decode_stretch: float = 2.0
-    drr_quantum: int = 128
+    tuning: SchedulerTuning = field(default_factory=SchedulerTuning)
     warmup: bool = True
     compile: str = "off"  # auto | on | off
     warmup_decode_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     evict_interval_s: float = 1.0
     idle_wait_s: float = 0.05
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.tuning.max_num_batched_tokens
 
 
 @dataclass(frozen=True, slots=True)

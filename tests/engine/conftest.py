@@ -12,6 +12,7 @@ import torch
 from kvcache import CacheConfig
 from service.engine.core import EngineCore
 from service.engine.factory import build_core
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import (
     Admitted,
     Delta,
@@ -113,6 +114,12 @@ class Recorder:
         return first
 
 
+def untimed(**kw: object) -> SchedulerTuning:
+    """Scheduling constants with steps sized in tokens alone (``max_step_ms`` 0), so a
+    test's plan does not depend on how fast the machine runs the tiny model."""
+    return SchedulerTuning(**{"max_step_ms": 0.0, **kw})  # type: ignore[arg-type]
+
+
 def make_core(
     loaded: LoadedModel,
     *,
@@ -125,7 +132,7 @@ def make_core(
 ) -> EngineCore:
     return build_core(
         loaded,
-        config or EngineConfig(warmup=False),
+        config or EngineConfig(warmup=False, tuning=untimed()),
         CacheConfig(page_size=page_size, default_ttl_s=ttl),
         kv_pages=pages,
         clock=clock or FakeClock(),

@@ -21,6 +21,7 @@ from tests.engine.conftest import (
     near_tie_divergences,
     run_all,
     run_one_at_a_time,
+    untimed,
 )
 from tools.parity.corpus import PROMPTS, tokenizer_corpus
 
@@ -109,7 +110,7 @@ def test_small_pool_preempts(default_model: LoadedModel, reference) -> None:  # 
 
 
 def test_prefill_chunks_of_32(default_model: LoadedModel, reference) -> None:  # type: ignore[no-untyped-def]
-    config = EngineConfig(long_prefill_threshold=32, warmup=False)
+    config = EngineConfig(tuning=untimed(prefill_chunk=32), warmup=False)
     core = make_core(default_model, config=config, pages=1024)
     check("chunk 32", run_batched(core, reference[0]), reference)
     assert_at_baseline(core)

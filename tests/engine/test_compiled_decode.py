@@ -17,10 +17,12 @@ import torch
 from service.engine import compiled
 from service.engine.types import EngineConfig
 from service.model import LoadedModel, load_model
-from tests.engine.conftest import Recorder, make_core, prompt_ids, req, run_all
+from tests.engine.conftest import Recorder, make_core, prompt_ids, req, run_all, untimed
 from tests.fixtures.tiny_models import write_tiny_llama
 
-CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=256, warmup=False)
+CONFIG = EngineConfig(
+    max_num_seqs=2, tuning=untimed(max_num_batched_tokens=256), max_model_len=256, warmup=False
+)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from tests.engine.conftest import (
     prompt_ids,
     req,
     run_all,
+    untimed,
 )
 
 V = 384
@@ -49,7 +50,7 @@ async def collect(stream) -> list[EngineEvent]:  # type: ignore[no-untyped-def]
 
 
 def test_warmup_runs_before_start_returns_and_leaves_pool_at_baseline(tiny: LoadedModel) -> None:
-    engine = build_engine(tiny, EngineConfig(max_num_batched_tokens=64), CacheConfig(), kv_pages=64)
+    engine = build_engine(tiny, EngineConfig(tuning=untimed(max_num_batched_tokens=64)), CacheConfig(), kv_pages=64)
     engine.start()
     try:
         stats = asyncio.run(engine.stats())

@@ -9,9 +9,11 @@ tenant most over its share is the one preempted.
 from __future__ import annotations
 
 from kvcache import TenantCachePolicy
+from service.engine.cost_model import StepCost
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import EngineConfig, TenantSchedPolicy
 from service.model import LoadedModel
-from tests.engine.conftest import FakeClock, Recorder, make_core, prompt_ids, req
+from tests.engine.conftest import FakeClock, Recorder, make_core, prompt_ids, req, untimed
 
 V = 384
 
@@ -27,7 +29,8 @@ def _computed(core: object, request_id: str) -> int:
 def test_long_prefills_of_one_tenant_do_not_delay_anothers_first_token(
     tiny: LoadedModel,
 ) -> None:
-    core = make_core(tiny, config=EngineConfig(warmup=False, max_num_batched_tokens=64))
+    config = EngineConfig(warmup=False, tuning=untimed(max_num_batched_tokens=64))
+    core = make_core(tiny, config=config)
     rec = Recorder()
     for i in range(3):
         r = req(f"a{i}", prompt_ids(i, 300, V), tenant="a", max_tokens=2)
@@ -44,7 +47,8 @@ def test_long_prefills_of_one_tenant_do_not_delay_anothers_first_token(
 
 
 def test_prefill_tokens_are_shared_by_weight(tiny: LoadedModel) -> None:
-    core = make_core(tiny, config=EngineConfig(warmup=False, max_num_batched_tokens=64))
+    config = EngineConfig(warmup=False, tuning=untimed(max_num_batched_tokens=64))
+    core = make_core(tiny, config=config)
     core.set_tenant_policy("heavy", sched=TenantSchedPolicy(weight=3.0))
     rec = Recorder()
     for tenant in ("heavy", "light"):
@@ -97,37 +101,36 @@ def test_out_of_pages_preempts_the_tenant_most_over_its_share(tiny: LoadedModel)
     assert len(running & {"a0", "a1", "a2"}) == 2
 
 
-def _teach_cost(core: object, decode_s: float, per_token_s: float) -> None:
+def _teach_cost(core: object, decode_s: float, per_token_s: float) -> StepCost:
     """Replace what the scheduler's cost model learned with a machine whose decode-only
     step takes ``decode_s`` and whose prefill chunk tokens cost ``per_token_s`` each."""
-    model = core.scheduler.cost  # type: ignore[attr-defined]
+    model = core.scheduler.budget.cost  # type: ignore[attr-defined]
     for _ in range(200):  # the real steps' weight decays to nothing
         for rows in (1, 2, 3):
             model.observe(rows, 10 * rows, [], decode_s)
         for tokens in (8, 32, 100):
             model.observe(0, 0, [(0, tokens)], decode_s + per_token_s * tokens)
+    fitted = model.fit()
+    assert fitted is not None
+    return fitted
 
 
 def _chunk_beside_b_decode(
     tiny: LoadedModel,
-    config: EngineConfig,
+    tuning: SchedulerTuning,
     *,
     prefiller: str = "a",
     prompt: int = 400,
     ahead_by: int = 0,
     other_done_ago: float | None = None,
-    packed_rows: int = 0,
-    queued: int = 0,
-) -> int:
+) -> tuple[int, StepCost]:
     """The chunk a ``prompt``-token request of ``prefiller`` gets in its first step while
-    tenant b's stream decodes, on a machine taught to take 20 ms a decode and 1 ms a token.
-    ``ahead_by``: tokens the prefiller has had beyond its lift; ``other_done_ago``: a request
-    of tenant c finished that many seconds before b's arrived; ``packed_rows``: the largest
-    batch the model's packed decode weights serve, as the scheduler is told it (0: none);
-    ``queued``: more requests of the prefiller waiting behind a's."""
+    tenant b's stream decodes, on a machine taught to take 20 ms a decode and 1 ms a token,
+    and the cost model as taught. ``ahead_by``: tokens the prefiller has had beyond its
+    lift; ``other_done_ago``: a request of tenant c finished that many seconds before b's
+    arrived."""
     clock = FakeClock()
-    core = make_core(tiny, config=config, clock=clock)
-    core.scheduler.cost.packed_rows = packed_rows  # type: ignore[attr-defined]
+    core = make_core(tiny, config=EngineConfig(warmup=False, tuning=tuning), clock=clock)
     rec = Recorder()
     if other_done_ago is not None:
         core.add(req("c", prompt_ids(5, 10, V), tenant="c", max_tokens=1), rec.sink("c"))
@@ -138,102 +141,78 @@ def _chunk_beside_b_decode(
     core.add(b, rec.sink("b"))
     core.step()  # b is prefilled; it decodes from now on
     core.add(req("a", prompt_ids(1, prompt, V), tenant=prefiller, max_tokens=2), rec.sink("a"))
-    for i in range(queued):
-        q = req(f"q{i}", prompt_ids(20 + i, prompt, V), tenant=prefiller, max_tokens=2)
-        core.add(q, rec.sink(f"q{i}"))
     core.scheduler.counter.charge(prefiller, ahead_by)  # type: ignore[attr-defined]
-    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
+    cost = _teach_cost(core, decode_s=0.020, per_token_s=0.001)
     core.step()
     assert len(rec.tokens("b")) == 2  # the decode ran in the same step as a's chunk
-    return _computed(core, "a")
+    return _computed(core, "a"), cost
 
 
-def _chunk_beside_a_decode(
-    tiny: LoadedModel, stretch: float, ahead_by: int = 1000, max_step_ms: float = 1000.0
-) -> int:
-    config = EngineConfig(warmup=False, max_step_ms=max_step_ms, decode_stretch=stretch)
-    return _chunk_beside_b_decode(tiny, config, ahead_by=ahead_by)
+def _tuning(stretch: float, max_step_ms: float, floor: int = 16) -> SchedulerTuning:
+    return SchedulerTuning(
+        max_step_ms=max_step_ms, decode_stretch=stretch, min_prefill_tokens=floor
+    )
 
 
 def test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step(
     tiny: LoadedModel,
 ) -> None:
     # Prefill may add 1 s to the step, but b is decoding and a has had 1,000 more tokens:
-    # a's chunk may add only one more decode step's time (20 ms at 1 ms a token), so b's
+    # a's chunk may add only what the stretch leaves of b's decode-only step, so b's
     # inter-token gap at most doubles.
-    assert _chunk_beside_a_decode(tiny, stretch=2.0) == 20
+    got, cost = _chunk_beside_b_decode(tiny, _tuning(2.0, 1000.0), ahead_by=1000)
+    decode_s = cost.decode_seconds(1, 11)
+    assert got == cost.chunk_tokens((2.0 - 1) * decode_s, 0, step_tokens=1)
+    assert cost.decode_seconds(1, 11) + cost.chunk_seconds(0, got, 1) <= 2.0 * decode_s + 1e-9
     # Without the stretch the chunk takes what the 1 s and the token budget allow.
-    assert _chunk_beside_a_decode(tiny, stretch=0.0) > 200
+    free, _ = _chunk_beside_b_decode(tiny, _tuning(0.0, 1000.0), ahead_by=1000)
+    assert free > 10 * got
 
 
 def test_a_tenant_owed_service_is_held_only_to_max_step_ms(tiny: LoadedModel) -> None:
     # a, lifted level with b on arrival, is owed service: b's decodes are b's share being
-    # spent, so a's chunk may add the whole 100 ms (one request gets half of it while
-    # others have work: 50 tokens), not just the stretch's 20 ms.
-    assert _chunk_beside_a_decode(tiny, stretch=2.0, ahead_by=0, max_step_ms=100.0) == 50
+    # spent, so a's chunk may add the whole max_step_ms (one request gets request_share of
+    # it while others have work), not just the stretch.
+    tuning = _tuning(2.0, 100.0)
+    got, cost = _chunk_beside_b_decode(tiny, tuning)
+    share_s = tuning.max_step_ms / 1000 * tuning.request_share
+    assert got == cost.chunk_tokens(share_s, 0, step_tokens=1)
     # Ahead of b by 1,000 tokens, the same chunk is held to the stretch.
-    assert _chunk_beside_a_decode(tiny, stretch=2.0, ahead_by=1000, max_step_ms=100.0) == 20
+    held, _ = _chunk_beside_b_decode(tiny, tuning, ahead_by=1000)
+    assert held == cost.chunk_tokens(cost.decode_seconds(1, 11), 0, step_tokens=1) < got
 
 
-def test_a_timed_step_with_decodes_stays_a_batch_the_packed_weights_serve(
+def test_the_step_time_bound_applies_while_another_tenant_has_work(
     tiny: LoadedModel,
 ) -> None:
-    config = EngineConfig(warmup=False, max_step_ms=100.0, decode_stretch=2.0)
-    # a is owed service: the time target alone gives its chunk 50 tokens (as above).
-    assert _chunk_beside_b_decode(tiny, config) == 50
-    # Packed weights serve batches of up to 40 tokens: beside b's one decode row the chunk
-    # is held to 39, so the step is not moved onto the dense weights with b's row waiting.
-    assert _chunk_beside_b_decode(tiny, config, packed_rows=40) == 39
-    # ... but never below the prefill floor.
-    assert _chunk_beside_b_decode(tiny, config, packed_rows=8) == 16
-    # With four requests waiting for prefill the queue fills a big dense step: not held.
-    assert _chunk_beside_b_decode(tiny, config, packed_rows=40, queued=2) == 39
-    assert _chunk_beside_b_decode(tiny, config, packed_rows=40, queued=3) == 50
-    # Untimed (b's own tenant, nobody to guard) the step takes the whole prompt as before.
-    assert _chunk_beside_b_decode(tiny, config, prefiller="b", packed_rows=40) == 400
-
-
-def _chunk_beside_own_decode(
-    tiny: LoadedModel, prefiller: str, other_done_ago: float | None = None
-) -> int:
-    """Prefill may add a tight 10 ms to a step (stretch 2) while b decodes."""
-    config = EngineConfig(warmup=False, max_step_ms=10.0, decode_stretch=2.0)
-    return _chunk_beside_b_decode(
-        tiny, config, prefiller=prefiller, other_done_ago=other_done_ago
-    )
-
-
-def test_the_step_time_target_applies_only_while_two_tenants_have_work(
-    tiny: LoadedModel,
-) -> None:
+    tuning = _tuning(2.0, 10.0)  # prefill may add a tight 10 ms to a step
     # Another tenant's stream is decoding: the chunk is held to the 10 ms, raised to the
-    # 16-token floor (a, lifted level with b on arrival, is no more served).
-    assert _chunk_beside_own_decode(tiny, prefiller="a") == 16
+    # prefill floor (a, lifted level with b on arrival, is owed service).
+    held, cost = _chunk_beside_b_decode(tiny, tuning)
+    bound = cost.chunk_tokens(0.010 * tuning.request_share, 0, step_tokens=1)
+    assert held == max(bound, tuning.min_prefill_tokens)
     # The same prompt from the decoding stream's own tenant has nobody to be guarded from:
     # the whole prompt goes in one step (511 tokens of budget are left beside the decode).
-    assert _chunk_beside_own_decode(tiny, prefiller="b") == 400
-    # A tenant between two requests is still guarded for 2 s after its last one ended.
-    assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=1.0) == 16
-    assert _chunk_beside_own_decode(tiny, prefiller="b", other_done_ago=3.0) == 400
-
-
-def _floor_chunk(tiny: LoadedModel, a_ahead_by: int, prompt: int = 400) -> int:
-    """No room left by the time targets at all (prefill may add 1 ms, stretch 1): only the
-    prefill floor moves a."""
-    config = EngineConfig(warmup=False, max_step_ms=1.0, decode_stretch=1.0)
-    return _chunk_beside_b_decode(tiny, config, prompt=prompt, ahead_by=a_ahead_by)
+    assert _chunk_beside_b_decode(tiny, tuning, prefiller="b")[0] == 400
+    # A tenant between two requests is still guarded for idle_grace_s after its last one.
+    grace = tuning.idle_grace_s
+    assert _chunk_beside_b_decode(tiny, tuning, prefiller="b", other_done_ago=grace / 2)[0] == held
+    assert _chunk_beside_b_decode(tiny, tuning, prefiller="b", other_done_ago=grace * 1.5)[0] == 400
 
 
 def test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_floor(
     tiny: LoadedModel,
 ) -> None:
-    # Level with b (a victim whose short prompt must not crawl a token a step): 16 tokens.
-    assert _floor_chunk(tiny, a_ahead_by=0) == 16
+    # No room left by the time bounds at all (prefill may add 1 us, stretch 1): only the
+    # prefill floor moves a.
+    tuning = _tuning(1.0, 0.001, floor=16)
+    # Level with b (a victim whose short prompt must not crawl a token a step): the floor.
+    assert _chunk_beside_b_decode(tiny, tuning)[0] == tuning.min_prefill_tokens
     # Ahead of b (an attacker's long prompts beside the victim's stream): one token a step.
-    assert _floor_chunk(tiny, a_ahead_by=1000) == 1
+    assert _chunk_beside_b_decode(tiny, tuning, ahead_by=1000)[0] == 1
     # ... unless the rest of the prompt fits in the floor: one small chunk finishes it (a
     # victim charged for its prompt's first chunk is briefly ahead of the hog it was lifted to).
-    assert _floor_chunk(tiny, a_ahead_by=1000, prompt=12) == 12
+    assert _chunk_beside_b_decode(tiny, tuning, prompt=12, ahead_by=1000)[0] == 12
 
 
 def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int = 8) -> dict:
@@ -241,8 +220,8 @@ def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int
     ahead, beside tenant b's one, on a machine taught that a decode step costs 12 ms plus
     5 ms a row (b's row alone: 17 ms; the guard at stretch 2: 34 ms, so b's row and three
     of a's: 32 ms)."""
-    config = EngineConfig(warmup=False, max_step_ms=1000.0, decode_stretch=stretch)
-    core = make_core(tiny, config=config, clock=FakeClock())
+    tuning = SchedulerTuning(max_step_ms=1000.0, decode_stretch=stretch)
+    core = make_core(tiny, config=EngineConfig(warmup=False, tuning=tuning), clock=FakeClock())
     rec = Recorder()
     names = ["a0", "a1", "a2", "a3", "b0"]
     for i, name in enumerate(names):
@@ -253,7 +232,7 @@ def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int
     core.scheduler.counter.charge("a", 1000)  # type: ignore[attr-defined]
     # The taught machine stays: the tiny model's real steps are not observed.
     core.scheduler.observe_step = lambda shape, seconds: None  # type: ignore[attr-defined]
-    model = core.scheduler.cost  # type: ignore[attr-defined]
+    model = core.scheduler.budget.cost  # type: ignore[attr-defined]
     for _ in range(200):
         for rows in range(1, 7):
             model.observe(rows, 0, [], 0.012 + 0.005 * rows)
@@ -277,22 +256,25 @@ def test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream(
     assert set(_decodes_beside_a_heavy_tenant(tiny, stretch=0.0).values()) == {8}
 
 
-
 def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
     tiny: LoadedModel,
 ) -> None:
-    core = make_core(tiny, config=EngineConfig(warmup=False, max_num_batched_tokens=64))
+    tuning = untimed(max_num_batched_tokens=64)
+    core = make_core(tiny, config=EngineConfig(warmup=False, tuning=tuning))
     core.set_tenant_policy("heavy", sched=TenantSchedPolicy(weight=2.0))
     counter = core.scheduler.counter
-    assert core.charge_cpu("a", 0.25) == 250  # no prefill fitted yet: 1 ms a token
-    assert core.charge_cpu("heavy", 0.25) == 250
-    assert counter["a"] == 250 and counter["heavy"] == 125  # weighted, as processed tokens
+    # No prefill fitted yet: cpu_seconds_per_token a token.
+    unfitted = int(0.25 / tuning.cpu_seconds_per_token + 1e-9)
+    assert core.charge_cpu("a", 0.25) == unfitted
+    assert core.charge_cpu("heavy", 0.25) == unfitted
+    # weighted, as processed tokens
+    assert counter["a"] == unfitted and counter["heavy"] == unfitted / 2
     rec = Recorder()
     r = req("p", prompt_ids(1, 200, V), tenant="b", max_tokens=2)
     core.add(r, rec.sink("p"))
     for _ in range(3):
         core.step()
-    fit = core.scheduler.cost.fit()
+    fit = core.scheduler.budget.cost.fit()
     assert fit is not None and fit.per_token_s > 0
     # Once prefill is measured, a second is what that many prefill tokens would take.
     assert core.charge_cpu("a", 0.25) == int(0.25 / fit.per_token_s + 1e-9)

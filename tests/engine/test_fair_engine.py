@@ -7,7 +7,7 @@ from collections import Counter
 from service.engine.core import EngineCore
 from service.engine.types import Admitted, Delta, EngineConfig, EngineEvent, TenantSchedPolicy
 from service.model import LoadedModel
-from tests.engine.conftest import assert_at_baseline, make_core, prompt_ids, req
+from tests.engine.conftest import assert_at_baseline, make_core, prompt_ids, req, untimed
 
 V = 384
 
@@ -49,9 +49,9 @@ def test_newcomer_is_admitted_within_a_bounded_number_of_steps(tiny: LoadedModel
     for _ in range(20):
         core.step()
     waits = [log.admitted_at[f"b{i}"] - submitted for i in range(5)]
-    # Slots free every 6 steps (6 tokens per request, all A's in lock-step); A's open DRR
-    # visit (128 tokens, cost 10 each) may fill the first free slots, then B takes its
-    # quantum. Bound: two request lifetimes plus one step.
+    # Slots free every 6 steps (6 tokens per request, all A's in lock-step); B, lifted level
+    # with A on arrival, is the least served tenant at the next free slots. Bound: two
+    # request lifetimes plus one step.
     assert max(waits) <= 2 * 6 + 1, waits
     assert sum(1 for rid in log.admitted_at if rid.startswith("a")) < 40  # A was not starved either
     core.finish_all("abort")
@@ -59,7 +59,7 @@ def test_newcomer_is_admitted_within_a_bounded_number_of_steps(tiny: LoadedModel
 
 
 def test_weights_three_to_one_split_tokens_under_saturation(tiny: LoadedModel) -> None:
-    config = EngineConfig(max_num_seqs=8, drr_quantum=16, warmup=False)
+    config = EngineConfig(max_num_seqs=8, tuning=untimed(), warmup=False)
     core = make_core(tiny, config=config)
     core.set_tenant_policy("A", TenantSchedPolicy(weight=3.0, max_waiting=500))
     core.set_tenant_policy("B", TenantSchedPolicy(weight=1.0, max_waiting=500))

@@ -1,90 +1,83 @@
-"""Weighted deficit round-robin over tenant queues."""
+"""The fair share: one currency (weighted processed tokens) orders admission, chunks and
+decode rows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
-
-from service.engine.fairness import FairQueue, TokenCounter
+from service.engine.fairness import FairShare, Presence, TenantQueues, TokenCounter
 
 
 @dataclass(eq=False)
 class Item:
     tenant: str
-    cost: int
     name: str = ""
+    admit_order: int = 0
 
 
-def drain(q: FairQueue[Item], n: int, eligible=lambda t: True) -> list[Item]:  # type: ignore[no-untyped-def]
-    out = []
-    for _ in range(n):
-        item = q.peek(eligible)
-        if item is None:
-            break
-        q.pop(item)
-        out.append(item)
-    return out
+def test_admission_offers_the_least_served_eligible_tenant_first() -> None:
+    q: TenantQueues[Item] = TenantQueues()
+    for name in ("a1", "a2", "b1", "c1"):
+        q.push(Item(name[0], name))
+    served = {"a": 10.0, "b": 3.0, "c": 5.0}
+    head = q.peek(lambda t: True, served.__getitem__)
+    assert head is not None and head.name == "b1"
+    # b at its running cap: the next least served is offered instead.
+    head = q.peek(lambda t: t != "b", served.__getitem__)
+    assert head is not None and head.name == "c1"
+    # Each tenant's queue is served in order; a preempted request goes back in front.
+    q.remove(q.peek(lambda t: t == "a", served.__getitem__))  # type: ignore[arg-type]
+    back = Item("a", "a0")
+    q.push(back, front=True)
+    assert q.peek(lambda t: t == "a", served.__getitem__) is back
+    assert (len(q), q.num_waiting("a"), q.tenants()) == (4, 2, ("a", "b", "c"))
+    assert q.peek(lambda t: False, served.__getitem__) is None
 
 
-def test_weights_split_admitted_tokens_exactly_per_round() -> None:
-    weights = {"a": 3.0, "b": 1.0}
-    q: FairQueue[Item] = FairQueue(64, weights.__getitem__)
-    for i in range(300):
-        q.push(Item("a", 32, f"a{i}"))
-        q.push(Item("b", 32, f"b{i}"))
-    order = [x.tenant for x in drain(q, 160)]
-    # quantum 64, cost 32: a admits 6 per visit, b admits 2.
-    assert order[:8] == ["a"] * 6 + ["b"] * 2
-    assert order.count("a") == 120
-    assert order.count("b") == 40
+def test_ties_go_to_the_tenant_that_queued_first() -> None:
+    q: TenantQueues[Item] = TenantQueues()
+    q.push(Item("b", "b1"))
+    q.push(Item("a", "a1"))
+    head = q.peek(lambda t: True, lambda t: 0.0)
+    assert head is not None and head.name == "b1"
 
 
-def test_newcomer_waits_at_most_one_visit_of_the_others() -> None:
-    q: FairQueue[Item] = FairQueue(128, lambda t: 1.0)
-    for i in range(200):
-        q.push(Item("a", 40, f"a{i}"))
-    first = drain(q, 1)
-    assert first[0].tenant == "a"
-    for i in range(5):
-        q.push(Item("b", 40, f"b{i}"))
-    order = [x.tenant for x in drain(q, 30)]
-    positions = [i for i, t in enumerate(order) if t == "b"]
-    # a's visit holds 128 tokens = 3 requests of 40 (one already taken), then b gets 3.
-    assert positions[:3] == [2, 3, 4]
-    assert len(positions) == 5 and positions[-1] < 12
+def test_processed_tokens_are_charged_by_weight_and_the_step_counts_what_it_gave() -> None:
+    weights = {"heavy": 3.0, "light": 1.0}
+    fair = FairShare(weights.__getitem__)
+    fair.counter.charge("heavy", 300)
+    fair.counter.charge("light", 100)
+    assert fair.served("heavy") == fair.served("light") == 100.0
+    fair.spend("light", 30)  # what the step being planned gave light so far
+    assert fair.served("light") == 130.0
+    assert fair.owed("heavy", {"light"}) and not fair.owed("light", {"heavy"})
+    fair.new_step()
+    assert fair.served("light") == 100.0
 
 
-def test_ineligible_tenant_is_skipped_without_earning() -> None:
-    q: FairQueue[Item] = FairQueue(10, lambda t: 1.0)
-    q.push(Item("a", 10))
-    q.push(Item("b", 10))
-    got = q.peek(lambda t: t != "a")
-    assert got is not None and got.tenant == "b"
-    assert q.peek(lambda t: False) is None
+def test_decode_rows_least_served_first_and_the_others_take_turns() -> None:
+    fair = FairShare(lambda t: 1.0)
+    fair.counter.charge("a", 1000)
+    rows = [Item("a", f"a{i}", i) for i in (1, 2, 3)] + [Item("b", "b4", 4)]
+    first, rest = fair.decode_order(rows)
+    assert [r.name for r in first] == ["b4"]
+    assert [r.name for r in rest] == ["a1", "a2", "a3"]
+    fair.ran("a", 2)  # a2 was the last of a's rows to run: a3 goes first next time
+    assert [r.name for r in fair.decode_order(rows)[1]] == ["a3", "a1", "a2"]
+    fair.idle("a")
+    assert [r.name for r in fair.decode_order(rows)[1]] == ["a1", "a2", "a3"]
 
 
-def test_cost_above_quantum_skips_rounds_without_looping() -> None:
-    q: FairQueue[Item] = FairQueue(1, lambda t: {"a": 1.0, "b": 0.25}[t])
-    q.push(Item("a", 1000, "big"))
-    q.push(Item("b", 100, "small"))
-    # b needs 400 visits, a needs 1000: b goes first.
-    assert [x.name for x in drain(q, 2)] == ["small", "big"]
-    assert len(q) == 0
-
-
-def test_front_push_remove_and_counts() -> None:
-    q: FairQueue[Item] = FairQueue(100, lambda t: 1.0)
-    a1, a2, a3 = Item("a", 5, "a1"), Item("a", 5, "a2"), Item("a", 5, "a3")
-    for it in (a1, a2):
-        q.push(it)
-    q.push(a3, front=True)
-    assert q.num_waiting("a") == 3 and len(q) == 3
-    assert q.remove(a2) and not q.remove(a2)
-    assert [x.name for x in drain(q, 5)] == ["a3", "a1"]
-    assert q.num_waiting("a") == 0 and len(q) == 0
-    with pytest.raises(ValueError):
-        FairQueue(0, lambda t: 1.0)
+def test_a_tenant_between_requests_counts_as_present_for_the_grace_period() -> None:
+    now = [0.0]
+    presence = Presence(lambda: now[0], grace_s=2.0)
+    presence.update(["a", "b"])
+    now[0] = 1.5
+    presence.update(["a"])
+    assert presence.others("a")  # b ended 1.5 s ago
+    now[0] = 2.5
+    presence.update(["a"])
+    assert not presence.others("a") and presence.others("b")
 
 
 def test_a_returning_tenant_gets_no_credit_for_idle_time() -> None:

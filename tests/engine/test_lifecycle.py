@@ -25,6 +25,7 @@ from tests.engine.conftest import (
     prompt_ids,
     req,
     run_all,
+    untimed,
 )
 
 V = 384
@@ -35,7 +36,7 @@ def pages_in_use(core: EngineCore, tenant: str = "t1") -> int:
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_pages_within_one_step(tiny: LoadedModel) -> None:
-    core = make_core(tiny, config=EngineConfig(long_prefill_threshold=16, warmup=False))
+    core = make_core(tiny, config=EngineConfig(tuning=untimed(prefill_chunk=16), warmup=False))
     rec = Recorder()
     core.add(req("pre", prompt_ids(1, 100, V), max_tokens=5), rec.sink("pre"))
     core.add(req("dec", prompt_ids(2, 10, V), max_tokens=50, ignore_eos=True), rec.sink("dec"))
@@ -222,7 +223,7 @@ def test_seed_reproducible_across_batch_compositions(tiny: LoadedModel) -> None:
     ]
     mixed = Recorder()
     core = make_core(
-        tiny, sampler_seed=2, config=EngineConfig(max_num_batched_tokens=40, warmup=False)
+        tiny, sampler_seed=2, config=EngineConfig(tuning=untimed(max_num_batched_tokens=40), warmup=False)
     )
     run_all(core, mixed, [*crowd[:3], target, *crowd[3:]])
     assert mixed.tokens("x") == alone.tokens("x")

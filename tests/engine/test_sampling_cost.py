@@ -10,9 +10,10 @@ import time
 
 import torch
 
+from service.engine.cost_model import StepCost
 from service.engine.grammar import GrammarMatcher
 from service.engine.sampler import Sampler, SampleRow
-from service.engine.step_budget import StepCost
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import EngineConfig, SamplingParams
 from service.model import LoadedModel
 from tests.engine.conftest import Recorder, make_core, prompt_ids, req
@@ -78,8 +79,8 @@ def test_each_rows_mask_and_opted_in_stages_are_measured() -> None:
 def test_expensive_rows_of_one_tenant_do_not_join_every_step_of_anothers_decodes(
     tiny: LoadedModel,
 ) -> None:
-    config = EngineConfig(warmup=False, max_step_ms=50.0, decode_stretch=2.0,
-                          max_num_batched_tokens=64)
+    tuning = SchedulerTuning(max_step_ms=50.0, decode_stretch=2.0, max_num_batched_tokens=64)
+    config = EngineConfig(warmup=False, tuning=tuning)
     core = make_core(tiny, config=config)
     rec = Recorder()
     victim = req("victim", prompt_ids(1, 24, V), tenant="victim", max_tokens=400,
@@ -94,7 +95,7 @@ def test_expensive_rows_of_one_tenant_do_not_join_every_step_of_anothers_decodes
         core.add(r, rec.sink(r.request_id))
     # A fixed step cost (5 ms a decode step, 1 ms a prefill token) instead of the fit, so
     # the rule is tested, not how loaded this machine is.
-    core.scheduler.cost = _FixedCost()  # type: ignore[assignment]
+    core.scheduler.budget.cost = _FixedCost()  # type: ignore[assignment]
     for _ in range(4):  # prefills
         core.step()
     before_count = core.scheduler.counter["attacker"]

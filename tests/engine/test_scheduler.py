@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvcache import TenantCachePolicy
 from service.engine.core import EngineCore
-from service.engine.scheduler import SchedulerOutput
+from service.engine.plan import SchedulerOutput
 from service.engine.types import Admitted, Delta, EngineConfig, Finished
 from service.model import LoadedModel
 from tests.engine.conftest import (
@@ -16,6 +16,7 @@ from tests.engine.conftest import (
     req,
     run_all,
     run_one_at_a_time,
+    untimed,
 )
 
 V = 384
@@ -46,7 +47,7 @@ def mixed_requests(n: int = 12, max_prompt: int = 300) -> list:  # type: ignore[
 
 
 def test_decodes_first_then_prefill_chunks_under_the_budget(tiny: LoadedModel) -> None:
-    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    config = EngineConfig(tuning=untimed(max_num_batched_tokens=64), max_num_seqs=4, warmup=False)
     core = make_core(tiny, config=config)
     outs = spy(core)
     rec = Recorder()
@@ -67,7 +68,7 @@ def test_decodes_first_then_prefill_chunks_under_the_budget(tiny: LoadedModel) -
 
 
 def test_long_prefill_threshold_chunks_one_prompt(tiny: LoadedModel) -> None:
-    config = EngineConfig(long_prefill_threshold=32, warmup=False)
+    config = EngineConfig(tuning=untimed(prefill_chunk=32), warmup=False)
     core = make_core(tiny, config=config)
     outs = spy(core)
     run_all(core, Recorder(), [req("a", prompt_ids(1, 100, V), max_tokens=2)])
@@ -79,7 +80,7 @@ def test_batched_equals_one_at_a_time_with_chunks_and_preemption(tiny: LoadedMod
     alone, gaps = run_one_at_a_time(make_core(tiny, ttl=0.0), requests)
     for config, pages in [
         (EngineConfig(warmup=False), 512),
-        (EngineConfig(max_num_batched_tokens=48, long_prefill_threshold=32, warmup=False), 512),
+        (EngineConfig(tuning=untimed(max_num_batched_tokens=48, prefill_chunk=32), warmup=False), 512),
         (EngineConfig(warmup=False), 24),  # 20 pages hold the longest request alone
     ]:
         core = make_core(tiny, config=config, pages=pages, ttl=0.0)

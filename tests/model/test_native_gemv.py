@@ -429,7 +429,7 @@ def _small_core(lm: Any) -> Any:
     from service.engine.factory import build_core
     from service.engine.types import EngineConfig
 
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=256, warmup=False)
+    config = EngineConfig(max_num_seqs=4, max_model_len=256, warmup=False)
     return build_core(
         lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32, sampler_seed=0
     )

@@ -103,9 +103,15 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
     assert kv_budget(EngineSizing(kv_memory="2KiB")) == KVBudget(kv_bytes=2048)
 
 
-def test_decode_stretch_reaches_the_engine_config() -> None:
-    assert engine_config(EngineSizing(decode_stretch=1.5), model_len=2048).decode_stretch == 1.5
-    assert engine_config(EngineSizing(), model_len=2048).decode_stretch == 2.0
+def test_the_scheduling_flags_reach_the_engine_tuning() -> None:
+    sizing = EngineSizing(
+        max_num_batched_tokens=99, max_step_ms=40.0, decode_stretch=1.5, prefill_chunk=64
+    )
+    tuning = engine_config(sizing, model_len=2048).tuning
+    assert (
+        tuning.max_num_batched_tokens, tuning.max_step_ms, tuning.decode_stretch,
+        tuning.prefill_chunk,
+    ) == (99, 40.0, 1.5, 64)
 
 
 def test_batch_invariance_is_auto_by_default_for_serve_and_the_library() -> None:
@@ -133,4 +139,15 @@ def test_bad_decode_stretch_is_refused_in_one_line(value: str) -> None:
 
     config = serve_config(cli.parse_args(["serve", "--decode-stretch", value]))
     with pytest.raises(ConfigError, match="--decode-stretch must be a number >= 0"):
+        check_fair_compute(config)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bad_max_step_ms_is_refused_in_one_line(value: str) -> None:
+    from service import cli
+    from service.config import ConfigError
+    from service.preflight import check_fair_compute
+
+    config = serve_config(cli.parse_args(["serve", "--max-step-ms", value]))
+    with pytest.raises(ConfigError, match="--max-step-ms must be a number >= 0"):
         check_fair_compute(config)

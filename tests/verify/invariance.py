@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvcache import CacheConfig
 from service.engine.core import EngineCore
 from service.engine.factory import build_core
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import (
     Delta,
     EngineConfig,
@@ -147,7 +148,8 @@ def trial(
     subset = (
         requests if whole else rng.sample(requests, rng.randint(len(requests) // 2, len(requests)))
     )
-    config = EngineConfig(warmup=False, max_num_batched_tokens=budget, max_num_seqs=seqs)
+    tuning = SchedulerTuning(max_num_batched_tokens=budget, max_step_ms=0.0)
+    config = EngineConfig(warmup=False, tuning=tuning, max_num_seqs=seqs)
     c = core(loaded, pages, config)
     got = batched(c, subset, rng)
     bad = differing(got, {r.request_id: want[r.request_id] for r in subset})

@@ -4,13 +4,21 @@ from tools.mutants.mutant import edit, mutant
 
 SCHEDULER = "service/engine/scheduler.py"
 STEP_BUDGET = "service/engine/step_budget.py"
+COST_MODEL = "service/engine/cost_model.py"
+FAIRNESS = "service/engine/fairness.py"
 T_FAIR = "tests/engine/test_fair_compute.py"
+T_SHARE = "tests/engine/test_fairness.py"
+T_COST = "tests/engine/test_cost_model.py"
+T_PROPS = "tests/engine/test_scheduler_properties.py"
+T_LAG = f"{T_PROPS}::test_a_backlogged_tenant_never_lags_its_fair_share_by_more_than_two_steps"
+T_GAP = f"{T_PROPS}::test_a_tenants_gap_stays_within_the_stated_bound_of_its_own_rows_cost"
 
 MUTANTS = (
     mutant(
         "preempt-most-over-share",
         "when an overcommitted pool runs out, a sequence of the tenant most over its share is preempted",
-        edit(SCHEDULER, "rivals = self._running_of(self._most_over_share())",
+        edit(SCHEDULER,
+             "rivals = self._running_of(most_over_share(self._cache, self.running, self.fair))",
              "rivals = list(self.running)"),
         tests=f"{T_FAIR}::test_out_of_pages_preempts_the_tenant_most_over_its_share",
     ),
@@ -39,27 +47,28 @@ MUTANTS = (
     mutant(
         "decode-stretch-off",
         "while decodes run, a prefill chunk keeps the step within decode_stretch decode-only steps",
-        edit(SCHEDULER,
+        edit(STEP_BUDGET,
              "stretch_s = max(0.0, guard_s - cost.decode_seconds(len(decodes), keys))",
              "stretch_s = math.inf"),
-        tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+        tests=(f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+               T_GAP),
     ),
     mutant(
         "chunk-cost-ignores-context",
         "a prefill chunk is sized by the keys it reads, so late chunks of a long prompt stay in time",
-        edit(STEP_BUDGET, "b = self.per_token_s + self.per_key_s * (context + 0.5)",
+        edit(COST_MODEL, "b = self.per_token_s + self.per_key_s * (context + 0.5)",
              "b = self.per_token_s + self.per_key_s * 0.5"),
-        tests="tests/engine/test_step_budget.py",
+        tests=T_COST,
     ),
     mutant(
         "token-counter-unweighted",
         "prefill and decode tokens are shared by weight (virtual token counter)",
-        edit("service/engine/fairness.py",
+        edit(FAIRNESS,
              "self._count[tenant] = self[tenant] + tokens / self._weight(tenant)",
              "self._count[tenant] = self[tenant] + tokens"),
-        edit(SCHEDULER, "self._spent.get(tenant, 0) / self._policy(tenant).weight",
+        edit(FAIRNESS, "self._spent.get(tenant, 0) / self._weight(tenant)",
              "self._spent.get(tenant, 0)"),
-        tests=f"{T_FAIR}::test_prefill_tokens_are_shared_by_weight",
+        tests=(f"{T_FAIR}::test_prefill_tokens_are_shared_by_weight", T_LAG),
     ),
     mutant(
         "refusals-unpaced",
@@ -80,49 +89,92 @@ MUTANTS = (
     mutant(
         "prefill-floor-for-all",
         "beside another tenant's decodes, only the least-served tenant's chunk gets the prefill floor",
-        edit(SCHEDULER,
-             "room.full_floor = owed or seq.num_tokens - seq.num_computed <= _MIN_PREFILL_TOKENS",
-             "room.full_floor = True"),
+        edit(STEP_BUDGET, "full = owed or remaining <= self.tuning.min_prefill_tokens",
+             "full = True"),
         tests=f"{T_FAIR}::test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_floor",
     ),
     mutant(
         "step-timer-one-tenant",
-        "the step time target applies only while two or more tenants have work",
-        edit(SCHEDULER, "return self._config.max_step_ms > 0 and self._several_tenants()",
-             "return self._config.max_step_ms > 0"),
-        tests=f"{T_FAIR}::test_the_step_time_target_applies_only_while_two_tenants_have_work",
+        "a tenant alone is held to the token budget only: the time bound guards tenants from each other",
+        edit(STEP_BUDGET, "if not self.tuning.timed or not others:", "if not self.tuning.timed:"),
+        tests=f"{T_FAIR}::test_the_step_time_bound_applies_while_another_tenant_has_work",
+    ),
+    mutant(
+        "step-timer-off",
+        "every chunk beside another tenant's work adds at most max_step_ms to the step",
+        edit(STEP_BUDGET, "left = min(self.seconds, self.cap_s) if capped else self.seconds",
+             "left = math.inf"),
+        tests=(f"{T_FAIR}::test_the_step_time_bound_applies_while_another_tenant_has_work", T_GAP),
+    ),
+    mutant(
+        "idle-grace-off",
+        "a tenant between two requests still counts as present for idle_grace_s",
+        edit(FAIRNESS, "if now - at > self._grace_s]", "if True]"),
+        tests=(f"{T_SHARE}::test_a_tenant_between_requests_counts_as_present_for_the_grace_period",
+               f"{T_FAIR}::test_the_step_time_bound_applies_while_another_tenant_has_work"),
+    ),
+    mutant(
+        "admission-ignores-counts",
+        "the next request comes from the eligible tenant with the fewest weighted processed tokens",
+        edit(FAIRNESS, "if eligible(tenant) and (best is None or rank(tenant) < rank(best)):",
+             "if eligible(tenant) and best is None:"),
+        tests=(f"{T_SHARE}::test_admission_offers_the_least_served_eligible_tenant_first", T_LAG),
+    ),
+    mutant(
+        "chunks-ignore-counts",
+        "prefill chunks go to the tenant with the fewest weighted processed tokens first",
+        edit(FAIRNESS, "return self.served(tenant), admit_order", "return 0.0, admit_order"),
+        tests=(T_LAG, f"{T_FAIR}::test_prefill_tokens_are_shared_by_weight"),
+    ),
+    mutant(
+        "regime-jump-ignored",
+        "a chunk stays on the packed weights unless the time bound pays for the jump past them",
+        edit(COST_MODEL, "return leave if leave > packed - step_tokens else stay",
+             "return self._line_tokens(seconds, context)"),
+        tests=(f"{T_COST}::test_a_chunk_stays_on_the_packed_weights_unless_the_time_pays_for_the_jump",
+               T_GAP),
+    ),
+    mutant(
+        "graph-sizes-ignored",
+        "a decode step costs what the CUDA-graph batch it replays costs",
+        edit(COST_MODEL, "return next((s for s in sorted(self.graph_sizes) if s >= rows), rows)",
+             "return rows"),
+        tests=f"{T_COST}::test_a_decode_step_costs_what_its_cuda_graph_batch_costs",
     ),
     mutant(
         "owed-held-to-stretch",
         "a chunk of a tenant owed service is held only to max_step_ms, not to the decode stretch",
-        edit(SCHEDULER, "room.stretched = not owed", "room.stretched = True"),
+        edit(STEP_BUDGET, "stretched=not owed", "stretched=True"),
         tests=f"{T_FAIR}::test_a_tenant_owed_service_is_held_only_to_max_step_ms",
     ),
     mutant(
         "stretch-spares-the-ahead",
         "a chunk of a tenant ahead of a decoding tenant is held to the decode stretch",
-        edit(SCHEDULER, "room.stretched = not owed", "room.stretched = False"),
-        tests=f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+        edit(STEP_BUDGET, "stretched=not owed", "stretched=False"),
+        tests=(f"{T_FAIR}::test_a_prefill_chunk_beside_decodes_keeps_the_step_within_twice_a_decode_step",
+               T_GAP),
     ),
     mutant(
         "decode-guard-off",
         "beside a less-served tenant's streams, other tenants' decode rows fit within its guard",
-        edit(SCHEDULER,
+        edit(STEP_BUDGET,
              "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
              "if True:"),
-        tests=f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
+        tests=(f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
+               T_GAP),
     ),
     mutant(
         "guarded-rows-no-turns",
         "a tenant's decode rows held back by the guard take turns (round robin)",
-        edit(SCHEDULER, "key=lambda s: (s.admit_order <= cursor, s.admit_order),",
-             "key=lambda s: s.admit_order,"),
-        tests=f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
+        edit(FAIRNESS, "key=lambda r: (r.admit_order <= cursor, r.admit_order))",
+             "key=lambda r: r.admit_order)"),
+        tests=(f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
+               f"{T_SHARE}::test_decode_rows_least_served_first_and_the_others_take_turns"),
     ),
     mutant(
         "lift-only-to-active",
         "a tenant returning while nobody else is active starts level with the most served tenant",
-        edit("service/engine/fairness.py",
+        edit(FAIRNESS,
              "floor = min(others) if others else max(self._count.values(), default=0.0)",
              "floor = min(others) if others else 0.0"),
         tests="tests/engine/test_fairness.py::test_a_returning_tenant_gets_no_credit_for_idle_time",

@@ -26,7 +26,7 @@ MUTANTS = (
     mutant(
         "sampling-cost-outside-the-step",
         "a row's measured sampling cost counts in the decode guard",
-        edit("service/engine/scheduler.py",
+        edit("service/engine/step_budget.py",
              "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
              "if cost.decode_seconds(len(rows) + 1, more) <= guard:"),
         tests="tests/engine/test_sampling_cost.py",

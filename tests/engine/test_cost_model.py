@@ -1,10 +1,10 @@
-"""The step cost model behind ``--max-step-ms`` and the decode stretch."""
+"""The step cost model behind ``--max-step-ms`` and the decode stretch, on each hardware regime."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.engine.step_budget import StepCost, StepCostModel, chunk_keys
+from service.engine.cost_model import Regime, StepCost, StepCostModel, chunk_keys
 
 # A decode-only step: 20 ms + 1 ms per row + 1 us per key read.
 DECODE = (0.020, 0.001, 1e-6)
@@ -100,7 +100,7 @@ def _teach_regimes(model: StepCostModel, shapes: tuple[tuple[int, int], ...]) ->
 
 def test_the_jump_past_the_packed_rows_is_its_own_term() -> None:
     shapes = ((1, 30), (2, 500), (4, 900), (3, 100), (8, 4000), (12, 3000), (6, 200))
-    model = StepCostModel(packed_rows=4)
+    model = StepCostModel(Regime(packed_rows=4))
     _teach_regimes(model, shapes)
     cost = model.fit()
     assert cost is not None and cost.dense_s == pytest.approx(0.060, rel=1e-6)
@@ -116,8 +116,55 @@ def test_the_jump_past_the_packed_rows_is_its_own_term() -> None:
 
 
 def test_before_a_dense_step_is_seen_the_packed_line_stands() -> None:
-    model = StepCostModel(packed_rows=4)
+    model = StepCostModel(Regime(packed_rows=4))
     _teach_regimes(model, ((1, 30), (2, 500), (4, 900), (3, 100)))
     cost = model.fit()
     assert cost is not None and cost.dense_s == 0.0
     assert cost.decode_seconds(3, 400) == pytest.approx(_two_regimes(3, 400), rel=1e-6)
+
+
+def test_a_chunk_stays_on_the_packed_weights_unless_the_time_pays_for_the_jump() -> None:
+    # 1 ms a chunk, 0.5 ms a token; packed weights serve 40 tokens, a step past them
+    # pays 30 ms more.
+    cost = StepCost(0.010, 0.0, 0.0, 0.001, 0.0005, 0.0, 0.030, 0.030, Regime(packed_rows=40))
+    # Beside 4 decode rows: 36 tokens stay packed. 10 ms buys 18 tokens: held there.
+    assert cost.chunk_tokens(0.010, 0, step_tokens=4) == 18
+    # 20 ms would buy 38 on one line, past the 36 the packed weights have room for, and
+    # cannot pay the jump: the chunk keeps the step packed.
+    assert cost.chunk_tokens(0.020, 0, step_tokens=4) == 36
+    # 100 ms pays the 30 ms jump and more: (100 - 30 - 1) / 0.5 = 138 tokens, dense.
+    assert cost.chunk_tokens(0.100, 0, step_tokens=4) == 138
+    assert cost.chunk_seconds(0, 138, step_tokens=4) == pytest.approx(0.100)
+    # A step already past the packed weights has no jump left to pay.
+    assert cost.chunk_tokens(0.010, 0, step_tokens=50) == 18
+
+
+def test_the_fit_learns_the_jump_a_chunk_pays_past_the_packed_weights() -> None:
+    regime = Regime(packed_rows=40)
+    truth = StepCost(0.010, 0.001, 0.0, 0.001, 0.0005, 0.0, 0.0, 0.030, regime)
+    model = StepCostModel(regime)
+    for _ in range(4):
+        for rows in (1, 3, 8):
+            model.observe(rows, 0, [], truth.decode_seconds(rows, 0))
+        for rows, tokens in ((2, 8), (4, 30), (1, 100), (6, 64), (0, 20), (3, 200)):
+            took = truth.decode_seconds(rows, 0) + truth.chunk_seconds(0, tokens, rows)
+            model.observe(rows, 0, [(0, tokens)], took)
+    fitted = model.fit()
+    assert fitted is not None
+    assert fitted.chunk_dense_s == pytest.approx(0.030, rel=1e-6)
+    assert fitted.chunk_tokens(0.1003, 0, 4) == truth.chunk_tokens(0.1003, 0, 4) == 138
+
+
+def test_a_decode_step_costs_what_its_cuda_graph_batch_costs() -> None:
+    regime = Regime(graph_sizes=(1, 2, 4, 8, 16))
+    cost = StepCost(0.002, 0.0001, 0.0, 0.0, 0.0, 0.0, regime=regime)
+    # 5 rows replay the 8-row graph: they cost what 8 rows cost, and so does a 6th.
+    assert cost.decode_seconds(5, 0) == cost.decode_seconds(8, 0) == pytest.approx(0.0028)
+    assert regime.padded(17) == 17  # past the largest graph: eager, unpadded
+
+
+def test_a_negligible_key_cost_does_not_wreck_the_chunk_size() -> None:
+    # A fit can leave per_key_s at 1e-23: the chunk is what the per-token line allows.
+    cost = StepCost(0.005, 0.0, 0.0, 0.001, 0.00005, 6e-23)
+    assert cost.chunk_tokens(0.0025, 1) == 30
+    assert cost.chunk_tokens(0.0065, 1000) == 110
