@@ -40,10 +40,18 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def served_model(default_model_path: Path) -> LoadedModel:
     """The default model loaded as ``kvfence serve`` loads it (every flag at its default:
-    the fast paths and, on CPU, batch invariance)."""
+    the fast, batch-variant paths)."""
     from service.model import load_model
 
     return load_model(default_model_path, progress=False)
+
+
+@pytest.fixture(scope="session")
+def invariant_model(default_model_path: Path) -> LoadedModel:
+    """The default model as ``kvfence serve --batch-invariant on`` loads it."""
+    from service.model import load_model
+
+    return load_model(default_model_path, progress=False, batch_invariant="on")
 
 
 @pytest.fixture(scope="session")

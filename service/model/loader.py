@@ -137,7 +137,7 @@ def load_model(
     progress: bool = True,
     weights: str = "auto",
     chat_template: str | None = None,
-    batch_invariant: str = "auto",
+    batch_invariant: str = "off",
 ) -> LoadedModel:
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
 
@@ -146,7 +146,7 @@ def load_model(
 
     ``weights`` (``auto|bf16|int4|int8``, see :mod:`service.model.packed`) adds packed integer
     copies of the projections for decode-sized batches. ``batch_invariant``
-    (``auto|on|off``, ``kvfence serve``'s default is ``auto`` too) makes every step compute
+    (``auto|on|off``; ``off``, as ``kvfence serve``'s default) makes every step compute
     each token the same way whatever the batch: ``auto`` where kvfence's 4-bit GEMV
     serves every projection (the default model on CPU), ``on`` refuses a model or flags
     that cannot, ``off`` keeps the faster batch-variant paths (docs/batch-invariance.md).

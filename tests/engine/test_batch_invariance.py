@@ -1,7 +1,7 @@
 """Batch invariance on the served model: a request's tokens do not depend on the batch.
 
 The default model, loaded as ``kvfence serve`` loads it (``--dtype auto``, ``--weights
-auto``, ``--batch-invariant`` at its default), runs greedy and seeded (temperature 0.8)
+auto``, ``--batch-invariant on``), runs greedy and seeded (temperature 0.8)
 requests of two tenants each alone, then inside batches of random size and composition
 (``tests/verify/invariance.py``): random arrival steps (prefill chunks beside other
 requests' decode rows), random token budgets and sequence limits (chunks of different
@@ -20,12 +20,12 @@ from tests.verify.invariance import alone, mixed_requests, trial
 N = 10
 
 
-def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(served_model: LoadedModel) -> None:
-    requests = mixed_requests(N, served_model.model.config.vocab_size)
-    want = alone(served_model, requests)
+def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(invariant_model: LoadedModel) -> None:
+    requests = mixed_requests(N, invariant_model.model.config.vocab_size)
+    want = alone(invariant_model, requests)
     assert all(len(want[r.request_id]) == r.stopping.max_tokens for r in requests)
     rng = random.Random(44)
     # The last pool holds a few requests at a time: preemption and re-admission.
-    trials = [trial(served_model, requests, want, rng, pages) for pages in (256, 256, 9)]
+    trials = [trial(invariant_model, requests, want, rng, pages) for pages in (256, 256, 9)]
     assert sum(t.preemptions for t in trials) > 0, "the small pool must force preemption"
     assert all(t.differing == 0 for t in trials), trials

@@ -1,7 +1,7 @@
 """A tenant's tokens do not depend on other tenants' load (``make verify``'s row).
 
 Two tenants' greedy and seeded (temperature 0.8) requests on the default model as served
-(``--batch-invariant`` at its default): each alone, then all of them in batches of random
+(``--batch-invariant on``): each alone, then all of them in batches of random
 size and composition, one of them over a pool small enough to preempt and re-admit
 (``tests/verify/invariance.py``). Any differing token fails the check: a tenant's answer
 would otherwise carry information about what else ran beside it.
@@ -20,13 +20,13 @@ N = size(12, 100)
 
 
 def test_two_tenants_get_the_same_tokens_alone_and_batched(
-    served_model: Any, record: Recorder
+    invariant_model: Any, record: Recorder
 ) -> None:
-    requests = mixed_requests(N, served_model.model.config.vocab_size)
-    want = alone(served_model, requests)
+    requests = mixed_requests(N, invariant_model.model.config.vocab_size)
+    want = alone(invariant_model, requests)
     rng = random.Random(7)
-    trials = [trial(served_model, requests, want, rng, pages, whole=True) for pages in (512, 12)]
-    record.info("batch-invariant model", served_model.batch_invariant)
+    trials = [trial(invariant_model, requests, want, rng, pages, whole=True) for pages in (512, 12)]
+    record.info("batch-invariant model", invariant_model.batch_invariant)
     record.info("requests (two tenants, greedy and seeded)", N)
     record.info("tokens compared", sum(len(t) for t in want.values()))
     record.info("preemptions in the small pool", trials[1].preemptions)

@@ -649,15 +649,15 @@ def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
     assert lm.dtype == torch.bfloat16 and lm.dense_dtype is None
 
 
-def test_the_served_model_is_batch_invariant_with_one_kernel_for_every_batch_size(
+def test_the_invariant_model_has_one_kernel_for_every_batch_size(
     default_model_path: Path,
 ) -> None:
-    """``--batch-invariant auto`` (the default) on this CPU: every projection and the head on
+    """``--batch-invariant on`` on this CPU: every projection and the head on
     the float32 GEMV with the tile unit off, at any row count, and one cost regime for the
     scheduler. A row's product is the same bits in a batch of 1, 3, 4, 5, 8, 70 or 130 rows
     at any place in it (the tile unit, or the dense weights past 64 rows, would round
     differently)."""
-    lm = load_model(default_model_path, progress=False)
+    lm = load_model(default_model_path, progress=False, batch_invariant="on")
     m = lm.model
     assert lm.batch_invariant and m.batch_invariant and m.max_packed_rows == 0
     assert m.packed is not None and m._stack is not None
@@ -671,7 +671,7 @@ def test_the_served_model_is_batch_invariant_with_one_kernel_for_every_batch_siz
         for n in (3, 4, 5, 8, 70, 130):
             for start in (0, rows.shape[0] - n):
                 assert torch.equal(lin(rows[start : start + n]), alone[start : start + n]), n
-    off = load_model(default_model_path, progress=False, batch_invariant="off")
+    off = load_model(default_model_path, progress=False)  # the default: batch-variant
     assert not off.batch_invariant and off.model.max_packed_rows > 0
     with pytest.raises(ModelLoadError, match="--batch-invariant on"):
         load_model(default_model_path, weights="bf16", progress=False, batch_invariant="on")

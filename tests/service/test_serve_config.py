@@ -48,10 +48,11 @@ EVERY_FLAG = [
     "--grace-seconds", "3", "--reflection", "--log-content", "--log-format", "json",
     "--kv-memory", "0.5", "--max-num-seqs", "7", "--max-num-batched-tokens", "99",
     "--max-model-len", "300", "--page-size", "8", "--dtype", "float16", "--device", "cuda:1",
-    "--weights", "int8", "--batch-invariant", "off", "--compile", "on", "--scrub-policy", "always", "--prefix-ttl", "5",
+    "--weights", "int8", "--batch-invariant", "on", "--compile", "on", "--scrub-policy", "always", "--prefix-ttl", "5",
     "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
     "--decode-stretch", "1.5", "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
+    "--otlp-endpoint", "http://o:4317",
 ]
 
 
@@ -79,6 +80,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             alert_request_kv_pages=12,
             kv_overcommit=True,
             http_port=8080,
+            otlp_endpoint="http://o:4317",
             cluster_limits=ClusterLimitsConfig("redis://r:6379/0", "closed", lease_ttl_s=4.0),
         ),
         sizing=EngineSizing(
@@ -90,7 +92,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             dtype="float16",
             device="cuda:1",
             weights="int8",
-            batch_invariant="off",
+            batch_invariant="on",
             compile="on",
             scrub_policy="always",
             prefix_ttl_s=5.0,
@@ -120,8 +122,8 @@ def test_batch_invariance_is_auto_by_default_for_serve_and_the_library() -> None
     from service import cli
     from service.model import load_model
 
-    assert EngineSizing().batch_invariant == "auto"
-    assert serve_config(cli.parse_args(["serve"])).sizing.batch_invariant == "auto"
+    assert EngineSizing().batch_invariant == "off"
+    assert serve_config(cli.parse_args(["serve"])).sizing.batch_invariant == "off"
     default = inspect.signature(load_model).parameters["batch_invariant"].default
     assert default == EngineSizing().batch_invariant
 

@@ -199,12 +199,12 @@ MUTANTS = (
         tests="tests/model/test_native_gemv_numerics.py::test_a_strided_norm_weight_is_read_as_its_values",
     ),
     mutant(
-        "batch-invariant-default-off",
-        "`kvfence serve` and load_model are batch-invariant by default on CPU",
-        edit("service/config.py", 'batch_invariant: str = "auto"', 'batch_invariant: str = "off"'),
-        edit("service/model/loader.py", 'batch_invariant: str = "auto",\n) -> LoadedModel:',
-             'batch_invariant: str = "off",\n) -> LoadedModel:'),
-        tests=("tests/service/test_serve_config.py", "tests/engine/test_batch_invariance.py"),
+        "batch-invariant-packs-ignored",
+        "a batch-invariant model runs every projection on the GEMV with the tile unit off",
+        edit("service/model/llama.py",
+             "self.packed = invariant_packs(weights.packed) if batch_invariant else weights.packed",
+             "self.packed = weights.packed"),
+        tests="tests/model/test_native_gemv.py::test_the_invariant_model_has_one_kernel_for_every_batch_size",
     ),
     mutant(
         "batch-invariant-prefill-through-sdpa",
