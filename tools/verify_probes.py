@@ -93,8 +93,8 @@ PROBES: tuple[Probe, ...] = (
                'purged = await self._purge(tenant.name)\n        await self._purge("globex")')),
     probe("test_auth_matrix::B's cached tokens after A's Purge", "test_cache_rpcs",
           "globex's lookups never hit",
-          edit(MANAGER, "        tenant = table.tenant\n        try:\n",
-               '        tenant = table.tenant\n        if tenant == "globex":\n            return\n'
+          edit(MANAGER, "        ns = table.namespace\n        try:\n",
+               '        ns = table.namespace\n        if tenant == "globex":\n            return\n'
                "        try:\n")),
     probe("test_auth_matrix::A's cached tokens after its own Purge", "test_cache_rpcs",
           "Purge counts the entries but keeps them",
@@ -218,7 +218,7 @@ PROBES: tuple[Probe, ...] = (
                "        if False:")),
     probe("test_noisy_neighbour::hog request over its KV share", "test_kv_pool_hog",
           "no fits-the-share check at admission",
-          edit("service/engine/scheduler.py",
+          edit("service/engine/kv_limits.py",
                "return RequestTooLarge(needed, limit, what) if needed > limit else None",
                "return None")),
     probe("test_noisy_neighbour::spy's largest observed change in its cached pages",
@@ -295,8 +295,8 @@ PROBES: tuple[Probe, ...] = (
     probe("test_structured_outputs::JSON-schema completions that parse and validate (default "
           "model)", "test_json_schema_completions", "response_format ignored",
           edit("service/structured.py",
-               "    spec = spec_from_proto(request.response_format)\n    if spec is None:",
-               "    spec = None\n    if spec is None:")),
+               "compile_spec(compiler, tenant, spec_from_proto(request.response_format), FIELD)",
+               "compile_spec(compiler, tenant, None, FIELD)")),
 )
 
 

@@ -424,12 +424,17 @@ def _spied_stack(
 
 
 def _small_core(lm: Any) -> Any:
-    """A thread-free engine core of 4 sequences over a 32-page pool, seeded."""
+    """A thread-free engine core of 4 sequences over a 32-page pool, seeded, its steps sized
+    in tokens alone (``max_step_ms`` 0): the plan, and so each step's rows, must not depend
+    on how fast this machine runs them."""
     from kvcache import CacheConfig
     from service.engine.factory import build_core
+    from service.engine.tuning import SchedulerTuning
     from service.engine.types import EngineConfig
 
-    config = EngineConfig(max_num_seqs=4, max_model_len=256, warmup=False)
+    config = EngineConfig(
+        max_num_seqs=4, max_model_len=256, warmup=False, tuning=SchedulerTuning(max_step_ms=0.0)
+    )
     return build_core(
         lm, config, CacheConfig(page_size=16, default_ttl_s=0.0), kv_pages=32, sampler_seed=0
     )
