@@ -320,6 +320,8 @@ class KVFenceServer:
             self.metrics_server.close()
             self.metrics_server = None
         self._tokenizer_pool.shutdown()
+        # Off the loop: the exporter's last flush may wait on the collector.
+        await asyncio.to_thread(self.tracing.close)
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -75,11 +75,18 @@ class InferenceServicer:
         request: inference_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
         tenant: Tenant,
+        auth_ns: tuple[int, int] | None = None,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """``auth_ns``: when the interceptor checked the tenant (wall-clock ns), for the
+        trace's ``auth`` span; the trace starts there."""
         request_id = uuid.uuid4().hex
         log = self._log.bind(tenant=tenant.name, request_id=request_id, peer=context.peer())
         alert = PageAlert(self._opts.page_size, self._opts.alert_request_kv_pages)
-        trace = self._tracing.request(tenant.name, "grpc", request_id)
+        trace = self._tracing.request(
+            tenant.name, "grpc", request_id, auth_ns[0] if auth_ns else None
+        )
+        if auth_ns is not None:
+            trace.timed("auth", *auth_ns)
         recorder = RequestMetrics(self._metrics, tenant.name, "grpc", alert, log, trace)
         code = "CANCELLED"
         error: ServiceError | None = None

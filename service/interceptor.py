@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -38,9 +39,14 @@ KVFENCE_PREFIX = "/kvfence."  # handlers of these services take the tenant expli
 # Calls that cost the server little and touch no engine work: paced per tenant (``cheap``),
 # so a tenant answering each with the next cannot keep a core busy with them.
 CHEAP_METHODS = frozenset({"/kvfence.v1.Inference/ListModels", "/kvfence.v1.Cache/GetUsage"})
+# Handlers that trace their requests: they also get ``auth_ns``, the (start, end) wall-clock
+# nanoseconds of the tenant check, so the trace's ``auth`` span is timed as it ran.
+TRACED_METHODS = frozenset({"/kvfence.v1.Inference/Generate"})
 
 Check = Callable[[grpc.aio.ServicerContext, str], Awaitable[Tenant]]
-Authorize = Callable[[grpc.aio.ServicerContext], Awaitable[tuple[Tenant, ...]]]
+Authorize = Callable[
+    [grpc.aio.ServicerContext], Awaitable[tuple[tuple[Tenant, ...], dict[str, Any]]]
+]
 Deny = Callable[[grpc.aio.ServicerContext, str, ServiceError], Awaitable[NoReturn]]
 
 
@@ -153,11 +159,17 @@ def _refuse(
 
 def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.RpcMethodHandler:
     explicit = method.startswith(KVFENCE_PREFIX)
+    traced = method in TRACED_METHODS
 
-    async def authorize(context: grpc.aio.ServicerContext) -> tuple[Tenant, ...]:
-        """The extra handler arguments: the checked tenant for kvfence's own handlers."""
+    async def authorize(
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[tuple[Tenant, ...], dict[str, Any]]:
+        """The extra handler arguments: the checked tenant for kvfence's own handlers, and
+        the check's timing for the traced ones."""
+        start = time.time_ns()
         tenant = await check(context, method)
-        return (tenant,) if explicit else ()
+        extra = {"auth_ns": (start, time.time_ns())} if traced else {}
+        return ((tenant,) if explicit else ()), extra
 
     kwargs: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
@@ -167,7 +179,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.Rpc
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await inner_uu(request, context, *await authorize(context))
+            args, extra = await authorize(context)
+            return await inner_uu(request, context, *args, **extra)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
     if handler.unary_stream is not None:
@@ -181,7 +194,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, check: Check) -> grpc.Rpc
     inner_su = handler.stream_unary
 
     async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await inner_su(request_iterator, context, *await authorize(context))
+        args, extra = await authorize(context)
+        return await inner_su(request_iterator, context, *args, **extra)
 
     return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
 
@@ -190,12 +204,14 @@ def _streaming(inner: Any, authorize: Authorize) -> Any:
     if inspect.isasyncgenfunction(inner):
 
         async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in inner(request, context, *await authorize(context)):
+            args, extra = await authorize(context)
+            async for item in inner(request, context, *args, **extra):
                 yield item
 
         return gen
 
     async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await inner(request, context, *await authorize(context))
+        args, extra = await authorize(context)
+        return await inner(request, context, *args, **extra)
 
     return coro

@@ -9,7 +9,7 @@ and last the response format (compiled with the tenant's own grammar cache).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protos.kvfence.v1 import inference_pb2
 from service import tools
@@ -79,17 +79,20 @@ async def finish_request(
     out: Violations = []
     check_context(len(prompt), checked.stopping.max_tokens, prompts.model, out)
     raise_if(out)
+    stopping = checked.stopping
     if checked.tool_plan is not None and checked.tool_plan.constrained:
         spec = tools.grammar(request.chat, checked.tool_plan)
         grammar = await compile_spec(grammars, tenant.name, spec, "chat.tool_choice")
     else:
         grammar = await compile_response_format(grammars, tenant.name, request)
+    if checked.tool_plan is not None:
+        stopping = replace(stopping, stop=stopping.stop + checked.tool_plan.stop_strings())
     return Request(
         request_id=request_id,
         tenant=tenant.name,
         prompt_ids=tuple(prompt),
         sampling=checked.sampling,
-        stopping=checked.stopping,
+        stopping=stopping,
         logprobs=request.logprobs,
         deadline=deadline,
         bypass_prefix_cache=request.bypass_prefix_cache,

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.engine.types import Admitted, Delta, EngineEvent, Finished
-from service.tools import ToolPlan
+from service.tools import CALL_CLOSE, CALL_OPEN, ToolPlan
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = CALL_OPEN, CALL_CLOSE
 _ALPHABET = string.ascii_letters + string.digits
 _WHOLE_OUTPUT_MARKERS = {"llama3_json": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",)}
 
@@ -64,8 +64,12 @@ class ToolCallStream:
             return self._hermes(final=False)
         return self._whole_output(final=False)
 
-    def close(self) -> tuple[str, list[ParsedCall]]:
+    def close(self, stopped: bool = False) -> tuple[str, list[ParsedCall]]:
+        """The held-back text and calls at the end. ``stopped``: the output ended on a stop
+        string; with ``plan.stops_after_one_call`` that is the call's trimmed closing tag."""
         if self._plan.format == "hermes":
+            if stopped and self._inside and self._plan.stops_after_one_call:
+                self._buf += CLOSE
             return self._hermes(final=True)
         return self._whole_output(final=True)
 
@@ -219,7 +223,7 @@ class ToolSplitter:
             text, calls = stream.feed(event.text)
             out: list[EngineEvent | CallsMade] = [dataclasses.replace(event, text=text)]
         else:
-            text, calls = stream.close()
+            text, calls = stream.close(stopped=event.reason == "stop")
             out = [Delta((), text)] if text else []
         if calls:
             out.append(CallsMade(tuple(calls)))

@@ -36,6 +36,7 @@ MAX_TOOLS = 128
 #: after this many, so a model that keeps calling cannot run into max_tokens mid-call.
 MAX_PARALLEL_CALLS = 3
 MAX_TOOLS_BYTES = 64 * 1024
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes convention's markup
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 Mode = inference_pb2.ToolChoice.Mode
 
@@ -56,6 +57,18 @@ class ToolPlan:
     names: frozenset[str]
     parallel: bool  # False: at most one call
     constrained: bool  # required or a named function: the grammar forces the calls
+
+    @property
+    def stops_after_one_call(self) -> bool:
+        """Generation ends at the first call's closing tag (``stop_strings``): the output
+        is free text (``auto``) read in the Hermes format, and only one call may count, so
+        tokens past that call would be thrown away. Constrained turns end in their grammar."""
+        return self.format == "hermes" and not self.parallel and not self.constrained
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """Stop strings the engine adds to the request's own (see ``stops_after_one_call``);
+        the engine trims them, and ``tool_calls.ToolCallStream`` closes the call it ended."""
+        return (CALL_CLOSE,) if self.stops_after_one_call else ()
 
 
 def function_object(tool: inference_pb2.Tool) -> dict[str, Any]:

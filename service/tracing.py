@@ -3,9 +3,9 @@
 
 Off (the default) costs nothing: ``Tracing.off()`` hands out a no-op trace and nothing
 imports opentelemetry. On, each request is one ``kvfence.request`` span with children:
-``auth`` (HTTP; gRPC authenticates in its interceptor, before the request has a span),
-``tokenize`` (tokenizing, the context check and any grammar compile), and per sequence
-``queue``, ``prefill`` and ``decode`` from the engine's own timings, and ``stream`` (first to
+``auth`` (the tenant check: in the HTTP route, or in the gRPC interceptor, which hands its
+timing to the handler), ``tokenize`` (tokenizing, the context check and any grammar
+compile), and per sequence ``queue``, ``prefill`` and ``decode`` from the engine's own timings, and ``stream`` (first to
 last delta as the front handed them on). Attributes carry the tenant, the front, the request
 id, token counts and the outcome: never prompt or output text.
 """
@@ -46,8 +46,9 @@ class RequestTrace:
 class Tracing:
     """Hands out request traces: no-ops when off, OpenTelemetry spans when on."""
 
-    def __init__(self, tracer: Any = None) -> None:
+    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
         self._tracer = tracer
+        self._provider = provider
 
     @classmethod
     def off(cls) -> Tracing:
@@ -69,7 +70,12 @@ class Tracing:
         # NOTE: a provider of our own, not the global one: no module-level state.
         provider = TracerProvider(resource=Resource.create({"service.name": "kvfence"}))
         provider.add_span_processor(processor)
-        return cls(provider.get_tracer("kvfence"))
+        return cls(provider.get_tracer("kvfence"), provider)
+
+    def close(self) -> None:
+        """Export what is still queued and stop the exporter (the server's close)."""
+        if self._provider is not None:
+            self._provider.shutdown()
 
     def request(
         self, tenant: str, front: str, request_id: str, start_ns: int | None = None

@@ -27,7 +27,8 @@ MALFORMED = _Malformed()
 
 # Handlers take the tenant explicitly: the auth interceptor calls them with it.
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext, Tenant], Awaitable[Any]]
-StreamBehavior = Callable[[Any, grpc.aio.ServicerContext, Tenant], AsyncIterator[Any]]
+# A streaming handler may also take keyword arguments from the interceptor (``auth_ns``).
+StreamBehavior = Callable[..., AsyncIterator[Any]]
 
 
 def _parser(message: type[Message]) -> Callable[[bytes], Message | _Malformed]:
@@ -55,11 +56,11 @@ def _unary(behavior: UnaryBehavior) -> UnaryBehavior:
 
 def _stream(behavior: StreamBehavior) -> StreamBehavior:
     async def handler(
-        request: Any, context: grpc.aio.ServicerContext, tenant: Tenant
+        request: Any, context: grpc.aio.ServicerContext, tenant: Tenant, **extra: Any
     ) -> AsyncIterator[Any]:
         if request is MALFORMED:
             await _refuse(context)
-        async for response in behavior(request, context, tenant):
+        async for response in behavior(request, context, tenant, **extra):
             yield response
 
     return handler

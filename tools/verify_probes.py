@@ -30,6 +30,7 @@ from tools.mutants.run import ROOT, scratch_copy, scratch_env
 
 MANAGER = "kvcache/manager.py"
 RESPONSES = "service/responses.py"
+SERVICER = "service/inference_servicer.py"
 GRAMMAR = "service/engine/grammar.py"
 DIFFERENTIAL = "tests/isolation/test_differential.py"
 DRAINING = '            if self._is_draining():\n                raise unavailable("server is shutting down")\n'
@@ -238,6 +239,14 @@ PROBES: tuple[Probe, ...] = (
           "test_http_grammar_cache", "grammar cache never hits",
           edit(GRAMMAR, "            hit = cache.get(key) if cache is not None else None\n",
                "            hit = None\n")),
+    # test_trace_content
+    probe("test_trace_content::spans of one grpc request", "test_spans_of_both_fronts",
+          "the gRPC front's auth span left out",
+          edit(SERVICER, '            trace.timed("auth", *auth_ns)\n', "            pass\n")),
+    probe("test_trace_content::exported span bytes holding prompt or output text",
+          "test_spans_of_both_fronts", "the gRPC trace's request id attribute set to the prompt",
+          edit(SERVICER, '            tenant.name, "grpc", request_id, auth_ns[0]',
+               '            tenant.name, "grpc", request.text or request_id, auth_ns[0]')),
     # test_timing_channel
     probe("test_timing_channel::96.7% CI of B's TTFT ratio, A's prefix / novel (TOST)",
           "test_cross_tenant_cached", "one prefix namespace", mutant="tenant-blind-cache"),

@@ -9,51 +9,42 @@ both fronts accept and refuse exactly the same things.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
-import json
 import math
 import secrets
 import time
-import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
 from service.auth import Authenticator
 from service.engine.grammar import GrammarCompiler
-from service.engine.types import Admitted, Delta, EngineEvent, Finished
 from service.errors import ServiceError, internal, invalid_argument, unavailable
-from service.finish import finish_error
 from service.http import render
-from service.http.errors import error_body, error_response
+from service.http.body import read_body, until_disconnect
+from service.http.errors import error_response
 from service.http.generation import Generation, admit_all
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
+from service.http.replies import Replies, where
 from service.limits import Limiter
 from service.metrics import Metrics
 from service.prepare import check_request, finish_request
 from service.prompt import PromptBuilder
 from service.protocols import EngineLike
-from service.request_metrics import PageAlert, RequestMetrics, SequenceMetrics
+from service.request_metrics import PageAlert, RequestMetrics
 from service.tenants import Tenant
-from service.tool_calls import CallsMade, ToolSplitter
-from service.tools import ToolPlan
 from service.tracing import RequestTrace, Tracing
 
-T = TypeVar("T")
 TIMEOUT_HEADER = "x-kvfence-timeout"
-MAX_BODY_BYTES = 8 * 1024 * 1024  # as gRPC's receive limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +71,7 @@ class FrontDeps:
 class OpenAIFront:
     def __init__(self, deps: FrontDeps) -> None:
         self._d = deps
+        self._replies = Replies(deps.prompts.token_text, deps.is_draining, deps.clock)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -145,7 +137,7 @@ class OpenAIFront:
             recorder = RequestMetrics(
                 self._d.metrics, tenant.name, "http", self._d.alert, log, trace
             )
-            raw = await _read_body(request)
+            raw = await read_body(request)
             message, opts = parse(load_body(raw))
             checked = check_request(self._d.prompts, tenant, message)
             # Charged before any work (tokenizing included), as the gRPC front does: the
@@ -170,7 +162,7 @@ class OpenAIFront:
             recorder.done(method, err.code.name, err)
             return error_response(err)
         except Exception as exc:  # a bug: 500, and nothing of the request in the log
-            self._d.log.error("http.failed", request_id=request_id, **_where(exc))
+            self._d.log.error("http.failed", request_id=request_id, **where(exc))
             recorder.done(method, "INTERNAL")
             return error_response(internal("SERVER"))
         log.info("http.accepted", endpoint=endpoint, prompt_tokens=len(base.prompt_ids),
@@ -182,19 +174,19 @@ class OpenAIFront:
         )
         if opts.stream:
             return StreamingResponse(
-                self._sse(gen, head, opts, recorder, method, log, plan),
+                self._replies.sse(gen, head, opts, recorder, method, log, plan),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            body = await _until_disconnect(
-                request.receive, self._collect(gen, head, opts, recorder, plan)
+            body = await until_disconnect(
+                request.receive, self._replies.collect(gen, head, opts, recorder, plan)
             )
         except ServiceError as err:
             recorder.done(method, err.code.name, err)
             return error_response(err)
         except Exception as exc:
-            log.error("http.failed", **_where(exc))
+            log.error("http.failed", **where(exc))
             recorder.done(method, "INTERNAL")
             return error_response(internal("SERVER"))
         finally:
@@ -204,114 +196,6 @@ class OpenAIFront:
             return Response(status_code=499)
         recorder.done(method, "OK")
         return JSONResponse(body)
-
-    @staticmethod
-    def _record(event: EngineEvent, seq: SequenceMetrics, recorder: RequestMetrics) -> None:
-        """The engine's own events are what the metrics count, as on gRPC."""
-        if isinstance(event, Delta):
-            seq.delta(len(event.token_ids))
-        elif isinstance(event, Finished):
-            seq.finished(event)
-
-    def _sequences(self, gen: Generation, recorder: RequestMetrics) -> list[SequenceMetrics]:
-        return [recorder.sequence(len(r.prompt_ids), self._d.clock, i)
-                for i, r in enumerate(gen.requests)]
-
-    async def _collect(
-        self,
-        gen: Generation,
-        head: render.ChunkHeader,
-        opts: HttpOptions,
-        recorder: RequestMetrics,
-        plan: ToolPlan | None,
-    ) -> dict[str, Any]:
-        choices = [render.Choice(i) for i in range(len(gen.requests))]
-        seqs = self._sequences(gen, recorder)
-        splitters = [ToolSplitter(plan) for _ in choices]
-        async for i, raw in gen.events():
-            choice = choices[i]
-            self._record(raw, seqs[i], recorder)
-            for event in splitters[i].split(raw):
-                if isinstance(event, Admitted):
-                    choice.cached_tokens = event.cached_tokens
-                elif isinstance(event, Delta):
-                    choice.text.append(event.text)
-                    choice.logprobs.extend(event.logprobs)
-                elif isinstance(event, CallsMade):
-                    choice.tool_calls.extend(event.calls)
-                else:
-                    self._check_finish(event)
-                    choice.finish = event
-        return render.complete_body(
-            head.endpoint, head.ident, head.created, head.model, choices, opts,
-            self._d.prompts.token_text,
-        )
-
-    async def _sse(
-        self,
-        gen: Generation,
-        head: render.ChunkHeader,
-        opts: HttpOptions,
-        recorder: RequestMetrics,
-        method: str,
-        log: FilteringBoundLogger,
-        plan: ToolPlan | None,
-    ) -> AsyncIterator[bytes]:
-        code = "CANCELLED"
-        error: ServiceError | None = None
-        choices = [render.Choice(i) for i in range(len(gen.requests))]
-        seqs = self._sequences(gen, recorder)
-        splitters = [ToolSplitter(plan) for _ in choices]
-        offsets = [0] * len(choices)
-        text = self._d.prompts.token_text
-
-        def live(chs: list[render.Choice]) -> dict[str, Any] | None:
-            return render.running_usage(chs) if opts.continuous_usage else None
-
-        try:
-            async for i, raw in gen.events():
-                choice = choices[i]
-                self._record(raw, seqs[i], recorder)
-                for event in splitters[i].split(raw):
-                    if isinstance(event, Admitted):
-                        choice.cached_tokens = event.cached_tokens
-                        choice.prompt_tokens = event.prompt_tokens
-                    elif isinstance(event, Delta):
-                        choice.completion_tokens += len(event.token_ids)
-                        yield _sse_data(render.delta_chunk(
-                            head, choice, event, opts, text, offsets[i], live(choices)
-                        ))
-                        offsets[i] += sum(len(text(lp.token_id)) for lp in event.logprobs)
-                    elif isinstance(event, CallsMade):
-                        for chunk in render.tool_call_chunks(
-                            head, choice, event.calls, live(choices)
-                        ):
-                            yield _sse_data(chunk)
-                    else:
-                        self._check_finish(event)
-                        choice.finish = event
-                        yield _sse_data(render.finish_chunk(head, choice, event, live(choices)))
-            if opts.include_usage:
-                yield _sse_data(head.wrap([], render.total_usage(choices)))
-            yield b"data: [DONE]\n\n"
-            code = "OK"
-        except ServiceError as err:
-            # Headers are out: the error goes in the stream, as OpenAI's API does.
-            code = err.code.name
-            error = err
-            yield _sse_data(error_body(err))
-        except Exception as exc:
-            log.error("http.failed", **_where(exc))
-            code = "INTERNAL"
-            yield _sse_data(error_body(internal("SERVER")))
-        finally:
-            gen.close()
-            recorder.done(method, code, error)
-
-    def _check_finish(self, event: Finished) -> None:
-        if event.reason in ("stop", "length"):
-            return
-        raise finish_error(event, self._d.is_draining())
 
     def _deadline(self, request: HttpRequest) -> float | None:
         value = request.headers.get(TIMEOUT_HEADER)
@@ -331,57 +215,6 @@ class OpenAIFront:
             return None
         framed = b"".join(len(x).to_bytes(8, "big") + x for x in (tenant.encode(), user.encode()))
         return hmac.new(self._d.user_key, framed, hashlib.sha256).hexdigest()[:16]
-
-
-def _where(exc: BaseException) -> dict[str, str]:
-    """The exception type and the innermost frame, without the message (it may quote input)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return {"error": type(exc).__name__, "at": f"{frames[-1].filename}:{frames[-1].lineno}"
-            if frames else ""}
-
-
-def _sse_data(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _read_body(request: HttpRequest) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise invalid_argument([("body", f"is larger than {MAX_BODY_BYTES} bytes")])
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise invalid_argument([("body", f"is larger than {MAX_BODY_BYTES} bytes")])
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None (``work`` cancelled) if the client disconnects first.
-
-    With the body read, the server's next ``receive`` message is the disconnect."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watch.cancel()
-        raise
-    if task.done():
-        watch.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _not_found(request: HttpRequest, exc: Exception) -> Response:

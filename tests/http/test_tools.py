@@ -1,7 +1,8 @@
 """Tool calling with the official ``openai`` SDK against a real server, and the same on
-gRPC. The model is the tiny random-weight Llama with a ChatML template that has no tools (as
-the default SmolLM2's has none): the generic rendering. A random model is the hard case for
-the constrained choices: nothing but the grammar makes its calls valid."""
+gRPC. Each test runs against the tiny random-weight Llama with a ChatML template that has no
+tools (the generic rendering; a random model is the hard case for the constrained choices:
+nothing but the grammar makes its calls valid) and, in the slow tier, against the default
+SmolLM2 model (whose template has no tools either)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jsonschema
 import pytest
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
+from service.engine.types import Request
 from service.grpc_server import ServerOptions
 from tests.http.conftest import base_url
 from tests.serverutil import TEST_SIZING, ServerHandle, TenantSpec, running_server
@@ -45,11 +47,15 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model: Any) -> Iterator[ServerHandle]:
+@pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
+def srv(request: pytest.FixtureRequest) -> Iterator[ServerHandle]:
+    """Each test against the tiny random model, and (slow tier) the default SmolLM2 as
+    ``kvfence serve`` loads it."""
+    model = request.getfixturevalue("tiny_model" if request.param == "tiny" else "served_model")
     # The generic preamble is ~1,000 bytes: several hundred tokens of the tiny vocabulary.
-    sizing = replace(TEST_SIZING, kv_memory="64MiB", max_model_len=2048)
-    with running_server(tiny_model, {"acme": TenantSpec(max_concurrent_streams=32)},
+    kv = "64MiB" if request.param == "tiny" else "512MiB"
+    sizing = replace(TEST_SIZING, kv_memory=kv, max_model_len=2048)
+    with running_server(model, {"acme": TenantSpec(max_concurrent_streams=32)},
                         sizing=sizing, options=ServerOptions(http_port=0)) as handle:
         yield handle
 
@@ -112,6 +118,36 @@ def test_parallel_tool_calls_false_yields_at_most_one_call(srv: ServerHandle) ->
             assert len(choice.message.tool_calls or []) <= 1
 
 
+def test_auto_without_parallel_calls_ends_generation_at_the_first_call(
+    srv: ServerHandle, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine is asked to stop at the first call's closing tag (so no token is spent
+    past it) only when one free-text call may count; the request's own stops stay first."""
+    sent: list[Request] = []
+    submit = srv.engine.submit
+
+    def spy(request: Request) -> Any:
+        sent.append(request)
+        return submit(request)
+
+    monkeypatch.setattr(srv.engine, "submit", spy)
+    c = client(srv)
+    for parallel, choice_kind in ((False, "auto"), (True, "auto"), (False, "required")):
+        sent.clear()
+        c.chat.completions.create(
+            model=_model(srv), messages=ASK, tools=TOOLS, tool_choice=choice_kind, seed=3,
+            max_tokens=8, parallel_tool_calls=parallel, stop=["END"],
+        )
+        [request] = sent
+        tail = ("</tool_call>",) if (parallel, choice_kind) == (False, "auto") else ()
+        assert request.stopping.stop == ("END", *tail), (parallel, choice_kind)
+    sent.clear()
+    list(inference_pb2_grpc.InferenceStub(srv.channel()).Generate(
+        _grpc_request(inference_pb2.ToolChoice.MODE_AUTO, max_tokens=8),
+        metadata=srv.auth("acme")))
+    assert sent[0].stopping.stop == ("</tool_call>",)
+
+
 def test_the_follow_up_turn_with_the_tool_result_completes(srv: ServerHandle) -> None:
     c = client(srv)
     first = c.chat.completions.create(
@@ -160,19 +196,22 @@ def test_streamed_tool_call_deltas_reassemble_into_the_same_call(srv: ServerHand
     assert "<tool_call>" not in "".join(ch.choices[0].delta.content or "" for ch in chunks)
 
 
-def test_grpc_gets_the_same_calls_as_an_event(srv: ServerHandle) -> None:
-    params = json.dumps(WEATHER)
-    req = inference_pb2.GenerateRequest(
+def _grpc_request(mode: Any, max_tokens: int) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
         chat=inference_pb2.ChatMessages(
             messages=[inference_pb2.ChatMessage(role="user", content=ASK[0]["content"])],
             tools=[inference_pb2.Tool(name="get_weather", description="The weather",
-                                      parameters=params)],
-            tool_choice=inference_pb2.ToolChoice(mode=inference_pb2.ToolChoice.MODE_REQUIRED),
+                                      parameters=json.dumps(WEATHER))],
+            tool_choice=inference_pb2.ToolChoice(mode=mode),
             parallel_tool_calls=False,
         ),
         sampling=inference_pb2.SamplingParams(temperature=0.0),
-        stopping=inference_pb2.StoppingParams(max_tokens=220),
+        stopping=inference_pb2.StoppingParams(max_tokens=max_tokens),
     )
+
+
+def test_grpc_gets_the_same_calls_as_an_event(srv: ServerHandle) -> None:
+    req = _grpc_request(inference_pb2.ToolChoice.MODE_REQUIRED, max_tokens=220)
     out = list(inference_pb2_grpc.InferenceStub(srv.channel()).Generate(
         req, metadata=srv.auth("acme")))
     events = [m.WhichOneof("event") for m in out]

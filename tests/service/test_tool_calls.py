@@ -66,6 +66,38 @@ def test_without_parallel_calls_only_the_first_counts() -> None:
     assert len(calls) == 1 and content == ""
 
 
+def test_only_a_free_single_call_turn_in_the_hermes_format_stops_at_the_call() -> None:
+    assert ToolPlan("hermes", NAMES, False, False).stop_strings() == ("</tool_call>",)
+    assert ToolPlan("hermes", NAMES, True, False).stop_strings() == ()  # parallel
+    assert ToolPlan("hermes", NAMES, False, True).stop_strings() == ()  # the grammar ends it
+    assert ToolPlan("llama3_json", NAMES, False, False).stop_strings() == ()
+
+
+def _finished(reason: str) -> Finished:
+    return Finished(reason=reason, prompt_tokens=3, completion_tokens=9,  # type: ignore[arg-type]
+                    cached_tokens=0, queue_s=0.0, ttft_s=None, total_s=0.0)
+
+
+def test_a_call_the_stop_string_ended_is_closed_and_made() -> None:
+    """The engine trims the stop string: the block ends without its closing tag."""
+    plan = ToolPlan("hermes", NAMES, False, False)
+    splitter = ToolSplitter(plan, ids())  # type: ignore[arg-type]
+    assert splitter.split(Delta((1,), 'ok <tool_call>\n{"name": "get_time", ')) == [
+        Delta((1,), "ok ")]
+    assert splitter.split(Delta((2,), '"arguments": {"tz": "UTC"}}\n')) == [Delta((2,), "")]
+    done = _finished("stop")
+    assert splitter.split(done) == [
+        CallsMade((ParsedCall("call_0", "get_time", '{"tz": "UTC"}'),)), done]
+    assert splitter.called
+    # Cut off by max_tokens instead, the same text is no call: it stays content.
+    cut = ToolSplitter(plan, ids())  # type: ignore[arg-type]
+    cut.split(Delta((1,), '<tool_call>{"name": "get_time", "arguments": {}}'))
+    length = _finished("length")
+    assert cut.split(length) == [
+        Delta((), '<tool_call>{"name": "get_time", "arguments": {}}'), length]
+    assert not cut.called
+
+
 @pytest.mark.parametrize("piece", [1, 4, 1000])
 def test_llama3_json_output_is_calls(piece: int) -> None:
     plan = ToolPlan("llama3_json", NAMES, True, False)

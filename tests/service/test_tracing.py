@@ -66,24 +66,29 @@ def test_one_http_request_is_one_span_tree(
     )
     assert r.status_code == 200
     root, children = _tree(exporter)
+    _assert_full_tree(root, children, "http", completion_tokens=5)
+    output = "".join(line for line in r.text.splitlines() if '"content"' in line)
+    _no_text([root, *children], [SECRET, "swordfish", output[-40:]])
+
+
+def _assert_full_tree(root: Any, children: list[Any], front: str, completion_tokens: int) -> None:
+    """auth, tokenize, queue, prefill, decode, stream: each once, in order, inside the root."""
     assert root.name == "kvfence.request"
-    assert dict(root.attributes) == {"kvfence.tenant": "acme", "kvfence.front": "http",
+    assert dict(root.attributes) == {"kvfence.tenant": "acme", "kvfence.front": front,
                                      "kvfence.request_id": root.attributes["kvfence.request_id"],
                                      "kvfence.code": "OK"}
     names = [s.name for s in sorted(children, key=lambda s: (s.start_time, s.name))]
     assert names == ["auth", "tokenize", "queue", "prefill", "decode", "stream"]
     by = {s.name: s for s in children}
-    assert by["decode"].attributes["kvfence.completion_tokens"] == 5
+    assert by["decode"].attributes["kvfence.completion_tokens"] == completion_tokens
     assert by["prefill"].attributes["kvfence.prompt_tokens"] > 0
     for a, b in (("auth", "tokenize"), ("tokenize", "queue"), ("queue", "prefill"),
                  ("prefill", "decode")):
         assert by[a].end_time <= by[b].start_time + 1_000_000  # in order (1 ms of clock skew)
     assert root.start_time <= by["auth"].start_time and by["stream"].end_time <= root.end_time
-    output = "".join(line for line in r.text.splitlines() if '"content"' in line)
-    _no_text([root, *children], [SECRET, "swordfish", output[-40:]])
 
 
-def test_one_grpc_request_is_the_same_tree_without_auth(
+def test_one_grpc_request_is_the_same_tree(
     traced: tuple[ServerHandle, InMemorySpanExporter],
 ) -> None:
     srv, exporter = traced
@@ -94,8 +99,7 @@ def test_one_grpc_request_is_the_same_tree_without_auth(
     out = list(inference_pb2_grpc.InferenceStub(srv.channel()).Generate(
         req, metadata=srv.auth("acme")))
     root, children = _tree(exporter)
-    assert root.attributes["kvfence.front"] == "grpc" and root.attributes["kvfence.code"] == "OK"
-    assert sorted(s.name for s in children) == ["decode", "prefill", "queue", "stream", "tokenize"]
+    _assert_full_tree(root, children, "grpc", completion_tokens=4)
     text = "".join(m.chunk.text for m in out if m.HasField("chunk"))
     _no_text([root, *children], [SECRET, text] if len(text) > 6 else [SECRET])
 

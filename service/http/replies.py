@@ -1,0 +1,160 @@
+"""The answer to one OpenAI request, from its engine sequences' events: one JSON body
+(``collect``) or a server-sent event stream (``sse``), the same for both endpoints.
+
+Each sequence's events go through a ``ToolSplitter`` (tool calls out of the text, as on
+gRPC) and are counted by the request's metrics exactly as the gRPC front counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from structlog.typing import FilteringBoundLogger
+
+from service.engine.types import Admitted, Delta, EngineEvent, Finished
+from service.errors import ServiceError, internal
+from service.finish import finish_error
+from service.http import render
+from service.http.errors import error_body
+from service.http.generation import Generation
+from service.http.parse import HttpOptions
+from service.request_metrics import RequestMetrics, SequenceMetrics
+from service.tool_calls import CallsMade, ToolSplitter
+from service.tools import ToolPlan
+
+
+class Replies:
+    """Builds answers; ``token_text`` renders a token id, ``is_draining`` words refusals."""
+
+    def __init__(
+        self,
+        token_text: Callable[[int], str],
+        is_draining: Callable[[], bool],
+        clock: Callable[[], float],
+    ) -> None:
+        self._text = token_text
+        self._is_draining = is_draining
+        self._clock = clock
+
+    async def collect(
+        self,
+        gen: Generation,
+        head: render.ChunkHeader,
+        opts: HttpOptions,
+        recorder: RequestMetrics,
+        plan: ToolPlan | None,
+    ) -> dict[str, Any]:
+        """The whole non-streaming body, once every sequence finished."""
+        choices = [render.Choice(i) for i in range(len(gen.requests))]
+        seqs = self._sequences(gen, recorder)
+        splitters = [ToolSplitter(plan) for _ in choices]
+        async for i, raw in gen.events():
+            choice = choices[i]
+            _record(raw, seqs[i])
+            for event in splitters[i].split(raw):
+                if isinstance(event, Admitted):
+                    choice.cached_tokens = event.cached_tokens
+                elif isinstance(event, Delta):
+                    choice.text.append(event.text)
+                    choice.logprobs.extend(event.logprobs)
+                elif isinstance(event, CallsMade):
+                    choice.tool_calls.extend(event.calls)
+                else:
+                    self._check_finish(event)
+                    choice.finish = event
+        return render.complete_body(
+            head.endpoint, head.ident, head.created, head.model, choices, opts, self._text
+        )
+
+    async def sse(
+        self,
+        gen: Generation,
+        head: render.ChunkHeader,
+        opts: HttpOptions,
+        recorder: RequestMetrics,
+        method: str,
+        log: FilteringBoundLogger,
+        plan: ToolPlan | None,
+    ) -> AsyncIterator[bytes]:
+        """The event stream; it closes ``gen`` and records the outcome however it ends."""
+        code = "CANCELLED"
+        error: ServiceError | None = None
+        choices = [render.Choice(i) for i in range(len(gen.requests))]
+        seqs = self._sequences(gen, recorder)
+        splitters = [ToolSplitter(plan) for _ in choices]
+        offsets = [0] * len(choices)
+        text = self._text
+
+        def live(chs: list[render.Choice]) -> dict[str, Any] | None:
+            return render.running_usage(chs) if opts.continuous_usage else None
+
+        try:
+            async for i, raw in gen.events():
+                choice = choices[i]
+                _record(raw, seqs[i])
+                for event in splitters[i].split(raw):
+                    if isinstance(event, Admitted):
+                        choice.cached_tokens = event.cached_tokens
+                        choice.prompt_tokens = event.prompt_tokens
+                    elif isinstance(event, Delta):
+                        choice.completion_tokens += len(event.token_ids)
+                        yield sse_data(render.delta_chunk(
+                            head, choice, event, opts, text, offsets[i], live(choices)
+                        ))
+                        offsets[i] += sum(len(text(lp.token_id)) for lp in event.logprobs)
+                    elif isinstance(event, CallsMade):
+                        for chunk in render.tool_call_chunks(
+                            head, choice, event.calls, live(choices)
+                        ):
+                            yield sse_data(chunk)
+                    else:
+                        self._check_finish(event)
+                        choice.finish = event
+                        yield sse_data(render.finish_chunk(head, choice, event, live(choices)))
+            if opts.include_usage:
+                yield sse_data(head.wrap([], render.total_usage(choices)))
+            yield b"data: [DONE]\n\n"
+            code = "OK"
+        except ServiceError as err:
+            # Headers are out: the error goes in the stream, as OpenAI's API does.
+            code = err.code.name
+            error = err
+            yield sse_data(error_body(err))
+        except Exception as exc:
+            log.error("http.failed", **where(exc))
+            code = "INTERNAL"
+            yield sse_data(error_body(internal("SERVER")))
+        finally:
+            gen.close()
+            recorder.done(method, code, error)
+
+    def _sequences(self, gen: Generation, recorder: RequestMetrics) -> list[SequenceMetrics]:
+        return [recorder.sequence(len(r.prompt_ids), self._clock, i)
+                for i, r in enumerate(gen.requests)]
+
+    def _check_finish(self, event: Finished) -> None:
+        if event.reason in ("stop", "length"):
+            return
+        raise finish_error(event, self._is_draining())
+
+
+def _record(event: EngineEvent, seq: SequenceMetrics) -> None:
+    """The engine's own events are what the metrics count, as on gRPC."""
+    if isinstance(event, Delta):
+        seq.delta(len(event.token_ids))
+    elif isinstance(event, Finished):
+        seq.finished(event)
+
+
+def sse_data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def where(exc: BaseException) -> dict[str, str]:
+    """The exception type and the innermost frame, without the message (it may quote input)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return {"error": type(exc).__name__, "at": f"{frames[-1].filename}:{frames[-1].lineno}"
+            if frames else ""}
