@@ -90,6 +90,16 @@ def permission_denied(message: str, reason: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.PERMISSION_DENIED, message, (_error_info(reason),))
 
 
+#: (field path, description) pairs: a request's problems, reported together.
+Violations = list[tuple[str, str]]
+
+
+def raise_if(violations: Violations) -> None:
+    """INVALID_ARGUMENT with every violation, if there is any."""
+    if violations:
+        raise invalid_argument(violations)
+
+
 def invalid_argument(violations: Sequence[tuple[str, str]]) -> ServiceError:
     """``violations`` are (field path, description) pairs."""
     bad = error_details_pb2.BadRequest(

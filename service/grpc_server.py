@@ -38,14 +38,15 @@ from service.interceptor import AuthInterceptor
 from service.kv_shares import KVShareError, kv_shares
 from service.limits import Limiter, TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
-from service.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.protocols import EngineLike
 from service.refusal_pace import RefusalPace
 from service.request_metrics import PageAlert
+from service.request_prep.fields import ModelLimits
+from service.request_prep.prep import RequestPrep
+from service.request_prep.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
 from service.tenants import TenantRegistry, TenantsFileError, load_tenants
 from service.tokenizer_pool import TokenizerPool
 from service.tracing import Tracing
-from service.validation import ModelLimits
 from service.wire import add_cache_service, add_inference_service
 
 SERVICE_NAMES = (
@@ -125,15 +126,17 @@ class KVFenceServer:
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
         # Tokenizer time is charged to the tenant's fair share of the engine, like compiles.
         self._tokenizer_pool = TokenizerPool(options.tokenizer_threads, on_cost=engine.charge_cpu)
-        self._prompts = PromptBuilder(
-            model.tokenizer, model.chat_template, limits, self._tokenizer_pool
+        self.prep = RequestPrep(
+            limits,
+            PromptBuilder(model.tokenizer, model.chat_template, self._tokenizer_pool),
+            grammars,
         )
         self.tracing = (
             Tracing.otlp(options.otlp_endpoint) if options.otlp_endpoint else Tracing.off()
         )
         self.inference = InferenceServicer(
             engine,
-            self._prompts,
+            self.prep,
             self.limiter,
             self.metrics,
             log,
@@ -151,7 +154,6 @@ class KVFenceServer:
             ),
             lambda: self._draining,
             clock,
-            grammars,
             self.tracing,
         )
 
@@ -214,12 +216,11 @@ class KVFenceServer:
         self.http_front = OpenAIFront(
             FrontDeps(
                 engine=self._engine,
-                prompts=self._prompts,
+                prep=self.prep,
                 limiter=self.limiter,
                 authenticator=self.authenticator,
                 metrics=self.metrics,
                 log=self._log,
-                grammars=self._grammars,
                 is_draining=lambda: self._draining,
                 clock=self._clock,
                 alert=PageAlert(self._engine.page_size, opts.alert_request_kv_pages),

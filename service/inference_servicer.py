@@ -15,24 +15,17 @@ from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
 from service import responses
-from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
-from service.errors import ServiceError, abort, internal, permission_denied
+from service.errors import ServiceError, abort, internal
 from service.finish import finish_error, submit_error
 from service.limits import Limiter
 from service.metrics import Metrics
-from service.prepare import check_request, finish_request
-from service.prompt import PromptBuilder
 from service.protocols import EngineLike
 from service.request_metrics import PageAlert, RequestMetrics
+from service.request_prep.prep import RequestPrep
 from service.tenants import Tenant
 from service.tool_calls import CallsMade, ToolSplitter
 from service.tracing import Tracing
-from service.validation import (
-    Violations,
-    prompt_token_limit,
-    raise_if,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,26 +42,24 @@ class InferenceServicer:
     def __init__(
         self,
         engine: EngineLike,
-        prompts: PromptBuilder,
+        prep: RequestPrep,
         limiter: Limiter,
         metrics: Metrics,
         log: FilteringBoundLogger,
         options: InferenceOptions,
         is_draining: Callable[[], bool],
         clock: Callable[[], float],
-        grammars: GrammarCompiler | None = None,
         tracing: Tracing | None = None,
     ) -> None:
         self._tracing = tracing if tracing is not None else Tracing.off()
         self._engine = engine
-        self._prompts = prompts
+        self._prep = prep
         self._limiter = limiter
         self._metrics = metrics
         self._log = log
         self._opts = options
         self._is_draining = is_draining
         self._clock = clock
-        self._grammars = grammars
 
     async def Generate(
         self,
@@ -120,21 +111,15 @@ class InferenceServicer:
         log: FilteringBoundLogger,
         recorder: RequestMetrics,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        checked = check_request(self._prompts, tenant, request)
-        which = checked.which
-        max_tokens = checked.stopping.max_tokens
+        fields = self._prep.read(tenant, request)
+        which = fields.input.which
+        max_tokens = fields.stopping.max_tokens
         # Charged before any work (tokenizing included): the input by its size.
-        lease = await self._limiter.admit(tenant.name, checked.input_cost + max_tokens)
+        lease = await self._limiter.admit(tenant.name, fields.input.cost + max_tokens)
         try:
             with recorder.trace.span("tokenize"):
-                engine_request = await finish_request(
-                    self._prompts,
-                    self._grammars,
-                    tenant,
-                    request,
-                    checked,
-                    request_id,
-                    self._deadline(context),
+                engine_request = await self._prep.build(
+                    tenant, request, fields, request_id, self._deadline(context)
                 )
             prompt_tokens = len(engine_request.prompt_ids)
             log.info(
@@ -145,7 +130,7 @@ class InferenceServicer:
             )
             if self._opts.log_content:
                 log.info("generate.content", prompt=self._prompt_text(request, which))
-            splitter = ToolSplitter(checked.tool_plan)
+            splitter = ToolSplitter(fields.tool_plan)
             async for response in self._stream(engine_request, request, log, recorder, splitter):
                 yield response
         finally:
@@ -181,10 +166,10 @@ class InferenceServicer:
                     if isinstance(event, Admitted):
                         yield responses.started(
                             event, req.request_id, request.client_request_id,
-                            self._prompts.model.name,
+                            self._prep.model.name,
                         )
                     elif isinstance(event, Delta):
-                        yield responses.chunk(event, self._prompts.token_text)
+                        yield responses.chunk(event, self._prep.token_text)
                     elif isinstance(event, CallsMade):
                         yield responses.tool_calls(event.calls)
                     else:
@@ -231,25 +216,15 @@ class InferenceServicer:
     ) -> inference_pb2.TokenizeResponse:
         code = "OK"
         try:
-            model = self._prompts.model
-            if not tenant.may_use_model(model.name):
-                raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
-            limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
-            which = request.WhichOneof("input")
-            out: Violations = []
-            self._prompts.check_input(which, request, limit, out)
-            raise_if(out)
-            assert which is not None
+            inp = self._prep.read_tokenize(tenant, request)
             # Limited like Generate: a concurrency slot, and the input charged by its size.
-            lease = await self._limiter.admit(tenant.name, self._prompts.input_cost(which, request))
+            lease = await self._limiter.admit(tenant.name, inp.cost)
             try:
-                ids = await self._prompts.prompt_ids(
-                    tenant.name, which, request, limit, request.add_special_tokens
-                )
+                ids = await self._prep.tokenize(tenant, request, inp)
             finally:
                 lease.release()
             return inference_pb2.TokenizeResponse(
-                token_ids=ids, tokens=[self._prompts.token_text(t) for t in ids]
+                token_ids=ids, tokens=[self._prep.token_text(t) for t in ids]
             )
         except ServiceError as err:
             code = err.code.name

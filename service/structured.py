@@ -1,71 +1,17 @@
-"""Structured outputs at the service boundary: the wire's ``ResponseFormat`` -> a compiled
-grammar for the engine, compiled on the compile executor with the tenant's own cache.
-
-Both fronts (gRPC and the OpenAI-compatible HTTP front) call ``compile_response_format``.
+"""The grammar compiler for the served model's vocabulary (structured outputs and
+constrained tool choices); requests compile with it in ``service/request_prep/grammar.py``.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from protos.kvfence.v1 import inference_pb2
 from service.engine.compile_executor import CompileExecutor
 from service.engine.grammar import (
-    CompiledGrammar,
     GrammarCompiler,
-    GrammarError,
     GrammarLimits,
-    GrammarSpec,
     Vocabulary,
 )
-from service.errors import invalid_argument
-from service.held_work import outlive_cancel
-
-FIELD = "response_format"
-
-
-def spec_from_proto(msg: inference_pb2.ResponseFormat) -> GrammarSpec | None:
-    which = msg.WhichOneof("format")
-    if which == "json_schema":
-        return GrammarSpec("json_schema", msg.json_schema)
-    if which == "json_object":
-        return GrammarSpec("json_object") if msg.json_object else None
-    if which == "regex":
-        return GrammarSpec("regex", msg.regex)
-    if which == "lark_grammar":
-        return GrammarSpec("lark", msg.lark_grammar)
-    return None
-
-
-async def compile_response_format(
-    compiler: GrammarCompiler | None, tenant: str, request: inference_pb2.GenerateRequest
-) -> CompiledGrammar | None:
-    """The request's compiled grammar, or None when it asks for none.
-
-    Raises INVALID_ARGUMENT (field ``response_format``) with the reason when the spec is
-    too large or does not compile, or when the server has no grammar support.
-    """
-    if not request.HasField("response_format"):
-        return None
-    return await compile_spec(compiler, tenant, spec_from_proto(request.response_format), FIELD)
-
-
-async def compile_spec(
-    compiler: GrammarCompiler | None, tenant: str, spec: GrammarSpec | None, field: str
-) -> CompiledGrammar | None:
-    """``spec`` compiled with the tenant's cache; INVALID_ARGUMENT naming ``field`` if not."""
-    if spec is None:
-        return None
-    if compiler is None:
-        raise invalid_argument([(field, "structured outputs are not enabled on this server")])
-    reason = compiler.check(spec)  # cheap refusals without a thread hop
-    if reason is not None:
-        raise invalid_argument([(field, reason)])
-    try:
-        # NOTE: llguidance drops the GIL while it compiles, so the loop keeps serving.
-        return await outlive_cancel(compiler.submit(tenant, spec))
-    except GrammarError as err:
-        raise invalid_argument([(field, str(err))]) from None
 
 
 class VocabTokenizer(Protocol):

@@ -28,8 +28,8 @@ from typing import Any
 
 from protos.kvfence.v1 import inference_pb2
 from service.engine.grammar import GrammarSpec
+from service.errors import Violations
 from service.model.chat_template import ToolFormat
-from service.validation import Violations
 
 MAX_TOOLS = 128
 #: Calls one constrained turn may make with parallel calls on: the grammar ends the turn

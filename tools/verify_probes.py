@@ -196,7 +196,7 @@ PROBES: tuple[Probe, ...] = (
           "test_extreme_and_malformed", "top_p up to 10 accepted", mutant="validation-top-p"),
     probe("test_malformed::slowest rejection (s)", "test_extreme_and_malformed",
           "the first rejection sleeps 5.2 s",
-          edit("service/validation.py", "    if violations:\n        raise invalid_argument",
+          edit("service/errors.py", "    if violations:\n        raise invalid_argument",
                "    if violations:\n" + _once('__import__("time").sleep(5.2)', "kvf_slept")
                + "        raise invalid_argument")),
     probe("test_prompt_fuzz::examples answered as the rules predict", "test_prompt_lengths",
@@ -303,9 +303,9 @@ PROBES: tuple[Probe, ...] = (
           "one freed page orphaned", ORPHAN_ONE),
     probe("test_structured_outputs::JSON-schema completions that parse and validate (default "
           "model)", "test_json_schema_completions", "response_format ignored",
-          edit("service/structured.py",
-               "compile_spec(compiler, tenant, spec_from_proto(request.response_format), FIELD)",
-               "compile_spec(compiler, tenant, None, FIELD)")),
+          edit("service/request_prep/fields.py",
+               "    spec: GrammarSpec | None = _format_spec(request)\n",
+               "    spec: GrammarSpec | None = None\n")),
 )
 
 

@@ -1,8 +1,11 @@
 """The engine's request invariants, checked when a request is added.
 
-The service validates every request first (``service/validation.py``, which turns problems
-into BadRequest details); these checks guard the engine's own assumptions for every caller
-(tests, bench, warm-up) and share their limits with the service (``MAX_LOGPROBS``).
+The service prepares every request first (``service/request_prep``: each field parsed and
+checked once, problems turned into BadRequest details); the engine trusts what it is given,
+and the field rules below are assertions of that contract, not a second validator. What
+only the engine can know stays a typed refusal: a reserved tenant name outside the engine's
+own work (``InvalidRequest``) and a prompt that leaves no room in the context
+(``RequestTooLarge``). ``MAX_LOGPROBS`` is shared with the service.
 """
 
 from __future__ import annotations
@@ -23,56 +26,29 @@ MAX_LOGPROBS = 20
 def validate_request(
     request: Request, config: EngineConfig, vocab_size: int, internal: bool = False
 ) -> int:
-    """Raise InvalidRequest / RequestTooLarge; return max_tokens capped by max_model_len."""
-    if not request.request_id:
-        raise InvalidRequest("request_id must not be empty")
-    if not request.tenant:
-        raise InvalidRequest("tenant must not be empty")
+    """Raise InvalidRequest / RequestTooLarge; return max_tokens capped by max_model_len.
+    A request that breaks the service's contract fails an assertion."""
+    assert request.request_id and request.tenant, "request_id and tenant are set"
     if request.tenant.startswith(RESERVED_TENANT_PREFIX) and not internal:
         raise InvalidRequest("tenant name is reserved")
-    if not request.prompt_ids:
-        raise InvalidRequest("prompt must contain at least one token")
-    if any(not 0 <= t < vocab_size for t in request.prompt_ids):
-        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
-    if any(not 0 <= t < vocab_size for t in request.stopping.stop_token_ids):
-        raise InvalidRequest(f"stop token ids must be in [0, {vocab_size})")
-    if not 0 <= request.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]")
-    _check_sampling(request)
+    assert request.prompt_ids, "prompt has at least one token"
+    assert all(0 <= t < vocab_size for t in request.prompt_ids), "prompt ids in the vocabulary"
     stopping = request.stopping
-    if stopping.max_tokens < 1:
-        raise InvalidRequest("max_tokens must be >= 1")
-    if not 0 <= stopping.min_tokens <= stopping.max_tokens:
-        raise InvalidRequest("min_tokens must be in [0, max_tokens]")
-    if any(not s for s in stopping.stop):
-        raise InvalidRequest("stop strings must not be empty")
+    assert all(0 <= t < vocab_size for t in stopping.stop_token_ids), "stop ids in the vocabulary"
+    assert 0 <= request.logprobs <= MAX_LOGPROBS, "logprobs in [0, MAX_LOGPROBS]"
+    s = request.sampling
+    values = (s.temperature, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty,
+              s.frequency_penalty)
+    assert all(math.isfinite(v) for v in values), "sampling parameters are finite"
+    assert s.temperature >= 0 and s.top_k >= 0, "temperature and top_k >= 0"
+    assert 0 < s.top_p <= 1 and 0 <= s.min_p <= 1, "top_p in (0, 1], min_p in [0, 1]"
+    assert s.repetition_penalty > 0, "repetition_penalty > 0"
+    assert stopping.max_tokens >= 1, "max_tokens >= 1"
+    assert 0 <= stopping.min_tokens <= stopping.max_tokens, "min_tokens in [0, max_tokens]"
+    assert all(stopping.stop), "stop strings are not empty"
     room = config.max_model_len - len(request.prompt_ids)
     if room < 1:
         raise RequestTooLarge(
             len(request.prompt_ids) + 1, config.max_model_len, "max_model_len (tokens)"
         )
     return min(stopping.max_tokens, room)
-
-
-def _check_sampling(request: Request) -> None:
-    s = request.sampling
-    values = (
-        s.temperature,
-        s.top_p,
-        s.min_p,
-        s.repetition_penalty,
-        s.presence_penalty,
-        s.frequency_penalty,
-    )
-    if not all(math.isfinite(v) for v in values):
-        raise InvalidRequest("sampling parameters must be finite")
-    if s.temperature < 0:
-        raise InvalidRequest("temperature must be >= 0")
-    if s.top_k < 0:
-        raise InvalidRequest("top_k must be >= 0")
-    if not 0 < s.top_p <= 1:
-        raise InvalidRequest("top_p must be in (0, 1]")
-    if not 0 <= s.min_p <= 1:
-        raise InvalidRequest("min_p must be in [0, 1]")
-    if s.repetition_penalty <= 0:
-        raise InvalidRequest("repetition_penalty must be > 0")

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from protos.kvfence.v1 import inference_pb2
-from service.validation import Violations
+from service.errors import Violations
 
 # Fields an assistant message echoed back by the SDKs carries as null or empty.
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})

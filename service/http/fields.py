@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.validation import Violations
+from service.errors import Violations
 
 COMMON = frozenset(
     {

@@ -3,8 +3,8 @@
 
 The tenant comes only from ``Authorization: Bearer <key>``, checked by the same
 ``Authenticator`` (same key hashes) as gRPC; no body field can name a tenant. A request is
-translated to the gRPC ``GenerateRequest`` and goes through the gRPC front's validator, so
-both fronts accept and refuse exactly the same things.
+translated to the gRPC ``GenerateRequest`` and prepared by the same ``RequestPrep``
+(``service/request_prep``) as gRPC, so both fronts accept and refuse exactly the same things.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
 from service.auth import Authenticator
-from service.engine.grammar import GrammarCompiler
 from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.http import render
 from service.http.body import read_body, until_disconnect
@@ -37,10 +36,9 @@ from service.http.parse import HttpOptions, load_body, parse_chat, parse_complet
 from service.http.replies import Replies, where
 from service.limits import Limiter
 from service.metrics import Metrics
-from service.prepare import check_request, finish_request
-from service.prompt import PromptBuilder
 from service.protocols import EngineLike
 from service.request_metrics import PageAlert, RequestMetrics
+from service.request_prep.prep import RequestPrep
 from service.tenants import Tenant
 from service.tracing import RequestTrace, Tracing
 
@@ -52,12 +50,11 @@ class FrontDeps:
     """Everything the HTTP front shares with the gRPC server."""
 
     engine: EngineLike
-    prompts: PromptBuilder
+    prep: RequestPrep
     limiter: Limiter
     authenticator: Authenticator
     metrics: Metrics
     log: FilteringBoundLogger
-    grammars: GrammarCompiler | None
     is_draining: Callable[[], bool]
     clock: Callable[[], float] = time.monotonic
     alert: PageAlert = field(default_factory=lambda: PageAlert(page_size=1))  # off
@@ -71,7 +68,7 @@ class FrontDeps:
 class OpenAIFront:
     def __init__(self, deps: FrontDeps) -> None:
         self._d = deps
-        self._replies = Replies(deps.prompts.token_text, deps.is_draining, deps.clock)
+        self._replies = Replies(deps.prep.token_text, deps.is_draining, deps.clock)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -100,7 +97,7 @@ class OpenAIFront:
             tenant = self._tenant(request)
         except ServiceError as err:
             return error_response(err)
-        model = self._d.prompts.model
+        model = self._d.prep.model
         data = [
             {"id": model.name, "object": "model", "created": 0, "owned_by": "kvfence",
              "max_model_len": model.max_model_len}
@@ -139,23 +136,22 @@ class OpenAIFront:
             )
             raw = await read_body(request)
             message, opts = parse(load_body(raw))
-            checked = check_request(self._d.prompts, tenant, message)
+            fields = self._d.prep.read(tenant, message)
             # Charged before any work (tokenizing included), as the gRPC front does: the
             # input by its size, for each of the n sequences.
-            cost = checked.input_cost + checked.stopping.max_tokens
+            cost = fields.input.cost + fields.stopping.max_tokens
             leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
             try:
                 with trace.span("tokenize"):
-                    base = await finish_request(
-                        self._d.prompts, self._d.grammars, tenant, message, checked,
-                        request_id, self._deadline(request),
+                    base = await self._d.prep.build(
+                        tenant, message, fields, request_id, self._deadline(request)
                     )
             except BaseException:
                 for lease in leases:
                     lease.release()
                 raise
             gen = Generation(self._d.engine, base, leases)
-            plan = checked.tool_plan
+            plan = fields.tool_plan
             trace.submitted()
             await gen.start()
         except ServiceError as err:
@@ -170,7 +166,7 @@ class OpenAIFront:
                  end_user=self._end_user(tenant_name, opts.user))
         ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
         head = render.ChunkHeader(
-            endpoint, ident, int(self._d.wall()), self._d.prompts.model.name, opts.include_usage
+            endpoint, ident, int(self._d.wall()), self._d.prep.model.name, opts.include_usage
         )
         if opts.stream:
             return StreamingResponse(

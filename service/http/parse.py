@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from protos.kvfence.v1 import inference_pb2
-from service.errors import invalid_argument
+from service.errors import Violations, invalid_argument
 from service.http import chat_parse, fields
 from service.http.nesting import MAX_BODY_NESTING, TOO_DEEP, nesting
-from service.validation import Violations
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5

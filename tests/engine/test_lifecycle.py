@@ -246,9 +246,10 @@ def test_queue_full_and_invalid_requests_raise_at_once(tiny: LoadedModel) -> Non
     core.add(req("c", [5], tenant="t2"), rec.sink("c"))  # other tenants are unaffected
     with pytest.raises(InvalidRequest):
         core.add(req("a", [5], tenant="t3"), rec.sink("a"))  # duplicate id
-    with pytest.raises(InvalidRequest):
+    # The service prepares every request; a broken one is a bug, caught by an assertion.
+    with pytest.raises(AssertionError):
         core.add(req("e", []), rec.sink("e"))
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(AssertionError):
         core.add(req("v", [V]), rec.sink("v"))
     with pytest.raises(InvalidRequest):
         core.add(req("w", [5], tenant="__kvfence_warmup__"), rec.sink("w"))

@@ -122,7 +122,7 @@ def test_input_is_charged_before_the_tokenizer_runs(
 ) -> None:
     """As on gRPC: slow_rate has 60 tokens per minute, and 400 bytes of input are charged
     100 tokens by their size, so the request is refused before any tokenizer work."""
-    prompts = srv.server.inference._prompts  # the PromptBuilder both fronts share
+    prompts = srv.server.prep.prompts  # the PromptBuilder both fronts share
     spy = _CountingTokenizer(prompts._tok)
     monkeypatch.setattr(prompts, "_tok", spy)
     c = client(srv, "slow_rate")

@@ -64,7 +64,7 @@ def client(srv: ServerHandle) -> Any:
     import openai
 
     return openai.OpenAI(base_url=base_url(srv), api_key=srv.keys["acme"], max_retries=0,
-                         timeout=300)
+                         timeout=900)  # the default model, n=6 x 220 tokens, on 2 busy cores
 
 
 def _model(srv: ServerHandle) -> str:

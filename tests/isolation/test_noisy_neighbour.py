@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.app import EngineSizing
-from service.validation import TEXT_BYTES_PER_TOKEN
+from service.request_prep.fields import TEXT_BYTES_PER_TOKEN
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import gen_request
 from tests.verify.neighbours import AttackStats, Latency, Victim, attack, generate_loop
@@ -88,7 +88,7 @@ def small(loaded: Any, srv: ServerHandle) -> Iterator[ServerHandle]:
 
 
 def _vocab(handle: ServerHandle) -> tuple[int, int]:
-    vocab = handle.server.inference._prompts.model.vocab_size
+    vocab = handle.server.prep.model.vocab_size
     return (min(100, vocab // 4), vocab - 1)
 
 
@@ -148,7 +148,7 @@ def _judge(record: Recorder, base: Latency, under: Latency, stats: AttackStats |
 
 
 def _limit(handle: ServerHandle) -> int:
-    return int(handle.server.inference._prompts.model.max_model_len) - 1
+    return int(handle.server.prep.model.max_model_len) - 1
 
 
 def test_tokenizer_flood(srv: ServerHandle, baseline: Latency, record: Recorder) -> None:

@@ -142,7 +142,7 @@ def test_tokenize_and_refused_text_flood(
     auth = hsrv.auth("attacker")
     rng = random.Random(5)
     small = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(20_000))
-    limit = int(hsrv.server.inference._prompts.model.max_model_len) - 1
+    limit = int(hsrv.server.prep.model.max_model_len) - 1
     big = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(min(60_000, limit * 8)))
 
     def work(channel: grpc.Channel, stats: AttackStats, stop: threading.Event, i: int) -> None:

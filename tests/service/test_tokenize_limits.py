@@ -50,7 +50,7 @@ class _CountingTokenizer:
 
 
 def _counting(srv: ServerHandle, monkeypatch: pytest.MonkeyPatch) -> _CountingTokenizer:
-    prompts = srv.server.inference._prompts
+    prompts = srv.server.prep.prompts
     spy = _CountingTokenizer(prompts._tok)
     monkeypatch.setattr(prompts, "_tok", spy)
     return spy
@@ -176,11 +176,11 @@ def test_tokenizer_releases_the_gil(default_model: Any) -> None:
 def test_text_over_the_byte_cap_is_refused_untokenized(
     srv: ServerHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.validation import TEXT_BYTES_PER_TOKEN
+    from service.request_prep.fields import TEXT_BYTES_PER_TOKEN
 
     spy = _counting(srv, monkeypatch)
     inference, _ = stubs(srv)
-    limit = srv.server.inference._prompts.model.max_model_len - 1
+    limit = srv.server.prep.model.max_model_len - 1
     assert TEXT_BYTES_PER_TOKEN <= 8  # about 2x what real text costs a token
     with pytest.raises(grpc.RpcError) as info:
         inference.Tokenize(

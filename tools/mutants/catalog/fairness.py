@@ -82,7 +82,7 @@ MUTANTS = (
         "http-input-uncharged",
         "the HTTP front charges the input by its size before tokenizing",
         edit("service/http/front.py",
-             "cost = checked.input_cost + checked.stopping.max_tokens",
+             "cost = fields.input.cost + fields.stopping.max_tokens",
              "cost = 0"),
         tests="tests/http/test_errors.py::test_input_is_charged_before_the_tokenizer_runs",
     ),

@@ -3,7 +3,7 @@
 from tools.mutants.mutant import edit, mutant
 
 SERVICER = "service/inference_servicer.py"
-VALIDATION = "service/validation.py"
+VALIDATION = "service/request_prep/fields.py"
 T_LOGGING = "tests/service/test_logging.py"
 T_INVALID = "tests/service/test_invalid_argument.py"
 T_DEFAULTS = "tests/service/test_default_config.py"
@@ -164,10 +164,9 @@ MUTANTS = (
     mutant(
         "validation-top-p",
         "sampling.top_p outside (0, 1] is INVALID_ARGUMENT",
-        # NOTE: both layers: the engine's own invariants refuse top_p > 1 as INVALID_ARGUMENT
-        # too, so switching off the servicer's check alone is an equivalent mutant.
+        # NOTE: the engine's assertion too, so the request is served rather than failing it.
         edit(VALIDATION, '"sampling.top_p", 0.0, 1.0,', '"sampling.top_p", 0.0, 10.0,'),
-        edit("service/engine/invariants.py", "if not 0 < s.top_p <= 1:", "if not 0 < s.top_p <= 10:"),
+        edit("service/engine/invariants.py", "assert 0 < s.top_p <= 1 and", "assert 0 < s.top_p <= 10 and"),
         tests="tests/reliability/test_malformed.py",
     ),
     mutant(

@@ -1,6 +1,9 @@
-"""Request checks that run before any tokenization work is unbounded and before any KV page
-is allocated. Every failure is INVALID_ARGUMENT with one BadRequest field violation per
-problem found.
+"""Request preparation, step 1: every field of a ``GenerateRequest`` read and checked once,
+with no tokenizer, before the input is charged and any tokenizing work is done.
+
+Every problem is one BadRequest field violation; all of a request's problems are reported
+together as INVALID_ARGUMENT. The model step (``resolve_model``) comes first: it is the one
+place where the requested model name is resolved against what this server serves.
 
 Text is bounded by bytes before it is tokenized, so the tokenizer's work per call is bounded
 whatever a client sends: ``TEXT_BYTES_PER_TOKEN`` bytes per allowed prompt token. Real text
@@ -14,12 +17,17 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protos.kvfence.v1 import inference_pb2
+from service import tools
+from service.engine.grammar import GrammarSpec
 from service.engine.invariants import MAX_LOGPROBS
 from service.engine.types import SamplingParams, StoppingParams
-from service.errors import invalid_argument
+from service.errors import Violations, permission_denied, raise_if
+from service.limits import byte_tokens
+from service.model.chat_template import ToolFormat
+from service.tenants import Tenant
 
 TEXT_BYTES_PER_TOKEN = 8
 MAX_STOP_STRINGS = 16
@@ -38,8 +46,6 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = MIN_TEMPERATURE
 MAX_REPETITION_PENALTY = 100.0
 
-Violations = list[tuple[str, str]]
-
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
@@ -54,11 +60,6 @@ def prompt_token_limit(model: ModelLimits, tenant_max_prompt_tokens: int) -> int
     """Most prompt tokens a tenant may send (one position is kept for the first output)."""
     limit = model.max_model_len - 1
     return min(limit, tenant_max_prompt_tokens) if tenant_max_prompt_tokens > 0 else limit
-
-
-def raise_if(violations: Violations) -> None:
-    if violations:
-        raise invalid_argument(violations)
 
 
 def check_text(text: str, field: str, token_limit: int, out: Violations) -> None:
@@ -103,13 +104,6 @@ def check_prompt_ids(
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
         if bad is not None:
             out.append((f"{field}[{bad}]", f"token id {ids[bad]} is outside [0, {vocab_size})"))
-
-
-def check_prompt_length(n: int, field: str, token_limit: int, out: Violations) -> None:
-    if n == 0:
-        out.append((field, "prompt is empty after tokenization"))
-    elif n > token_limit:
-        out.append((field, f"prompt has {n} tokens; the limit is {token_limit}"))
 
 
 def _number(
@@ -201,25 +195,131 @@ def parse_stopping(
     )
 
 
-def check_request_fields(
-    req: inference_pb2.GenerateRequest, model: ModelLimits, out: Violations
-) -> None:
+def check_request_fields(req: inference_pb2.GenerateRequest, out: Violations) -> None:
     if not 0 <= req.logprobs <= MAX_LOGPROBS:
         out.append(("logprobs", f"must be in [0, {MAX_LOGPROBS}]"))
     if len(req.client_request_id) > MAX_CLIENT_REQUEST_ID:
         out.append(("client_request_id", f"at most {MAX_CLIENT_REQUEST_ID} characters"))
-    if req.model and req.model != model.name:
-        out.append(("model", "is not served here (see ListModels)"))
     if len(req.cache_salt.encode("utf-8")) > MAX_CACHE_SALT_BYTES:
         out.append(("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes"))
 
 
-def check_context(prompt_len: int, max_tokens: int, model: ModelLimits, out: Violations) -> None:
-    if max_tokens > 0 and prompt_len + max_tokens > model.max_model_len:
-        out.append(
-            (
-                "stopping.max_tokens",
-                f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context "
-                f"length {model.max_model_len}",
-            )
-        )
+def resolve_model(tenant: Tenant, requested: str, model: ModelLimits, out: Violations) -> None:
+    """The model step: the requested name (empty: the default) against what is served.
+
+    PERMISSION_DENIED when the tenant may not use the served model; a ``model`` violation
+    when the name is not served here. Resolving a name to something more (an adapter of the
+    served model) belongs here, so every front and RPC gets it at once."""
+    if not tenant.may_use_model(model.name):
+        raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
+    if requested and requested != model.name:
+        out.append(("model", "is not served here (see ListModels)"))
+
+
+def check_input(
+    which: str | None,
+    req: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest,
+    token_limit: int,
+    model: ModelLimits,
+    tool_format: ToolFormat | None,
+    out: Violations,
+) -> None:
+    """Size checks of the ``input`` oneof (``which``) that need no tokenizer; ``tool_format``
+    is None when the model has no chat template."""
+    if which is None:
+        out.append(("input", "one of text, token_ids or chat is required"))
+    elif which == "text":
+        check_text(req.text, "text", token_limit, out)
+    elif which == "token_ids":
+        assert isinstance(req, inference_pb2.GenerateRequest)
+        check_prompt_ids(req.token_ids.ids, "token_ids.ids", token_limit, model.vocab_size, out)
+    elif which == "chat":
+        check_chat(req.chat, "chat", token_limit, out)
+        tools.check_tools(req.chat, "chat", out)
+        if tool_format is None:
+            out.append(("chat", "the model has no chat template; send text or token_ids"))
+
+
+def input_cost(
+    which: str, req: inference_pb2.GenerateRequest | inference_pb2.TokenizeRequest
+) -> int:
+    """Tokens an input that passed ``check_input`` is charged before it is tokenized."""
+    if which == "token_ids":
+        assert isinstance(req, inference_pb2.GenerateRequest)
+        return len(req.token_ids.ids)
+    if which == "text":
+        return byte_tokens(len(req.text.encode("utf-8")))
+    chat = req.chat
+    size = sum(len(m.content.encode("utf-8")) for m in chat.messages)
+    size += sum(len(c.arguments) + len(c.name) for m in chat.messages for c in m.tool_calls)
+    size += sum(len(t.description) + len(t.parameters) for t in chat.tools)
+    return byte_tokens(size)
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """A request's input that passed ``check_input``."""
+
+    which: str  # the input oneof: text, token_ids or chat
+    limit: int  # most prompt tokens allowed
+    cost: int  # tokens the input is charged by its size, before it is tokenized
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """A ``GenerateRequest`` whose every field passed, ready for the later steps."""
+
+    input: Input
+    sampling: SamplingParams
+    stopping: StoppingParams  # with the tool plan's stop strings
+    tool_plan: tools.ToolPlan | None  # how the output is read for tool calls
+    grammar: GrammarSpec | None  # what the output is constrained to (compiled in step 4)
+    grammar_field: str  # the field a compile failure is reported on
+
+
+def read_fields(
+    tenant: Tenant,
+    request: inference_pb2.GenerateRequest,
+    model: ModelLimits,
+    tool_format: ToolFormat | None,
+) -> Fields:
+    """Every check that needs no tokenizer; raises PERMISSION_DENIED or INVALID_ARGUMENT."""
+    out: Violations = []
+    resolve_model(tenant, request.model, model, out)
+    limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
+    which = request.WhichOneof("input")
+    check_request_fields(request, out)
+    sampling = parse_sampling(request.sampling, model.vocab_size, out)
+    stopping = parse_stopping(request.stopping, model.vocab_size, out)
+    check_input(which, request, limit, model, tool_format, out)
+    raise_if(out)
+    assert which is not None
+    plan = None
+    if which == "chat" and tool_format is not None:
+        plan = tools.plan(request.chat, tool_format)
+    if plan is not None and request.HasField("response_format"):
+        raise_if([("response_format", "cannot be combined with tools (unless tool_choice is none)")])
+    spec: GrammarSpec | None = _format_spec(request)
+    field = "response_format"
+    if plan is not None and plan.constrained:
+        spec, field = tools.grammar(request.chat, plan), "chat.tool_choice"
+    if plan is not None:
+        stopping = replace(stopping, stop=stopping.stop + plan.stop_strings())
+    inp = Input(which, limit, input_cost(which, request))
+    return Fields(inp, sampling, stopping, plan, spec, field)
+
+
+def _format_spec(request: inference_pb2.GenerateRequest) -> GrammarSpec | None:
+    if not request.HasField("response_format"):
+        return None
+    msg = request.response_format
+    which = msg.WhichOneof("format")
+    if which == "json_schema":
+        return GrammarSpec("json_schema", msg.json_schema)
+    if which == "json_object":
+        return GrammarSpec("json_object") if msg.json_object else None
+    if which == "regex":
+        return GrammarSpec("regex", msg.regex)
+    if which == "lark_grammar":
+        return GrammarSpec("lark", msg.lark_grammar)
+    return None

@@ -1,0 +1,97 @@
+"""Request preparation is one pass with one owner: the steps run in order, each module once,
+and a request refused at a step never reaches the later ones."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from protos.kvfence.v1 import inference_pb2
+from service.engine.types import Request
+from service.errors import ServiceError
+from service.request_prep.fields import ModelLimits
+from service.request_prep.prep import RequestPrep
+from service.request_prep.prompt import PromptBuilder
+from service.tenants import Tenant
+from service.tokenizer_pool import TokenizerPool
+
+MODEL = ModelLimits("m", vocab_size=300, max_model_len=64)
+STEPS = ("fields", "prompt", "limits", "grammar")
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte."""
+
+    vocab_size = 300
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_chat(self, parts: Sequence[tuple[str, bool]]) -> list[int]:
+        return [b for text, _ in parts for b in text.encode("utf-8")]
+
+    def id_to_token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id % 256])
+
+
+def _prep() -> RequestPrep:
+    return RequestPrep(MODEL, PromptBuilder(ByteTokenizer(), None, TokenizerPool()), None)
+
+
+def _walk(request: inference_pb2.GenerateRequest) -> tuple[list[str], Request | ServiceError]:
+    """The request_prep step modules entered, in order (the owner, prep.py, left out), and
+    what preparing ``request`` gave."""
+    entered: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.startswith("service.request_prep."):
+            step = module.rsplit(".", 1)[1]
+            if step != "prep" and (not entered or entered[-1] != step):
+                entered.append(step)
+
+    prep = _prep()  # built before the walk is recorded
+    tenant = Tenant("acme")
+
+    async def prepare() -> Request:
+        fields = prep.read(tenant, request)
+        return await prep.build(tenant, request, fields, "r1", None)
+
+    sys.setprofile(profile)
+    try:
+        result: Request | ServiceError = asyncio.run(prepare())
+    except ServiceError as err:
+        result = err
+    finally:
+        sys.setprofile(None)
+    return entered, result
+
+
+def _request(text: str, max_tokens: int) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        text=text, stopping=inference_pb2.StoppingParams(max_tokens=max_tokens))
+
+
+def test_a_request_visits_each_step_once_in_order() -> None:
+    entered, result = _walk(_request("hello", 4))
+    assert entered == list(STEPS)
+    assert isinstance(result, Request)
+    assert result.prompt_ids == tuple(b"hello") and result.stopping.max_tokens == 4
+
+
+@pytest.mark.parametrize(("request_", "steps", "field"), [
+    (_request("hello", 0), STEPS[:1], "stopping.max_tokens"),  # refused by its fields
+    (_request("x" * 60, 10), STEPS[:3], "stopping.max_tokens"),  # by the context it leaves
+])
+def test_a_refused_request_stops_at_the_step_that_refused_it(
+    request_: inference_pb2.GenerateRequest, steps: tuple[str, ...], field: str
+) -> None:
+    entered, result = _walk(request_)
+    assert entered == list(steps)
+    assert isinstance(result, ServiceError)
+    assert result.details[0].field_violations[0].field == field  # type: ignore[attr-defined]
