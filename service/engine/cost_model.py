@@ -143,10 +143,6 @@ def _decode_seconds(line: Sequence[float], regime: Regime, rows: int, keys: int)
     return base + per_row * regime.padded(rows) + per_key * keys + jump
 
 
-# Batch sizes whose decode-only steps are kept by size (StepCost.observed): the sizes a
-# victim's own rows have; larger batches are priced by the line.
-OBSERVED_ROWS = 16
-
 # Feature subsets the fits try, most complete first. Decode: (1, rows, keys, dense);
 # chunks: (n, tokens, keys, crossed).
 _DECODE_TRIES = ((0, 1, 2, 3), (0, 1, 3), (0, 3), (0, 1, 2), (0, 1), (0,))
@@ -161,11 +157,12 @@ class StepCostModel:
 
     regime: Regime = Regime()
     decay: float = 0.9  # SchedulerTuning.cost_decay
+    observed_rows: int = 16  # SchedulerTuning.observed_rows
     decode: LeastSquares = field(init=False)  # 1, rows, keys, dense
     chunks: LeastSquares = field(init=False)  # n, tokens, keys, crossed
 
     # EW averages of decode-only steps' (seconds, keys) by padded batch size, for batches
-    # up to OBSERVED_ROWS rows.
+    # up to ``observed_rows`` rows.
     by_rows: dict[int, tuple[float, float]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -185,7 +182,7 @@ class StepCostModel:
             dense = 1.0 if regime.dense(rows) else 0.0
             self.decode.observe((1.0, regime.padded(rows), row_keys, dense), seconds)
             padded = regime.padded(rows)
-            if padded <= OBSERVED_ROWS:
+            if padded <= self.observed_rows:
                 last = self.by_rows.get(padded)
                 # The same decay as the fit: it follows the machine's load just as fast.
                 d = self.decay if last is not None else 0.0
