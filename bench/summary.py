@@ -21,6 +21,7 @@ SUITE_ORDER = (
     "online_guidellm",
     "prefix",
     "isolation_cost",
+    "lora",
 )
 
 

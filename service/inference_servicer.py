@@ -15,6 +15,7 @@ from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
 from service import responses
+from service.adapters import Adapters, BoundLease, model_infos
 from service.engine.grammar import GrammarCompiler
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal, permission_denied
@@ -58,7 +59,10 @@ class InferenceServicer:
         clock: Callable[[], float],
         grammars: GrammarCompiler | None = None,
         tracing: Tracing | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
+        # None: the base model alone (every adapter name is unknown)
+        self._adapters = adapters or Adapters(None, prompts.model.name, log)
         self._tracing = tracing if tracing is not None else Tracing.off()
         self._engine = engine
         self._prompts = prompts
@@ -116,8 +120,14 @@ class InferenceServicer:
         checked = check_request(self._prompts, tenant, request)
         which = checked.which
         max_tokens = checked.stopping.max_tokens
-        # Charged before any work (tokenizing included): the input by its size.
-        lease = await self._limiter.admit(tenant.name, checked.input_cost + max_tokens)
+        adapter = await self._adapters.select(tenant, request.model)
+        try:
+            # Charged before any work (tokenizing included): the input by its size.
+            limit = await self._limiter.admit(tenant.name, checked.input_cost + max_tokens)
+        except BaseException:
+            adapter.release()
+            raise
+        lease = BoundLease(limit, adapter)
         try:
             with recorder.trace.span("tokenize"):
                 engine_request = await finish_request(
@@ -129,6 +139,7 @@ class InferenceServicer:
                     request_id,
                     self._deadline(context),
                 )
+            engine_request = adapter.applied_to(engine_request)
             prompt_tokens = len(engine_request.prompt_ids)
             log.info(
                 "generate.accepted",
@@ -170,11 +181,12 @@ class InferenceServicer:
                         output.append(raw.text)
                 elif isinstance(raw, Finished):
                     seq.finished(raw)
+                    self._adapters.record(req, raw)
                 for event in splitter.split(raw):
                     if isinstance(event, Admitted):
                         yield responses.started(
                             event, req.request_id, request.client_request_id,
-                            self._prompts.model.name,
+                            self._prompts.model.name if req.adapter is None else req.adapter.name,
                         )
                     elif isinstance(event, Delta):
                         yield responses.chunk(event, self._prompts.token_text)
@@ -268,7 +280,10 @@ class InferenceServicer:
         self._metrics.requests.labels(
             self._metrics.label(tenant.name), "ListModels", "OK", "grpc"
         ).inc()
-        models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
+        base = self._opts.model_info
+        if not tenant.may_use_model(base.name):
+            return inference_pb2.ListModelsResponse()
+        models = model_infos(base, self._adapters.names(tenant))
         return inference_pb2.ListModelsResponse(models=models)
 
 

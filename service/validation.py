@@ -204,12 +204,12 @@ def parse_stopping(
 def check_request_fields(
     req: inference_pb2.GenerateRequest, model: ModelLimits, out: Violations
 ) -> None:
+    """The request's own fields. Its ``model`` names the base or one of the caller's
+    adapters, resolved by ``service.adapters.Adapters.select``."""
     if not 0 <= req.logprobs <= MAX_LOGPROBS:
         out.append(("logprobs", f"must be in [0, {MAX_LOGPROBS}]"))
     if len(req.client_request_id) > MAX_CLIENT_REQUEST_ID:
         out.append(("client_request_id", f"at most {MAX_CLIENT_REQUEST_ID} characters"))
-    if req.model and req.model != model.name:
-        out.append(("model", "is not served here (see ListModels)"))
     if len(req.cache_salt.encode("utf-8")) > MAX_CACHE_SALT_BYTES:
         out.append(("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes"))
 

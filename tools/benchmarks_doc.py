@@ -53,6 +53,9 @@ SUITES = {
     "isolation_cost": "3 tenants, 48 requests, a 384-page pool so pages pass between tenants: "
     "time spent zeroing pages and in prefix-cache lookups over the run's wall time; "
     "throughput with scrub off and the prefix cache off",
+    "lora": "rank-16 random LoRA adapters on all seven projections: 16 streams over 4 adapters "
+    "vs 16 base streams (total tok/s), 1 stream with an adapter vs the base (decode tok/s); "
+    "3 interleaved runs after a warm-up",
 }
 
 HEAD = """# Benchmarks

@@ -31,9 +31,10 @@ from starlette.types import Receive
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
+from service.adapters import Adapters, BoundLease
 from service.auth import Authenticator
 from service.engine.grammar import GrammarCompiler
-from service.engine.types import Admitted, Delta, EngineEvent, Finished
+from service.engine.types import Admitted, Delta, EngineEvent, Finished, Request
 from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.finish import finish_error
 from service.http import render
@@ -71,6 +72,7 @@ class FrontDeps:
     clock: Callable[[], float] = time.monotonic
     alert: PageAlert = field(default_factory=lambda: PageAlert(page_size=1))  # off
     tracing: Tracing = field(default_factory=Tracing.off)
+    adapters: Adapters | None = None  # None = the base model alone
     wall: Callable[[], float] = time.time
     # Keys the hashed end-user ids in the log: stable for the process's life, and without it
     # a log reader cannot confirm a guessed user id.
@@ -80,6 +82,7 @@ class FrontDeps:
 class OpenAIFront:
     def __init__(self, deps: FrontDeps) -> None:
         self._d = deps
+        self._adapters = deps.adapters or Adapters(None, deps.prompts.model.name, deps.log)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -109,10 +112,16 @@ class OpenAIFront:
         except ServiceError as err:
             return error_response(err)
         model = self._d.prompts.model
+        if not tenant.may_use_model(model.name):
+            return JSONResponse({"object": "list", "data": []})
         data = [
             {"id": model.name, "object": "model", "created": 0, "owned_by": "kvfence",
              "max_model_len": model.max_model_len}
-        ] if tenant.may_use_model(model.name) else []
+        ] + [
+            {"id": name, "object": "model", "created": 0, "owned_by": tenant.name,
+             "parent": model.name, "max_model_len": model.max_model_len}
+            for name in self._adapters.names(tenant)
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -148,16 +157,22 @@ class OpenAIFront:
             raw = await _read_body(request)
             message, opts = parse(load_body(raw))
             checked = check_request(self._d.prompts, tenant, message)
+            adapter = await self._adapters.select(tenant, message.model)
             # Charged before any work (tokenizing included), as the gRPC front does: the
             # input by its size, for each of the n sequences.
             cost = checked.input_cost + checked.stopping.max_tokens
-            leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
+            try:
+                leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
+            except BaseException:
+                adapter.release()
+                raise
+            leases[0] = BoundLease(leases[0], adapter)  # the adapter is held while any runs
             try:
                 with trace.span("tokenize"):
-                    base = await finish_request(
+                    base = adapter.applied_to(await finish_request(
                         self._d.prompts, self._d.grammars, tenant, message, checked,
                         request_id, self._deadline(request),
-                    )
+                    ))
             except BaseException:
                 for lease in leases:
                     lease.release()
@@ -178,7 +193,8 @@ class OpenAIFront:
                  end_user=self._end_user(tenant_name, opts.user))
         ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
         head = render.ChunkHeader(
-            endpoint, ident, int(self._d.wall()), self._d.prompts.model.name, opts.include_usage
+            endpoint, ident, int(self._d.wall()), message.model or self._d.prompts.model.name,
+            opts.include_usage,
         )
         if opts.stream:
             return StreamingResponse(
@@ -205,13 +221,13 @@ class OpenAIFront:
         recorder.done(method, "OK")
         return JSONResponse(body)
 
-    @staticmethod
-    def _record(event: EngineEvent, seq: SequenceMetrics, recorder: RequestMetrics) -> None:
+    def _record(self, event: EngineEvent, seq: SequenceMetrics, req: Request) -> None:
         """The engine's own events are what the metrics count, as on gRPC."""
         if isinstance(event, Delta):
             seq.delta(len(event.token_ids))
         elif isinstance(event, Finished):
             seq.finished(event)
+            self._adapters.record(req, event)
 
     def _sequences(self, gen: Generation, recorder: RequestMetrics) -> list[SequenceMetrics]:
         return [recorder.sequence(len(r.prompt_ids), self._d.clock, i)
@@ -230,7 +246,7 @@ class OpenAIFront:
         splitters = [ToolSplitter(plan) for _ in choices]
         async for i, raw in gen.events():
             choice = choices[i]
-            self._record(raw, seqs[i], recorder)
+            self._record(raw, seqs[i], gen.requests[i])
             for event in splitters[i].split(raw):
                 if isinstance(event, Admitted):
                     choice.cached_tokens = event.cached_tokens
@@ -271,7 +287,7 @@ class OpenAIFront:
         try:
             async for i, raw in gen.events():
                 choice = choices[i]
-                self._record(raw, seqs[i], recorder)
+                self._record(raw, seqs[i], gen.requests[i])
                 for event in splitters[i].split(raw):
                     if isinstance(event, Admitted):
                         choice.cached_tokens = event.cached_tokens
