@@ -166,6 +166,12 @@ class KVFenceServer:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def health_watches(self) -> int:
+        """Health ``Watch`` streams open now (capped by ``--max-health-watches``); 0
+        before :meth:`start`."""
+        return 0 if self._health_service is None else self._health_service.watching
+
     async def start(self) -> int:
         """Bind, start serving and mark health SERVING. Returns the bound port."""
         opts = self._options

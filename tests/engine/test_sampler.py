@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import pytest
 import torch
@@ -200,13 +201,13 @@ def test_penalties_in_a_mixed_ragged_batch_match_reference() -> None:
 class _Untouchable(tuple[int, ...]):
     """Token ids that fail the test if the sampler reads them."""
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> NoReturn:
         raise AssertionError("read another row's tokens")
 
     def __len__(self) -> int:
         raise AssertionError("read another row's tokens")
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+    def __getitem__(self, i: object) -> NoReturn:
         raise AssertionError("read another row's tokens")
 
 
