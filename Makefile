@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test test-fast sanitize serve parity verify mutants bench docs model clean gpu-wheels \
+.PHONY: install protos lint typecheck test test-fast sanitize serve parity verify mutants bench peers docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -82,7 +82,13 @@ verify: $(STAMP) model
 mutants: $(STAMP) model
 	$(PY) -m tools.mutants --markdown docs/mutants.md
 
-bench: $(STAMP) model
+# The llama.cpp peers (llama-server, llama-batched-bench) from the sources the pinned
+# llama-cpp-python sdist vendors, into ~/.cache/kvfence/llama.cpp/<version>/; a no-op once built.
+PEER_JOBS ?= 2
+peers: $(STAMP)
+	nice -n 10 $(PY) -m tools.llamacpp_build --jobs $(PEER_JOBS)
+
+bench: $(STAMP) model peers
 	CMAKE_ARGS="$${CMAKE_ARGS:-$$($(PY) -m bench.llamacpp_flags)}" $(PIP) install -q -e ".[bench]"
 	$(PY) -m bench.run_all
 	$(PY) -m tools.benchmarks_doc

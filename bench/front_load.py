@@ -5,7 +5,7 @@ server's interpreter: in process, the ``openai`` SDK's per-chunk parsing (httpx'
 pydantic models) took interpreter time from the server that gRPC's C-parsed client did not,
 and was charged to the HTTP front. ``SPEC`` (JSON) names the front (``grpc`` or ``http``),
 its address, the tenants and their keys, the work (prompt ids, max tokens), and the load
-(``max_concurrency`` or ``arrivals``, ``response_format``, ``model``). One untimed request
+(``max_concurrency`` or ``arrivals``, ``response_format``, ``model``, ``extra_body``). One untimed request
 first (the process's connections and imports are not the front's cost), then the timed run;
 ``OUT`` gets ``{"wall": seconds, "traces": [RequestTrace fields]}``.
 """
@@ -50,7 +50,8 @@ async def _run(s: Mapping[str, Any]) -> tuple[float, list[RequestTrace]]:
     if s["front"] == "grpc":
         await run_grpc(s["address"], s["keys"], [WARM], tenants[:1])
         return await run_grpc(s["address"], s["keys"], work, tenants, **load)
-    http: dict[str, Any] = {"model": s["model"], "response_format": s.get("response_format")}
+    http: dict[str, Any] = {"model": s["model"], "response_format": s.get("response_format"),
+                            "extra_body": s.get("extra_body")}
     await run_http(s["address"], s["keys"], [WARM], tenants[:1], **http)
     return await run_http(s["address"], s["keys"], work, tenants, **load, **http)
 

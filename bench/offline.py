@@ -1,12 +1,13 @@
-"""Suite 1, offline throughput: kvfence (in process, over gRPC) vs transformers and llama.cpp.
+"""Suite 1, offline throughput: kvfence (in process, gRPC, HTTP) vs transformers and llama.cpp.
 
 64 requests (seed 0): prompts of U[16,256] random token ids, outputs of U[16,128] tokens with
 ignore_eos, greedy. Every system runs the same list after its own warm-up pass; output tok/s
 counts each request's own output length only (see hf_peer for the padded static batches).
 Each system is timed ``REPEATS`` times: rows show the median [min–max], and a ratio target
-passes only if kvfence's worst run beats the peer's best run by the margin. llama.cpp is
-first swept (one run on the first quarter of the work) over n_seq x KV layout with flash
-attention on, plus the library defaults; its best configuration is then timed in full.
+passes only if kvfence's worst run beats the peer's best run by the margin. llama.cpp runs as
+``llama-server`` and ``llama-batched-bench`` (bench/offline_llama.py): the server's slots and
+physical batch are swept on the first quarter of the work and its best setting is timed in
+full, driven like the kvfence HTTP row by the same client.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import statistics
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench import greedy_check
+from bench import greedy_check, llama_server
 from bench.common import (
     Target,
     Throughput,
@@ -39,15 +42,23 @@ from bench.common import (
     throughput,
     write_suite,
 )
+from bench.llama_server import ServerConfig
+from bench.offline_llama import (
+    BATCHED_PARALLEL,
+    QUICK_PARALLEL,
+    BatchedRow,
+    run_batched,
+    run_server,
+)
 from service.config import EngineSizing
 
 SUITE = "offline"
 HF_BATCHES = (8, 32)
-LLAMA_SEQS = (1, 2, 4, 8, 16, 32)
 REPEATS = 3
 ENGINE = "kvfence engine"
 FAIR = "kvfence engine, served step budget"
 FAIR2 = "kvfence engine, served step budget, 2 tenants"
+HTTP = "kvfence HTTP"
 SAMPLED = 4  # requests per system rerun alone as its greedy reference (greedy_check)
 SERVED = EngineSizing()  # the server's defaults: --max-step-ms and --decode-stretch
 TENANT = "bench"
@@ -68,10 +79,10 @@ def _attempt(
     name: str, fn: Callable[[], Throughput], runs: list[Throughput], errors: dict[str, str]
 ) -> None:
     """Time one system ``REPEATS`` times; every run is kept (rows group them by system)."""
-    _attempt_rounds([(name, fn)], runs, errors)
+    attempt_rounds([(name, fn)], runs, errors)
 
 
-def _attempt_rounds(
+def attempt_rounds(
     systems: list[tuple[str, Callable[[], Throughput]]],
     runs: list[Throughput],
     errors: dict[str, str],
@@ -109,6 +120,7 @@ def _kvfence_runs(
     outputs: Outputs,
     checks: list[greedy_check.Agreement],
 ) -> None:
+    from bench.http_client import run_http
     from bench.kvfence_runner import (
         Sizing,
         check_complete,
@@ -117,6 +129,7 @@ def _kvfence_runs(
         run_grpc,
         started_engine,
     )
+    from bench.online_http import both_fronts
 
     # NOTE: every run bypasses the prefix cache, so repeats of the same prompts stay cold.
     def in_process(
@@ -142,15 +155,25 @@ def _kvfence_runs(
         outputs["kvfence gRPC"] = [t.token_ids for t in traces]
         return throughput("kvfence gRPC", work, wall, "AsyncClient, all requests concurrent")
 
+    async def over_http() -> Throughput:
+        # A fresh server per run and prompts that share no prefix: nothing is cached.
+        async with both_fronts(loaded, (TENANT,)) as (_, base_url, keys):
+            await run_http(base_url, keys, warm, (TENANT,), model=loaded.name)
+            wall, traces = await run_http(base_url, keys, work, (TENANT,), model=loaded.name)
+        check_complete(work, traces)
+        return throughput(HTTP, work, wall, "openai SDK over /v1/completions, all requests at "
+                          "once (the client llama-server gets)")
+
     # The fair-compute step budget as served: what it costs offline throughput,
     # for one tenant (untimed: nobody to guard) and for two sharing the same requests.
     fair = Sizing(max_step_ms=SERVED.max_step_ms, decode_stretch=SERVED.decode_stretch)
-    _attempt_rounds(
+    attempt_rounds(
         [
             (ENGINE, in_process),
             (FAIR, lambda: in_process(fair, FAIR)),
             (FAIR2, lambda: in_process(fair, FAIR2, (TENANT, TENANT + "-2"))),
             ("kvfence gRPC", lambda: asyncio.run(over_grpc())),
+            (HTTP, lambda: asyncio.run(over_http())),
         ],
         runs,
         errors,
@@ -193,21 +216,18 @@ def _check(
         traceback.print_exc()
 
 
-def _peer_runs(
+def _transformers_runs(
     dtype: torch.dtype,
+    gguf: Path,
     work: list[Work],
     warm: list[Work],
-    threads: int,
     runs: list[Throughput],
     errors: dict[str, str],
-    sweep: dict[str, float],
     outputs: Outputs,
     checks: list[greedy_check.Agreement],
 ) -> None:
     from bench.hf_peer import generate_batch, load_hf_model, run_static
-    from bench.llamacpp_peer import LlamaCppRunner, run_llamacpp
 
-    gguf = default_model_file()
     indices = greedy_check.sample(work, SAMPLED)
     try:
         model = load_hf_model(gguf, dtype)
@@ -231,67 +251,44 @@ def _peer_runs(
     except Exception as err:
         errors["transformers"] = f"{type(err).__name__}: {err}"
         traceback.print_exc()
-    best = _llama_sweep(gguf, work, warm, threads, errors, sweep)
-    if best is None:
-        return
-
-    def llama() -> Throughput:
-        runner = LlamaCppRunner(gguf, best[0], threads, kv_unified=best[1], flash_attn=best[2])
-        try:
-            runner.generate(warm)
-            return run_llamacpp(runner, work, outputs.setdefault("llama.cpp best", []))
-        finally:
-            runner.close()
-
-    _attempt("llama.cpp best", llama, runs, errors)
-
-    def alone() -> list[list[int]]:  # the same configuration, one request per generate()
-        runner = LlamaCppRunner(gguf, best[0], threads, kv_unified=best[1], flash_attn=best[2])
-        try:
-            return [runner.generate([work[i]])[0] for i in indices]
-        finally:
-            runner.close()
-
-    if outputs.get("llama.cpp best"):
-        _check(alone, ["llama.cpp best"], work, indices, outputs, checks, errors)
 
 
-LlamaConfig = tuple[int, bool, bool | None]  # n_seq, kv_unified, flash_attn (None = default)
-
-
-def _llama_sweep(
-    gguf: Any,
+def _llama_runs(
+    gguf: Path,
     work: list[Work],
     warm: list[Work],
     threads: int,
+    quick: bool,
+    runs: list[Throughput],
     errors: dict[str, str],
     sweep: dict[str, float],
-) -> LlamaConfig | None:
-    """One run per configuration on the first quarter of the work; the fastest one.
-    ``sweep`` receives each configuration's output tok/s, keyed by its label."""
-    from bench.llamacpp_peer import LlamaCppRunner, run_llamacpp
-
-    configs: list[LlamaConfig] = [(n, False, None) for n in LLAMA_SEQS]
-    configs += [(n, unified, True) for n in LLAMA_SEQS for unified in (False, True)]
+    batched: list[BatchedRow],
+) -> None:
+    """llama-server swept on a quarter of the work, its best setting timed in full; then
+    llama-batched-bench. ``sweep`` and ``batched`` receive their figures."""
     part = work[: max(1, len(work) // 4)]
-    scores: dict[LlamaConfig, float] = {}
-    for config in configs:
-        try:
-            runner = LlamaCppRunner(
-                gguf, config[0], threads, kv_unified=config[1], flash_attn=config[2]
-            )
-            try:
-                runner.generate(warm)
-                got = run_llamacpp(runner, part)
-            finally:
-                runner.close()
-        except Exception as err:
-            errors[f"llama.cpp sweep {config}"] = f"{type(err).__name__}: {err}"
-            continue
-        scores[config] = got.output_tok_s
-        sweep[got.system.removeprefix("llama.cpp ")] = got.output_tok_s
-        print(f"[{SUITE}] sweep {got.system}: {got.output_tok_s:.1f} output tok/s", flush=True)
-    return max(scores, key=lambda c: scores[c]) if scores else None
+    with tempfile.TemporaryDirectory() as scratch:
+        log = Path(scratch) / "llama-server.log"
+
+        def measure(config: ServerConfig) -> float:
+            return run_server(config, gguf, part, warm, log).output_tok_s
+
+        best, found = llama_server.sweep(
+            llama_server.QUICK_SLOTS if quick else llama_server.SLOTS,
+            () if quick else llama_server.UBATCHES, threads, measure, errors,
+        )
+        sweep.update(found)
+        if best is not None:
+
+            def timed(b: ServerConfig = best) -> Throughput:
+                return run_server(b, gguf, work, warm, log)
+
+            _attempt(best.label, timed, runs, errors)
+    print(f"[{SUITE}] {llama_server.BATCHED_BENCH} ...", flush=True)
+    try:
+        batched += run_batched(gguf, work, threads, QUICK_PARALLEL if quick else BATCHED_PARALLEL)
+    except Exception as err:
+        errors[llama_server.BATCHED_BENCH] = f"{type(err).__name__}: {err}"
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -326,6 +323,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     runs: list[Throughput] = []
     errors: dict[str, str] = {}
     sweep: dict[str, float] = {}
+    batched: list[BatchedRow] = []
     outputs: Outputs = {}
     checks: list[greedy_check.Agreement] = []
     dtype = peer_dtype = torch.float32
@@ -343,8 +341,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         del loaded
     except ImportError as err:
         errors["kvfence"] = f"ImportError: {err}"
-    _peer_runs(peer_dtype, work, warm, threads, runs, errors, sweep, outputs, checks)
-    return report(runs, errors, quick, threads, dtype, work, sizing, sweep, checks, peer_dtype)
+    _transformers_runs(peer_dtype, gguf, work, warm, runs, errors, outputs, checks)
+    _llama_runs(gguf, work, warm, threads, quick, runs, errors, sweep, batched)
+    return report(runs, errors, quick, threads, dtype, work, sizing, sweep, checks, peer_dtype,
+                  batched)
 
 
 def report(
@@ -358,12 +358,15 @@ def report(
     sweep: dict[str, float] | None = None,
     checks: list[greedy_check.Agreement] | None = None,
     peer_dtype: torch.dtype | None = None,
+    batched: list[BatchedRow] | None = None,
 ) -> dict[str, Any]:
-    """``dtype``: kvfence's compute dtype; ``peer_dtype`` transformers' (default the same)."""
+    """``dtype``: kvfence's compute dtype; ``peer_dtype`` transformers' (default the same);
+    ``sweep``: llama-server's output tok/s per setting; ``batched``: llama-batched-bench."""
     out = results_dir(quick)
     peer_dtype = peer_dtype or dtype
     checks = checks or []
     sweep = sweep or {}
+    batched = batched or []
     groups = _by_system(runs)
     kv, grpc = _rates(runs, ENGINE), _rates(runs, "kvfence gRPC")
     targets: list[Target] = []
@@ -373,7 +376,7 @@ def report(
         for system, group in groups.items():
             ratios[system] = min(kv) / max(r.output_tok_s for r in group)
         for label, prefix in (
-            ("llama.cpp best", "llama.cpp"),
+            ("llama-server best", "llama-server"),
             ("transformers best", "transformers"),
         ):
             peer = _best_system(runs, prefix)
@@ -394,6 +397,15 @@ def report(
                         0.97,
                     )
                 )
+        http, server = _rates(runs, HTTP), _best_system(runs, "llama-server")
+        if http and server is not None:
+            targets.append(
+                Target(
+                    f"kvfence HTTP / {server} output tok/s, same client (worst run vs best run)",
+                    min(http) / max(_rates(runs, server)),
+                    1.0,
+                )
+            )
         if grpc:
             targets.append(
                 Target(
@@ -405,7 +417,7 @@ def report(
     check_target = greedy_check.target(checks)
     if check_target is not None:
         targets.append(check_target)
-    systems = {
+    systems: dict[str, dict[str, Any]] = {
         name: {
             "output_tok_s": _spread([r.output_tok_s for r in group]),
             "total_tok_s": _spread([r.total_tok_s for r in group]),
@@ -440,6 +452,8 @@ def report(
             f"{sum(w.max_tokens for w in work)} output tokens; greedy, ignore_eos; {threads} threads; "
             f"dtype {str(dtype).removeprefix('torch.')} (kvfence), "
             f"{str(peer_dtype).removeprefix('torch.')} (transformers), Q4_1 (llama.cpp). "
+            "kvfence HTTP and llama-server are driven by the same client (the openai SDK, "
+            "bench/http_client.py) in the suite's process. "
             f"Median [min–max] of {REPEATS} runs per system.",
             md_table(
                 (
@@ -455,6 +469,7 @@ def report(
             targets_table(targets),
             *([checks_table(checks)] if checks else []),
             *([sweep_table(sweep, len(work))] if sweep else []),
+            *([batched_table(batched, min(kv) if kv else None)] if batched else []),
             f"![throughput]({plot})",
             *(f"**error** {name}: {msg}" for name, msg in errors.items()),
         ]
@@ -469,7 +484,8 @@ def report(
         "runs": [r.as_dict() for r in runs],
         "systems": systems,
         "ratios_kvfence_over": ratios,
-        "llama_cpp_sweep": sweep,
+        "llama_server_sweep": sweep,
+        "llama_batched_bench": [b.as_dict() for b in batched],
         "greedy_check": [a.as_dict() for a in checks],
         "targets": targets,
         "errors": errors,
@@ -479,15 +495,33 @@ def report(
 
 
 def sweep_table(sweep: dict[str, float], n: int) -> str:
-    """The llama.cpp sweep, fastest first; the first row is the configuration compared against."""
+    """The llama-server sweep, fastest first; the first row is the setting compared against."""
     ranked = sorted(sweep.items(), key=lambda kv: -kv[1])
     return "\n\n".join(
         [
-            f"llama.cpp sweep (one run each on the first {max(1, n // 4)} requests); the fastest "
-            "configuration is the one timed in full and compared against:",
+            f"llama-server sweep (one run each on the first {max(1, n // 4)} requests: slots "
+            "at -ub 512, then other -ub at the best slot count); the fastest setting is the "
+            "one timed in full and compared against:",
             md_table(
-                ("llama.cpp configuration", "output tok/s", "chosen"),
+                ("llama-server setting", "output tok/s", "chosen"),
                 [(c, v, "best" if i == 0 else "") for i, (c, v) in enumerate(ranked)],
+            ),
+        ]
+    )
+
+
+def batched_table(rows: list[BatchedRow], kvfence_worst: float | None) -> str:
+    """llama-batched-bench per parallel count, with kvfence's worst engine run against each."""
+    return "\n\n".join(
+        [
+            f"llama-batched-bench (raw batched prefill then decode, no server or scheduler; "
+            f"{rows[0].prompt}-token prompts, {rows[0].output} output tokens, the work's means):",
+            md_table(
+                ("parallel", "decode tok/s (S_TG)", "output tok/s incl. prefill",
+                 "kvfence engine worst / this"),
+                [(r.parallel, r.decode_tok_s, r.output_tok_s,
+                  f"{kvfence_worst / r.output_tok_s:.2f}" if kvfence_worst else "-")
+                 for r in rows],
             ),
         ]
     )

@@ -21,6 +21,7 @@ from typing import Any
 from bench import (
     continuous,
     isolation_cost,
+    lora,
     memory,
     offline,
     online,
@@ -44,6 +45,7 @@ SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
     "online_guidellm": online_guidellm.run,
     "prefix": prefix.run,
     "isolation_cost": isolation_cost.run,
+    "lora": lora.run,
 }
 assert tuple(SUITES) == SUITE_ORDER
 

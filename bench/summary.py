@@ -21,6 +21,7 @@ SUITE_ORDER = (
     "online_guidellm",
     "prefix",
     "isolation_cost",
+    "lora",
 )
 
 
@@ -78,6 +79,7 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
                 else [(r["system"], r["output_tok_s"], r["total_tok_s"]) for r in offline["runs"]],
             ),
         ]
+        parts += llama_sections(offline)
     # NOTE: a section is shown only from results that carry runs (median [min–max]); an
     # older single-run results file is left out rather than shown without its spread.
     memory = results.get("memory")
@@ -195,6 +197,28 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
     if errors:
         parts += ["## Errors", "\n".join(errors)]
     return "\n\n".join(parts)
+
+
+def llama_sections(offline: dict[str, Any]) -> list[str]:
+    """The offline suite's llama.cpp settings: the llama-server sweep, llama-batched-bench."""
+    parts = []
+    sweep = offline.get("llama_server_sweep")
+    if sweep:
+        ranked = sorted(sweep.items(), key=lambda kv: -kv[1])
+        parts += [
+            "llama-server sweep, one run per setting on a quarter of the work (the fastest is "
+            "the one timed above):",
+            md_table(("setting", "output tok/s"), ranked),
+        ]
+    batched = offline.get("llama_batched_bench")
+    if batched:
+        parts += [
+            f"llama-batched-bench, {batched[0]['prompt']}-token prompts and {batched[0]['output']} "
+            "output tokens per sequence (raw batched prefill then decode, no server):",
+            md_table(("parallel", "decode tok/s (S_TG)", "output tok/s incl. prefill"),
+                     [(b["parallel"], b["decode_tok_s"], b["output_tok_s"]) for b in batched]),
+        ]
+    return parts
 
 
 def _spread(s: dict[str, float]) -> str:

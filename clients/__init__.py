@@ -22,6 +22,7 @@ from clients.errors import (
 )
 from clients.retry import RetryPolicy
 from clients.types import (
+    AdapterUsage,
     CacheUsage,
     Chunk,
     Finished,
@@ -34,6 +35,7 @@ from clients.types import (
 )
 
 __all__ = [
+    "AdapterUsage",
     "AsyncClient",
     "CacheUsage",
     "Cancelled",

@@ -303,8 +303,12 @@ def _usage(args: argparse.Namespace, client: Client) -> int:
         print(json.dumps(usage))
         return EXIT_OK
     quotas = usage.pop("quotas")
+    adapters = usage.pop("adapters")
     for key, value in {**usage, **{f"quota.{k}": v for k, v in quotas.items()}}.items():
         print(f"{key}: {figure(value)}")
+    for a in adapters:
+        name = a.pop("name")
+        print(f"adapter.{name}: " + ", ".join(f"{k} {figure(v)}" for k, v in a.items()))
     return EXIT_OK
 
 

@@ -106,6 +106,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     dtype: str
+    base_model: str = ""  # set on the caller's LoRA adapters: the model they adapt
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +131,18 @@ class CacheUsage:
     page_size: int
     running_requests: int
     quotas: Quotas
+    adapters: tuple[AdapterUsage, ...] = ()  # the caller's own LoRA adapters
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterUsage:
+    """One of the caller's LoRA adapters: what its requests used since the server started."""
+
+    name: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    resident: bool  # its weights are in the server's memory now
 
 
 class ProtocolError(Exception):
@@ -172,7 +185,7 @@ def tokenized_from_proto(response: inference_pb2.TokenizeResponse) -> Tokenized:
 
 def models_from_proto(response: inference_pb2.ListModelsResponse) -> tuple[ModelInfo, ...]:
     return tuple(
-        ModelInfo(m.name, m.architecture, m.max_model_len, m.vocab_size, m.dtype)
+        ModelInfo(m.name, m.architecture, m.max_model_len, m.vocab_size, m.dtype, m.base_model)
         for m in response.models
     )
 
@@ -194,6 +207,10 @@ def usage_from_proto(response: cache_pb2.GetUsageResponse) -> CacheUsage:
             q.max_prompt_tokens,
             q.tokens_per_minute,
             q.prefix_cache_ttl_seconds,
+        ),
+        adapters=tuple(
+            AdapterUsage(a.name, a.requests, a.prompt_tokens, a.completion_tokens, a.resident)
+            for a in response.adapters
         ),
     )
 

@@ -99,9 +99,11 @@ class KVCacheManager:
         *,
         use_prefix_cache: bool = True,
         salt: str = "",
+        adapter: str = "",
     ) -> int:
         """Register a sequence and reuse the tenant's cached full pages of its prefix that
-        were cached under the same ``salt`` (a sub-namespace inside the tenant's).
+        were cached under the same ``adapter`` identity ("" = the base model) and ``salt``
+        (sub-namespaces inside the tenant's).
 
         At least one token is always left uncomputed (its logits are needed). Takes a
         reference on every hit page. Returns the number of cached tokens.
@@ -113,7 +115,7 @@ class KVCacheManager:
         if not token_ids:
             raise InvalidRequest("token_ids must be non-empty")
         self.evict_expired()
-        table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache, salt)
+        table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache, salt, adapter)
         cached = 0
         if self._caching(table):
             started = time.perf_counter()

@@ -23,6 +23,7 @@ class PageTable:
     page_size: int
     use_prefix_cache: bool
     salt: str = ""  # the caller's cache salt: a sub-namespace of the tenant's prefix cache
+    adapter: str = ""  # the adapter's identity (name and content digest); "" = the base
     pages: list[PageRef] = field(default_factory=list)
     num_cached_pages: int = 0  # leading pages already matched or inserted in the prefix cache
     chain: ChainPos = field(default_factory=ChainPos)  # set by the manager as pages are cached
@@ -30,7 +31,7 @@ class PageTable:
 
     @property
     def namespace(self) -> Namespace:
-        return Namespace(self.tenant, salt=self.salt)
+        return Namespace(self.tenant, adapter=self.adapter, salt=self.salt)
 
     @property
     def num_slots(self) -> int:

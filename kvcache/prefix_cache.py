@@ -20,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 KeyFn = Callable[[bytes, bytes, Sequence[int]], bytes]
 """(tenant_key, parent_key, page token ids) -> page key."""
@@ -158,3 +159,13 @@ class PrefixCache:
 
     def tenants(self) -> list[str]:
         return list(self._spaces)
+
+    def entries(self, tenant: str) -> Mapping[bytes, CacheEntry]:
+        """A read-only view of ``tenant``'s key space (key -> entry)."""
+        return MappingProxyType(self._spaces.get(tenant, {}))
+
+    def inject_entry(self, tenant: str, key: bytes, entry: CacheEntry) -> None:
+        """Test hook (fence tests): store ``entry`` under ``key`` in ``tenant``'s key space,
+        past every check :meth:`insert` makes, as a corrupted cache would; the owner check
+        when a match shares the page must still refuse a foreign one."""
+        self._spaces.setdefault(tenant, {})[key] = entry

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 from structlog.typing import FilteringBoundLogger
 
+from kvcache.pool import page_bytes
+from service.adapters import LoraSettings
 from service.config import (
     ConfigError,
     EngineSizing,
@@ -39,6 +41,7 @@ from service.config import (
 )
 from service.grpc_server import KVFenceServer, ServedModel
 from service.kv_shares import KVShareError, kv_shares
+from service.model.lora import LoraError
 from service.startup import StartupInterrupted, until_stopped
 from service.tenants import Tenant, TenantRegistry, load_tenants
 
@@ -172,6 +175,16 @@ def build_server(
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
         default_ttl_s=sizing.prefix_ttl_s,
+        lora=LoraSettings(
+            cfg,
+            loaded.model.dtype,
+            options.max_lora_rank,
+            options.max_loras_per_tenant,
+            page_bytes(
+                cfg.num_layers, engine.page_size, cfg.num_kv_heads, cfg.head_dim,
+                loaded.model.kv_dtype,
+            ),
+        ),
     )
     try:
         server = KVFenceServer(
@@ -184,7 +197,7 @@ def build_server(
             clock=clock,
             grammars=grammars,
         )
-    except KVShareError as err:
+    except (KVShareError, LoraError) as err:
         engine.shutdown()
         raise ConfigError(str(err)) from None
     return Stack(engine=engine, server=server, model=loaded, grammars=grammars)

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from protos.kvfence.v1 import cache_pb2
+from service.adapters import Adapters
 from service.engine import TenantUsage
 from service.limits import Limiter
 from service.metrics import Metrics
@@ -22,7 +23,9 @@ class CacheServicer:
         default_ttl_s: float,
         limiter: Limiter,
         metrics: Metrics,
+        adapters: Adapters | None = None,
     ) -> None:
+        self._adapters = adapters
         self._usage = usage
         self._purge = purge
         self._page_size = page_size
@@ -48,6 +51,7 @@ class CacheServicer:
             page_size=self._page_size,
             running_requests=self._limiter.active(tenant.name),
             quotas=self._quotas(tenant, usage.max_pages),
+            adapters=[] if self._adapters is None else self._adapters.usage(tenant),
         )
 
     async def Purge(

@@ -131,6 +131,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=int,
     )
     _add_switch(p, "--kv-overcommit", "allow tenants' KV shares to add up to more than the pool")
+    # Per-tenant LoRA adapters (docs/lora.md).
+    _add(p, "--max-lora-rank", 64, "adapters of a higher rank are refused", type=int)
+    _add(
+        p,
+        "--max-loras-per-tenant",
+        4,
+        "adapters of one tenant held in memory at once (idle ones are dropped, LRU)",
+        type=int,
+    )
     # Scale-out: cluster-wide tenant limits (see "Running more than one replica" in README).
     _add(p, "--redis-url", None, "keep tenant rate/stream limits in Redis, shared by replicas")
     _add(

@@ -74,6 +74,8 @@ class ServerOptions:
     cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
     http_guard: HttpGuard | None = None  # None = HttpGuard(): the HTTP front's bounds
     otlp_endpoint: str | None = None  # None = no tracing (opentelemetry is not even imported)
+    max_lora_rank: int = 64  # --max-lora-rank: adapters of a higher rank are refused
+    max_loras_per_tenant: int = 4  # --max-loras-per-tenant: resident adapters per tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         http_port=args.http_port,
         cluster_limits=cluster,
         otlp_endpoint=args.otlp_endpoint,
+        max_lora_rank=args.max_lora_rank,
+        max_loras_per_tenant=args.max_loras_per_tenant,
     )
     sizing = EngineSizing(
         kv_memory=args.kv_memory,

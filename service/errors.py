@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -37,6 +37,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "kvfence.dev"
+
+
+DetailT = TypeVar("DetailT", bound=Message)
 
 
 class ServiceError(Exception):
@@ -52,6 +55,14 @@ class ServiceError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
+
+    def detail(self, kind: type[DetailT]) -> DetailT:
+        """The first of :attr:`details` of type ``kind`` (``ErrorInfo``, ``RetryInfo``, ...);
+        ``LookupError`` when it carries none."""
+        for d in self.details:
+            if isinstance(d, kind):
+                return d
+        raise LookupError(f"{self} carries no {kind.__name__}")
 
     def to_status(self) -> grpc.Status:
         packed = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import cache_pb2, inference_pb2
+from service.adapters import Adapters, LoraSettings
 from service.auth import Authenticator
 from service.cache_servicer import CacheServicer
 from service.cluster_limits import build_cluster_limiter
@@ -38,6 +39,7 @@ from service.interceptor import AuthInterceptor
 from service.kv_shares import KVShareError, kv_shares
 from service.limits import Limiter, TenantLimiter
 from service.metrics import EngineGauges, Metrics, MetricsServer
+from service.model.lora import LoraError
 from service.protocols import EngineLike
 from service.refusal_pace import RefusalPace
 from service.request_metrics import PageAlert
@@ -67,6 +69,7 @@ class ServedModel:
     tokenizer: TokenizerLike
     chat_template: ChatTemplateLike | None
     default_ttl_s: float
+    lora: LoraSettings | None = None  # None = adapters are refused (declaring one fails)
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -122,7 +125,10 @@ class KVFenceServer:
         self.port = 0
         self.http: HttpServer | None = None
         self.http_front: OpenAIFront | None = None
-        self._apply(registry)
+        self.adapters = Adapters(model.lora, model.name, log, self.metrics)
+        adapters = self.adapters.prepare(registry)  # LoraError: refuse to start
+        self._apply(registry, self.adapters.reserved_pages(adapters))
+        self.adapters.commit(adapters)
         limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
         # Tokenizer time is charged to the tenant's fair share of the engine, like compiles.
         self._tokenizer_pool = TokenizerPool(options.tokenizer_threads, on_cost=engine.charge_cpu)
@@ -155,11 +161,18 @@ class KVFenceServer:
             lambda: self._draining,
             clock,
             self.tracing,
+            self.adapters,
         )
 
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def health_watches(self) -> int:
+        """Health ``Watch`` streams open now (capped by ``--max-health-watches``); 0
+        before :meth:`start`."""
+        return 0 if self._health_service is None else self._health_service.watching
 
     async def start(self) -> int:
         """Bind, start serving and mark health SERVING. Returns the bound port."""
@@ -185,6 +198,7 @@ class KVFenceServer:
                 self._model.default_ttl_s,
                 self.limiter,
                 self.metrics,
+                self.adapters,
             ),
             server,
         )
@@ -225,6 +239,7 @@ class KVFenceServer:
                 clock=self._clock,
                 alert=PageAlert(self._engine.page_size, opts.alert_request_kv_pages),
                 tracing=self.tracing,
+                adapters=self.adapters,
             )
         )
         tls = opts.tls
@@ -249,15 +264,18 @@ class KVFenceServer:
 
     def reload_tenants(self) -> bool:
         """Re-read the tenants file (SIGHUP). In-flight streams continue; a revoked key is
-        refused from the next call. A broken file is logged and the old one kept."""
+        refused from the next call. A broken file, or an adapter that cannot be served, is
+        logged and the old file kept; streams on a changed or removed adapter finish on it."""
         if self._tenants_path is None:
             return False
         try:
             registry = load_tenants(self._tenants_path)
-            self._apply(registry)
-        except (TenantsFileError, KVShareError) as err:
+            adapters = self.adapters.prepare(registry)
+            self._apply(registry, self.adapters.reserved_pages(adapters))
+        except (TenantsFileError, KVShareError, LoraError) as err:
             self._log.error("tenants.reload_failed", error=str(err))
             return False
+        self.adapters.commit(adapters)
         self.authenticator.replace(registry)
         self.metrics.set_tenants(registry.names())
         self._log.info("tenants.reloaded", tenants=len(registry.tenants))
@@ -270,10 +288,19 @@ class KVFenceServer:
             self._grammars.forget(tenant)
         return await self._engine.purge(tenant)
 
-    def _apply(self, registry: TenantRegistry) -> None:
+    def _apply(self, registry: TenantRegistry, adapter_pages: Mapping[str, int]) -> None:
         """Push the tenants' limits to the limiter and the engine. Raises ``KVShareError``
-        (before changing anything) when their KV shares cannot all be honoured."""
+        (before changing anything) when their KV shares cannot all be honoured, counting
+        each tenant's adapters (``adapter_pages``) against its own share."""
         shares = kv_shares(registry.tenants, self._engine.num_pages, self._options.kv_overcommit)
+        for name, pages in adapter_pages.items():
+            if shares[name] - pages < 1:
+                raise KVShareError(
+                    f"tenant {name!r}: its LoRA adapters take {pages} KV pages of memory, its "
+                    f"whole share of {shares[name]}; raise its share or --kv-memory, or lower "
+                    "--max-loras-per-tenant"
+                )
+            shares[name] -= pages
         for tenant in registry.tenants.values():
             q = tenant.quotas
             self.limiter.configure(tenant.name, q)

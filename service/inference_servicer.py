@@ -15,6 +15,7 @@ from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
 from service import responses
+from service.adapters import Adapters, BoundLease, model_infos
 from service.engine.types import Admitted, Delta, EngineError, Finished, Request
 from service.errors import ServiceError, abort, internal
 from service.finish import finish_error, submit_error
@@ -50,7 +51,10 @@ class InferenceServicer:
         is_draining: Callable[[], bool],
         clock: Callable[[], float],
         tracing: Tracing | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
+        # None: the base model alone (every adapter name is unknown)
+        self._adapters = adapters or Adapters(None, prep.model.name, log)
         self._tracing = tracing if tracing is not None else Tracing.off()
         self._engine = engine
         self._prep = prep
@@ -114,13 +118,20 @@ class InferenceServicer:
         fields = self._prep.read(tenant, request)
         which = fields.input.which
         max_tokens = fields.stopping.max_tokens
-        # Charged before any work (tokenizing included): the input by its size.
-        lease = await self._limiter.admit(tenant.name, fields.input.cost + max_tokens)
+        adapter = await self._adapters.select(tenant, request.model)
+        try:
+            # Charged before any work (tokenizing included): the input by its size.
+            limit = await self._limiter.admit(tenant.name, fields.input.cost + max_tokens)
+        except BaseException:
+            adapter.release()
+            raise
+        lease = BoundLease(limit, adapter)
         try:
             with recorder.trace.span("tokenize"):
                 engine_request = await self._prep.build(
                     tenant, request, fields, request_id, self._deadline(context)
                 )
+            engine_request = adapter.applied_to(engine_request)
             prompt_tokens = len(engine_request.prompt_ids)
             log.info(
                 "generate.accepted",
@@ -162,11 +173,12 @@ class InferenceServicer:
                         output.append(raw.text)
                 elif isinstance(raw, Finished):
                     seq.finished(raw)
+                    self._adapters.record(req, raw)
                 for event in splitter.split(raw):
                     if isinstance(event, Admitted):
                         yield responses.started(
                             event, req.request_id, request.client_request_id,
-                            self._prep.model.name,
+                            self._prep.model.name if req.adapter is None else req.adapter.name,
                         )
                     elif isinstance(event, Delta):
                         yield responses.chunk(event, self._prep.token_text)
@@ -250,7 +262,10 @@ class InferenceServicer:
         self._metrics.requests.labels(
             self._metrics.label(tenant.name), "ListModels", "OK", "grpc"
         ).inc()
-        models = [self._opts.model_info] if tenant.may_use_model(self._opts.model_info.name) else []
+        base = self._opts.model_info
+        if not tenant.may_use_model(base.name):
+            return inference_pb2.ListModelsResponse()
+        models = model_infos(base, self._adapters.names(tenant))
         return inference_pb2.ListModelsResponse(models=models)
 
 

@@ -145,6 +145,19 @@ class Metrics:
         self.kv_alerts = Counter(
             "kvfence_kv_alerts", "KV usage anomaly alerts", ["tenant", "kind"], registry=r
         )
+        # Adapter names come from the tenants file, as tenant names do (bounded labels).
+        self.adapter_requests = Counter(
+            "kvfence_adapter_requests",
+            "Finished streams by tenant and LoRA adapter",
+            ["tenant", "adapter"],
+            registry=r,
+        )
+        self.adapter_tokens = Counter(
+            "kvfence_adapter_tokens",
+            "Prompt and completion tokens by tenant and LoRA adapter",
+            ["tenant", "adapter", "kind"],
+            registry=r,
+        )
         r.register(_CacheCollector(self))
 
     @property

@@ -15,6 +15,9 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
     models = ["SmolLM2-135M-Instruct"]         # models the tenant may use; absent = all
     allow_reflection = false                   # may call server reflection (--reflection)
 
+    [tenants.acme.adapters]                    # LoRA adapters only this tenant sees
+    sql = "/srv/adapters/acme-sql"             # name = PEFT LoRA directory (docs/lora.md)
+
 Only hashes are stored; ``kvfence tenants add`` prints the plaintext key once. An API-key
 hash may belong to one tenant only, and an mTLS identity names its SAN type (``uri:``,
 ``dns:`` or ``email:``) so a DNS name can never match a URI SAN of the same spelling. Counts
@@ -51,6 +54,7 @@ _KNOWN_KEYS = frozenset(
         "prefix_cache_ttl_seconds",
         "models",
         "allow_reflection",
+        "adapters",
     }
 )
 
@@ -82,6 +86,7 @@ class Tenant:
     prefix_cache_ttl_seconds: float | None = None  # None = server default
     models: tuple[str, ...] | None = None  # None = every served model
     allow_reflection: bool = False
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory)
 
     def may_use_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -198,6 +203,7 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
     reflection = raw.get("allow_reflection", False)
     if not isinstance(reflection, bool):
         raise TenantsFileError(f"{where}: allow_reflection must be true or false")
+    adapters = _adapters(raw.get("adapters", {}), where)
     quotas = Quotas(
         max_concurrent_streams=_int(raw, "max_concurrent_streams", 16, where, minimum=1),
         max_kv_pages=_int(raw, "max_kv_pages", 0, where),
@@ -213,7 +219,20 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
         prefix_cache_ttl_seconds=None if ttl is None else float(ttl),
         models=None if models is None else tuple(models),
         allow_reflection=reflection,
+        adapters=adapters,
     )
+
+
+def _adapters(raw: object, where: str) -> tuple[tuple[str, str], ...]:
+    """``[tenants.NAME.adapters]``: adapter name -> directory; names are model names."""
+    if not isinstance(raw, dict) or not all(isinstance(v, str) and v for v in raw.values()):
+        raise TenantsFileError(f"{where}: adapters must be a table of name = \"/directory\"")
+    for name in raw:
+        if not _NAME_RE.match(name):
+            raise TenantsFileError(
+                f"{where}: adapter name {name!r} is invalid (letters, digits, '_', '.', '-')"
+            )
+    return tuple(sorted(raw.items()))
 
 
 def _str_list(raw: Mapping[str, Any], key: str, where: str) -> list[str]:

@@ -74,6 +74,7 @@ class TenantSpec:
     allow_reflection: bool = False
     api_key: str | None = None
     with_key: bool = True  # False: mTLS identity only
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory)
 
 
 def write_tenants_file(path: Path, tenants: Mapping[str, TenantSpec]) -> dict[str, str]:
@@ -97,6 +98,9 @@ def write_tenants_file(path: Path, tenants: Mapping[str, TenantSpec]) -> dict[st
         if spec.models is not None:
             lines.append(f"models = {_toml_list(spec.models)}")
         lines.append(f"allow_reflection = {'true' if spec.allow_reflection else 'false'}")
+        if spec.adapters:
+            lines.append(f'[tenants."{name}".adapters]')
+            lines.extend(f'"{a}" = "{path}"' for a, path in spec.adapters)
         lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
     return keys

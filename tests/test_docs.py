@@ -18,9 +18,10 @@ def test_configuration_page_is_regenerated_from_the_argparse_definitions() -> No
 def test_every_serve_flag_is_on_the_configuration_page() -> None:
     from service.cli import build_parser
 
-    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    serve = dict(configuration_doc.commands(build_parser()))["kvfence serve"]
     page = configuration_doc.render()
-    flags = [o for a in serve._actions for o in a.option_strings if o.startswith("--")]
+    flags = [o for a in configuration_doc.actions(serve) for o in a.option_strings
+             if o.startswith("--")]
     assert "--kv-memory" in flags and "--scrub-policy" in flags
     missing = [f for f in flags if f not in ("--help",) and f"`{f}`" not in page]
     assert missing == []

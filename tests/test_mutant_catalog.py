@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from tools.mutants.catalog import ALL
-from tools.mutants.mutant import mutated_sources
+from tools.mutants.mutant import Mutant, mutated_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("m", ALL, ids=[m.name for m in ALL])
-def test_mutant_applies_to_the_current_tree(m) -> None:  # type: ignore[no-untyped-def]
+def test_mutant_applies_to_the_current_tree(m: Mutant) -> None:
     sources = mutated_sources(ROOT, m)
     assert sources, m.name
     for path, text in sources.items():

@@ -4,18 +4,19 @@ records, and is judged seen only when its own check is the first to fail."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tools.mutants.mutant import mutated_sources
-from tools.verify_probes import PROBES, judge, probe_mutant
+from tools.verify_probes import PROBES, Probe, judge, probe_mutant
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ("tests/isolation", "tests/reliability")
 
 
 @pytest.mark.parametrize("p", PROBES, ids=[p.check for p in PROBES])
-def test_probe_applies_and_names_a_recording_test(p) -> None:  # type: ignore[no-untyped-def]
+def test_probe_applies_and_names_a_recording_test(p: Probe) -> None:
     sources = mutated_sources(ROOT, probe_mutant(p))
     assert sources
     for path, text in sources.items():
@@ -31,7 +32,7 @@ def test_probes_name_each_check_once() -> None:
     assert len(checks) == len(set(checks))
 
 
-def _doc(*checks: tuple[str, str, bool]) -> dict:  # type: ignore[type-arg]
+def _doc(*checks: tuple[str, str, bool]) -> dict[str, Any]:
     return {"seconds": 3.0, "checks": [
         {"test": f"{t}::test_x", "name": n, "value": 0, "expected": "== 1", "passed": ok}
         for t, n, ok in checks

@@ -31,10 +31,10 @@ SUITES = {
     "runs after a warm-up): TTFT and decode tok/s of kvfence in process (`--weights auto` and "
     "`bf16`) and over gRPC, llama.cpp at one sequence, transformers `generate()`",
     "offline": "64 requests (seed 0), prompts U[16,256] random ids, outputs U[16,128], greedy, "
-    "ignore_eos: kvfence engine in process and over gRPC, transformers `generate()` in static "
-    "left-padded batches of 8 and 32, llama.cpp's batched `llama_decode` swept over n_seq in "
-    "{1, 2, 4, 8, 16, 32} x (defaults; flash attention with split or unified KV) on a quarter "
-    "of the work, then its best configuration timed in full",
+    "ignore_eos: kvfence engine in process, over gRPC and over HTTP, transformers `generate()` "
+    "in static left-padded batches of 8 and 32, `llama-server` swept over slots in "
+    "{1, 2, 4, 8, 16, 32} (then `-ub` 256 and 2048 at the best count) on a quarter of the "
+    "work, its best setting timed in full, and `llama-batched-bench` at the work's mean shape",
     "overhead": "engine decode step vs the raw batched forward, B in {1, 8, 32}, context in "
     "{128, 512}: 3 runs per point, each the median of 15 steps",
     "memory": "each `--weights` mode in a fresh process: RSS after load, peak RSS after one "
@@ -44,8 +44,9 @@ SUITES = {
     "online": "gRPC, 200 requests, 3 tenants, inputs 128 / outputs 64 (range ratio 0.5): "
     "unlimited rate capped at 32 in flight, then Poisson at 0.5/0.7/0.9 x that capacity; the "
     "whole plan 3 times, each run from its own capacity",
-    "online_http": "the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, 3 "
-    "interleaved rounds; output tok/s unconstrained vs JSON-schema-constrained",
+    "online_http": "the same load over the OpenAI HTTP front (`openai` SDK) and gRPC, and over "
+    "`llama-server` at its best slot count (swept first), 3 interleaved rounds; output tok/s "
+    "unconstrained vs JSON-schema-constrained; Poisson rounds at the same arrivals",
     "online_guidellm": "GuideLLM on the HTTP front vs kvfence's gRPC client on the same prompts "
     "and output lengths, each load generator in its own process",
     "prefix": "TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant "
@@ -53,6 +54,9 @@ SUITES = {
     "isolation_cost": "3 tenants, 48 requests, a 384-page pool so pages pass between tenants: "
     "time spent zeroing pages and in prefix-cache lookups over the run's wall time; "
     "throughput with scrub off and the prefix cache off",
+    "lora": "rank-16 random LoRA adapters on all seven projections: 16 streams over 4 adapters "
+    "vs 16 base streams (total tok/s), 1 stream with an adapter vs the base (decode tok/s); "
+    "3 interleaved runs after a warm-up",
 }
 
 HEAD = """# Benchmarks
@@ -71,17 +75,24 @@ speeds): compare the ratios measured within one run.
 ## How the peers were run
 
 - **kvfence**: its defaults (`--dtype auto --weights auto`), the default Q4_1 GGUF, all cores.
-- **llama.cpp**: `llama-cpp-python` built by `make bench` from the llama.cpp sources its sdist
-  vendors (`python -m bench.llamacpp_flags` prints the build flags; on CPUs with AMX its AMX
-  backend is left out because it crashes on this model's first multi-token batch). Single
-  stream: the same Python harness at one sequence, timed like llama-bench's tg128 (a 32-token
-  prompt, 128 greedy tokens). Offline: that harness over the low-level batched `llama_decode`
-  API (slots sharing one batch per step, as llama.cpp's server does), its best configuration
-  from a sweep. That harness is not how
-  llama.cpp's users serve: at 4 sequences it ran below llama.cpp's own single-stream rate on
-  the same machine, so the offline ratio against llama.cpp overstates kvfence's lead. A
-  comparison against `llama-server` (parallel slots, continuous batching) driven by the same
-  load generator has not been run yet.
+- **llama.cpp, as its users serve it**: `llama-server` and `llama-batched-bench`, built by
+  `make peers` (`tools/llamacpp_build.py`, called by `make bench`) from the llama.cpp sources
+  that the llama-cpp-python sdist pinned in `pyproject.toml` vendors, in Release, statically
+  linked, with the CPU flags `python -m bench.llamacpp_flags` prints (on CPUs with AMX, ggml's
+  AMX backend is left out: it crashes on this model's first multi-token batch), into
+  `~/.cache/kvfence/llama.cpp/<version>/bin/`. The server runs with `-np <slots>`, a context
+  of 512 tokens per slot, continuous batching (its default), `-b 2048 -ub <ubatch>` and all
+  the suite's server threads; every request sends `cache_prompt: false`, as kvfence's runs
+  bypass its prefix cache. It is driven by the same client as kvfence's HTTP front
+  (`bench/http_client.py`: the `openai` SDK streaming `/v1/completions` with token-id
+  prompts, greedy, `ignore_eos`) on the same prompts. Offline: slots 1–32 swept (then `-ub`
+  256 and 2048 at the best count) on a quarter of the work, the best setting timed in full;
+  `llama-batched-bench` gives the raw batched prefill and decode rates at the work's mean
+  shape, a ceiling for any llama.cpp front. online_http: the same sweep by capacity runs,
+  then the best server runs in the same interleaved rounds as kvfence's fronts.
+- **llama.cpp in single_stream**: `llama-cpp-python` (the `bench` extra, same pin and flags)
+  at one sequence through its low-level API, timed like llama-bench's tg128 (a 32-token
+  prompt, 128 greedy tokens).
 - **transformers**: `generate()` on the same dequantized weights, bf16 where the CPU has it
   (float32 elsewhere), in static left-padded batches.
 

@@ -50,16 +50,23 @@ def _no_kvfence_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _commands(parser: argparse.ArgumentParser, prefix: str
-              ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
-    """Every (sub)command with its own flags, depth first, in definition order."""
-    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every argument ``parser`` defines, in order. argparse has no public list of them;
+    this is the one place that reads its private one."""
+    return list(parser._actions)
+
+
+def commands(parser: argparse.ArgumentParser, prefix: str = "kvfence"
+             ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every leaf (sub)command, e.g. ``("kvfence serve", its parser)``, depth first, in
+    definition order."""
+    subs = [a for a in actions(parser) if isinstance(a, argparse._SubParsersAction)]
     if not subs:
         yield prefix, parser
         return
     for action in subs:
         for name, child in action.choices.items():
-            yield from _commands(child, f"{prefix} {name}")
+            yield from commands(child, f"{prefix} {name}")
 
 
 def _cell(text: str) -> str:
@@ -99,8 +106,8 @@ def render() -> str:
 
         parser = build_parser()
     parts = [HEAD]
-    for command, sub in _commands(parser, "kvfence"):
-        rows = [r for r in map(_row, sub._actions) if r is not None]
+    for command, sub in commands(parser):
+        rows = [r for r in map(_row, actions(sub)) if r is not None]
         parts.append(f"## `{command}`\n\n{_cell(sub.description or '')}\n")
         if rows:
             parts.append("| flag | default | environment | meaning |\n|---|---|---|---|\n"

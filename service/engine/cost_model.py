@@ -82,9 +82,21 @@ class StepCost:
     dense_s: float = 0.0  # what a decode-only step past the packed weights adds
     chunk_dense_s: float = 0.0  # what a chunk taking the step past the packed weights adds
     regime: Regime = Regime()
+    # Decode-only steps as observed, by the batch size they ran as: (rows, seconds, keys),
+    # averaged. Where a batch size was seen, its own time beats the line (below).
+    observed: tuple[tuple[int, float, float], ...] = ()
 
     def decode_seconds(self, rows: int, keys: int) -> float:
-        """Predicted wall time of a step of ``rows`` decode rows reading ``keys`` keys."""
+        """Predicted wall time of a step of ``rows`` decode rows reading ``keys`` keys: that
+        batch size's own observed time where there is one, else the fitted line.
+        NOTE: a step's cost is not linear in its rows (on CPU one row runs a memory-bound
+        loop, a few rows share a tile, many run dense), and the line fits the batch sizes of
+        recent steps. Under a tenant's sixteen streams it priced a victim's lone row at 28 ms
+        against the 16 ms it costs, and the guard let the victim's step run to 2x that."""
+        padded = self.regime.padded(rows)
+        for seen, seconds, seen_keys in self.observed:
+            if seen == padded:
+                return max(0.0, seconds + self.per_row_key_s * (keys - seen_keys))
         line = (self.base_s, self.per_row_s, self.per_row_key_s, self.dense_s)
         return _decode_seconds(line, self.regime, rows, keys)
 
@@ -145,12 +157,18 @@ class StepCostModel:
 
     regime: Regime = Regime()
     decay: float = 0.9  # SchedulerTuning.cost_decay
+    observed_rows: int = 16  # SchedulerTuning.observed_rows
     decode: LeastSquares = field(init=False)  # 1, rows, keys, dense
     chunks: LeastSquares = field(init=False)  # n, tokens, keys, crossed
+
+    # EW averages of decode-only steps' (seconds, keys) by padded batch size, for batches
+    # up to ``observed_rows`` rows.
+    by_rows: dict[int, tuple[float, float]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode = LeastSquares(4, self.decay)
         self.chunks = LeastSquares(4, self.decay)
+        self.by_rows = {}
 
     def observe(
         self, rows: int, row_keys: int, chunks: Sequence[tuple[int, int]], seconds: float
@@ -163,6 +181,15 @@ class StepCostModel:
         if not chunks:
             dense = 1.0 if regime.dense(rows) else 0.0
             self.decode.observe((1.0, regime.padded(rows), row_keys, dense), seconds)
+            padded = regime.padded(rows)
+            if padded <= self.observed_rows:
+                last = self.by_rows.get(padded)
+                # The same decay as the fit: it follows the machine's load just as fast.
+                d = self.decay if last is not None else 0.0
+                was = last or (0.0, 0.0)
+                self.by_rows[padded] = (
+                    d * was[0] + (1.0 - d) * seconds, d * was[1] + (1.0 - d) * row_keys
+                )
             return
         rest = seconds - self._decode_part(rows, row_keys)
         tokens = sum(t for _, t in chunks)
@@ -185,5 +212,5 @@ class StepCostModel:
         per_chunk, per_token, per_key, crossed = self.chunks.fit(_CHUNK_TRIES, 1)
         return StepCost(
             base, per_row, per_row_key, per_chunk, per_token, per_key, dense, crossed,
-            self.regime,
+            self.regime, tuple((r, s, k) for r, (s, k) in sorted(self.by_rows.items())),
         )

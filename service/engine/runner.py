@@ -2,7 +2,9 @@
 
 Prefill chunks and decodes run in a single forward over the flattened tokens of the batch.
 Inputs are built as Python lists and turned into tensors with one ``torch.tensor`` call
-each (one host-to-device copy per input instead of one per sequence).
+each (one host-to-device copy per input instead of one per sequence). Rows of sequences
+that name a LoRA adapter travel as a ``LoraBatch`` (service/model/lora_batch.py): the step
+stays one forward whatever mix of adapters and base it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from kvcache.attention import AttentionFn
 from kvcache.step import StepAttention
 from service.engine.plan import ScheduledSeq
+from service.model.lora import LoraAdapter
+from service.model.lora_batch import LoraBatch
 
 
 class ForwardModel(Protocol):
@@ -27,6 +31,7 @@ class ForwardModel(Protocol):
         positions: torch.Tensor,
         attn: AttentionFn,
         logits_indices: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -35,16 +40,19 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] int64: last new token of each sampling sequence
+    lora: LoraBatch | None = None  # the adapter rows; None = every row on the base
 
 
 def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> BatchInputs:
     ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
+    adapters: list[LoraAdapter | None] = []
     for e in entries:
         start = e.seq.num_computed
         end = start + e.num_new
         ids.extend(e.seq.token_ids[start:end])
+        adapters.extend([e.seq.request.adapter] * e.num_new)
         positions.extend(range(start, end))
         if e.samples:
             logits_indices.append(len(ids) - 1)
@@ -52,6 +60,7 @@ def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> Batch
         torch.tensor(ids, dtype=torch.long, device=device),
         torch.tensor(positions, dtype=torch.long, device=device),
         torch.tensor(logits_indices, dtype=torch.long, device=device),
+        LoraBatch.of_rows(adapters, device),
     )
 
 
@@ -83,6 +92,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, attn: AttentionFn) -> torch.Tensor:
         """``[N, vocab]`` float32 logits, one row per sampling entry, in batch order."""
+        if inputs.lora is not None:
+            # NOTE: captured graphs and compiled forwards are the base model's alone.
+            return self.model(
+                inputs.input_ids, inputs.positions, attn, inputs.logits_indices, inputs.lora
+            )
         if self._graphs is not None and isinstance(attn, StepAttention):
             logits = self._graphs.run(inputs, attn)
             if logits is not None:

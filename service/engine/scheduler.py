@@ -347,6 +347,7 @@ class Scheduler:
             seq.token_ids,
             use_prefix_cache=not seq.request.bypass_prefix_cache,
             salt=seq.request.cache_salt,
+            adapter=seq.request.adapter_identity,
         )
         seq.in_cache = True
         seq.num_computed = cached

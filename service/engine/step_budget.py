@@ -122,7 +122,7 @@ class StepBudget:
 
     def __init__(self, tuning: SchedulerTuning, regime: Regime) -> None:
         self.tuning = tuning
-        self.cost = StepCostModel(regime, tuning.cost_decay)
+        self.cost = StepCostModel(regime, tuning.cost_decay, tuning.observed_rows)
 
     def fit(self) -> StepCost | None:
         """The cost model for this step; None while steps are sized in tokens alone."""

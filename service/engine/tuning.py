@@ -53,6 +53,10 @@ class SchedulerTuning:
     #: weight (per observed step) of the cost model's past observations: 0.9 follows a
     #: machine whose load changes within a few dozen steps.
     cost_decay: float = 0.9
+    #: rows. Decode batches up to this size are priced at their own observed time rather
+    #: than the fitted line (a step's cost is not linear in its rows): the sizes a guarded
+    #: tenant's own rows have. 0 = the line alone.
+    observed_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -73,6 +77,8 @@ class SchedulerTuning:
             raise ValueError("idle_grace_s must be a finite number >= 0")
         if not 0.0 < self.cpu_seconds_per_token < float("inf"):
             raise ValueError("cpu_seconds_per_token must be a finite number > 0")
+        if self.observed_rows < 0:
+            raise ValueError("observed_rows must be >= 0")
         if not 0.0 < self.cost_decay < 1.0:
             raise ValueError("cost_decay must be in (0, 1)")
 

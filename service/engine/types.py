@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from service.engine.grammar import CompiledGrammar
+    from service.model.lora import LoraAdapter
 
 from kvcache.stats import CacheStats
 from service.engine.tuning import SchedulerTuning
@@ -95,6 +96,12 @@ class Request:
     bypass_prefix_cache: bool = False
     grammar: CompiledGrammar | None = None  # structured output; compiled by the service
     cache_salt: str = ""  # prefix-cache sub-namespace inside the tenant's ("" = none)
+    adapter: LoraAdapter | None = None  # the tenant's LoRA adapter; None = the base model
+
+    @property
+    def adapter_identity(self) -> str:
+        """The prefix-cache namespace's adapter component ("" = the base model)."""
+        return "" if self.adapter is None else self.adapter.identity
 
 
 @dataclass(frozen=True, slots=True)

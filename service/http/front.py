@@ -26,6 +26,7 @@ from starlette.routing import Route
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
+from service.adapters import Adapters, BoundLease
 from service.auth import Authenticator
 from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.http import render
@@ -59,6 +60,7 @@ class FrontDeps:
     clock: Callable[[], float] = time.monotonic
     alert: PageAlert = field(default_factory=lambda: PageAlert(page_size=1))  # off
     tracing: Tracing = field(default_factory=Tracing.off)
+    adapters: Adapters | None = None  # None = the base model alone
     wall: Callable[[], float] = time.time
     # Keys the hashed end-user ids in the log: stable for the process's life, and without it
     # a log reader cannot confirm a guessed user id.
@@ -68,7 +70,10 @@ class FrontDeps:
 class OpenAIFront:
     def __init__(self, deps: FrontDeps) -> None:
         self._d = deps
-        self._replies = Replies(deps.prep.token_text, deps.is_draining, deps.clock)
+        self._adapters = deps.adapters or Adapters(None, deps.prep.model.name, deps.log)
+        self._replies = Replies(
+            deps.prep.token_text, deps.is_draining, deps.clock, self._adapters
+        )
 
     def app(self) -> Starlette:
         return Starlette(
@@ -98,10 +103,16 @@ class OpenAIFront:
         except ServiceError as err:
             return error_response(err)
         model = self._d.prep.model
+        if not tenant.may_use_model(model.name):
+            return JSONResponse({"object": "list", "data": []})
         data = [
             {"id": model.name, "object": "model", "created": 0, "owned_by": "kvfence",
              "max_model_len": model.max_model_len}
-        ] if tenant.may_use_model(model.name) else []
+        ] + [
+            {"id": name, "object": "model", "created": 0, "owned_by": tenant.name,
+             "parent": model.name, "max_model_len": model.max_model_len}
+            for name in self._adapters.names(tenant)
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -137,15 +148,21 @@ class OpenAIFront:
             raw = await read_body(request)
             message, opts = parse(load_body(raw))
             fields = self._d.prep.read(tenant, message)
+            adapter = await self._adapters.select(tenant, message.model)
             # Charged before any work (tokenizing included), as the gRPC front does: the
             # input by its size, for each of the n sequences.
             cost = fields.input.cost + fields.stopping.max_tokens
-            leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
+            try:
+                leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
+            except BaseException:
+                adapter.release()
+                raise
+            leases[0] = BoundLease(leases[0], adapter)  # the adapter is held while any runs
             try:
                 with trace.span("tokenize"):
-                    base = await self._d.prep.build(
+                    base = adapter.applied_to(await self._d.prep.build(
                         tenant, message, fields, request_id, self._deadline(request)
-                    )
+                    ))
             except BaseException:
                 for lease in leases:
                     lease.release()
@@ -166,7 +183,8 @@ class OpenAIFront:
                  end_user=self._end_user(tenant_name, opts.user))
         ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
         head = render.ChunkHeader(
-            endpoint, ident, int(self._d.wall()), self._d.prep.model.name, opts.include_usage
+            endpoint, ident, int(self._d.wall()), message.model or self._d.prep.model.name,
+            opts.include_usage,
         )
         if opts.stream:
             return StreamingResponse(

@@ -14,7 +14,8 @@ from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
-from service.engine.types import Admitted, Delta, EngineEvent, Finished
+from service.adapters import Adapters
+from service.engine.types import Admitted, Delta, EngineEvent, Finished, Request
 from service.errors import ServiceError, internal
 from service.finish import finish_error
 from service.http import render
@@ -27,17 +28,20 @@ from service.tools import ToolPlan
 
 
 class Replies:
-    """Builds answers; ``token_text`` renders a token id, ``is_draining`` words refusals."""
+    """Builds answers; ``token_text`` renders a token id, ``is_draining`` words refusals,
+    ``adapters`` counts each finished sequence's adapter usage."""
 
     def __init__(
         self,
         token_text: Callable[[int], str],
         is_draining: Callable[[], bool],
         clock: Callable[[], float],
+        adapters: Adapters,
     ) -> None:
         self._text = token_text
         self._is_draining = is_draining
         self._clock = clock
+        self._adapters = adapters
 
     async def collect(
         self,
@@ -53,7 +57,7 @@ class Replies:
         splitters = [ToolSplitter(plan) for _ in choices]
         async for i, raw in gen.events():
             choice = choices[i]
-            _record(raw, seqs[i])
+            self._record(raw, seqs[i], gen.requests[i])
             for event in splitters[i].split(raw):
                 if isinstance(event, Admitted):
                     choice.cached_tokens = event.cached_tokens
@@ -94,7 +98,7 @@ class Replies:
         try:
             async for i, raw in gen.events():
                 choice = choices[i]
-                _record(raw, seqs[i])
+                self._record(raw, seqs[i], gen.requests[i])
                 for event in splitters[i].split(raw):
                     if isinstance(event, Admitted):
                         choice.cached_tokens = event.cached_tokens
@@ -135,18 +139,18 @@ class Replies:
         return [recorder.sequence(len(r.prompt_ids), self._clock, i)
                 for i, r in enumerate(gen.requests)]
 
+    def _record(self, event: EngineEvent, seq: SequenceMetrics, req: Request) -> None:
+        """The engine's own events are what the metrics count, as on gRPC."""
+        if isinstance(event, Delta):
+            seq.delta(len(event.token_ids))
+        elif isinstance(event, Finished):
+            seq.finished(event)
+            self._adapters.record(req, event)
+
     def _check_finish(self, event: Finished) -> None:
         if event.reason in ("stop", "length"):
             return
         raise finish_error(event, self._is_draining())
-
-
-def _record(event: EngineEvent, seq: SequenceMetrics) -> None:
-    """The engine's own events are what the metrics count, as on gRPC."""
-    if isinstance(event, Delta):
-        seq.delta(len(event.token_ids))
-    elif isinstance(event, Finished):
-        seq.finished(event)
 
 
 def sse_data(obj: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ from kvcache.attention import AttentionFn, NativeAttend
 from service.model.config import ModelConfig
 from service.model.invariance import invariant_packs
 from service.model.layers import Layer, dense, layers, normed, stack
+from service.model.lora_batch import LoraBatch, lora_qkv, lora_rest
 from service.model.moe import Activation, MoeRouting, moe_mlp
 from service.model.packed import PackedLinears
 from service.model.rope import attention_factor, cos_sin_table, inv_freq
@@ -184,11 +185,13 @@ class LlamaModel(torch.nn.Module):
         positions: torch.Tensor,
         attn: AttentionFn,
         logits_indices: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """``input_ids``/``positions``: ``[T]`` int64. Returns ``[N, vocab]`` float32 logits
-        for rows ``logits_indices`` of the batch (all ``T`` rows when None)."""
+        for rows ``logits_indices`` of the batch (all ``T`` rows when None). ``lora``: the
+        adapters of the rows that have one (service/model/lora_batch.py)."""
         with torch.no_grad():
-            return self._forward(input_ids, positions, attn, logits_indices)
+            return self._forward(input_ids, positions, attn, logits_indices, lora)
 
     def _forward(
         self,
@@ -196,6 +199,7 @@ class LlamaModel(torch.nn.Module):
         positions: torch.Tensor,
         attn: AttentionFn,
         logits_indices: torch.Tensor | None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         c = self.config
         t = input_ids.shape[0]
@@ -217,7 +221,9 @@ class LlamaModel(torch.nn.Module):
         # An all-decode float32 step whose attention kvcache offers to native code runs every
         # layer in one native call (the same calls as the loop below, without Python between).
         native: Callable[..., NativeAttend | None] | None = getattr(attn, "native_attend", None)
-        stack = self._stack if small else None
+        # NOTE: a step with adapter rows runs the layer loop: the native stack and the fused
+        # calls below have no point between a projection and its use to add a delta at.
+        stack = self._stack if small and lora is None else None
         # Batch-invariant: every token, prefill or decode, a decode-kernel row of the native
         # stack (kvcache's steps on CPU always offer it). An attention without a native path
         # (DenseAttention: parity, tests) runs per layer below, on the same projections.
@@ -225,13 +231,15 @@ class LlamaModel(torch.nn.Module):
         if stack is not None and plan is not None:
             stack(x, rope, plan)
         for i, layer in enumerate(() if plan is not None else layers):
-            if layer.roped_qkv is not None:
+            if layer.roped_qkv is not None and lora is None:
                 # norm, projection and RoPE of the q and k heads in one native call
                 qkv = layer.roped_qkv(x, rope)
                 q = qkv[:, : c.q_size].reshape(t, hq, d).contiguous()
                 k = qkv[:, c.q_size : qk_rows].reshape(t, hkv, d).contiguous()
             else:
-                if layer.normed_qkv is not None:
+                if lora is not None:
+                    qkv = lora_qkv(i, layer, x, lora, eps)
+                elif layer.normed_qkv is not None:
                     qkv = layer.normed_qkv(x)  # the norm runs inside the GEMV call
                 else:
                     qkv = layer.qkv(F.rms_norm(x, hidden, layer.attn_norm, eps))
@@ -252,6 +260,9 @@ class LlamaModel(torch.nn.Module):
             out = attn(i, q, k, v).reshape(t, c.q_size)
             if not self._plain:
                 self._gemma_or_moe_rest(i, layer, out, x)
+                continue
+            if lora is not None:
+                lora_rest(i, layer, out, x, lora, eps)
                 continue
             if layer.mlp_into is not None:
                 layer.mlp_into(out, x)  # o, residual, norm, gate/up, SiLU, down: one call

@@ -196,6 +196,8 @@ def parse_stopping(
 
 
 def check_request_fields(req: inference_pb2.GenerateRequest, out: Violations) -> None:
+    """The request's own fields. Its ``model`` names the base or one of the caller's
+    adapters, resolved by ``service.adapters.Adapters.select``."""
     if not 0 <= req.logprobs <= MAX_LOGPROBS:
         out.append(("logprobs", f"must be in [0, {MAX_LOGPROBS}]"))
     if len(req.client_request_id) > MAX_CLIENT_REQUEST_ID:
@@ -204,16 +206,12 @@ def check_request_fields(req: inference_pb2.GenerateRequest, out: Violations) ->
         out.append(("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes"))
 
 
-def resolve_model(tenant: Tenant, requested: str, model: ModelLimits, out: Violations) -> None:
-    """The model step: the requested name (empty: the default) against what is served.
-
-    PERMISSION_DENIED when the tenant may not use the served model; a ``model`` violation
-    when the name is not served here. Resolving a name to something more (an adapter of the
-    served model) belongs here, so every front and RPC gets it at once."""
+def resolve_model(tenant: Tenant, model: ModelLimits) -> None:
+    """The model step: PERMISSION_DENIED when the tenant may not use the served model. The
+    requested name (the base, or one of the caller's adapters) is resolved right after this
+    step by ``service.adapters.Adapters.select``, which holds the adapter while it runs."""
     if not tenant.may_use_model(model.name):
         raise permission_denied(f"tenant may not use model {model.name!r}", "MODEL")
-    if requested and requested != model.name:
-        out.append(("model", "is not served here (see ListModels)"))
 
 
 def check_input(
@@ -284,8 +282,8 @@ def read_fields(
     tool_format: ToolFormat | None,
 ) -> Fields:
     """Every check that needs no tokenizer; raises PERMISSION_DENIED or INVALID_ARGUMENT."""
+    resolve_model(tenant, model)
     out: Violations = []
-    resolve_model(tenant, request.model, model, out)
     limit = prompt_token_limit(model, tenant.quotas.max_prompt_tokens)
     which = request.WhichOneof("input")
     check_request_fields(request, out)

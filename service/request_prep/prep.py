@@ -75,8 +75,8 @@ class RequestPrep:
 
     def read_tokenize(self, tenant: Tenant, request: inference_pb2.TokenizeRequest) -> Input:
         """Step 1 for a ``Tokenize`` call: the model and the input."""
+        resolve_model(tenant, self.model)
         out: Violations = []
-        resolve_model(tenant, "", self.model, out)
         limit = prompt_token_limit(self.model, tenant.quotas.max_prompt_tokens)
         which = request.WhichOneof("input")
         check_input(which, request, limit, self.model, self._tool_format, out)

@@ -9,6 +9,7 @@ import torch
 
 from bench import offline
 from bench.common import Throughput, Work
+from bench.offline_llama import BatchedRow
 
 
 @pytest.fixture
@@ -27,7 +28,8 @@ def test_report_uses_worst_kvfence_run_against_best_peer_run(tmp_path: Path, qui
     runs = [
         *(_run("kvfence engine", w) for w in (0.4, 0.5, 0.25)),  # 250, 200, 400 tok/s
         *(_run("kvfence gRPC", w) for w in (0.5, 0.5, 0.5)),
-        *(_run("llama.cpp n_seq=8 kv_unified=on fa=on", w) for w in (1.0, 0.8, 1.25)),
+        *(_run("kvfence HTTP", w) for w in (1.0, 1.0, 0.8)),  # 100, 100, 125 tok/s
+        *(_run("llama-server np=8 ub=512", w) for w in (1.0, 0.8, 1.25)),  # best 125 tok/s
         *(_run("transformers generate b=32", w) for w in (2.0, 2.0, 2.0)),
     ]
     data = offline.report(runs, {}, True, 2, torch.bfloat16, [Work((1,), 100)], {})
@@ -37,7 +39,9 @@ def test_report_uses_worst_kvfence_run_against_best_peer_run(tmp_path: Path, qui
         "max": 400.0,
     }
     targets = {t.name.split(" (")[0]: t.value for t in data["targets"]}
-    assert targets["offline output tok/s vs llama.cpp best"] == pytest.approx(200 / 125)
+    assert targets["offline output tok/s vs llama-server best"] == pytest.approx(200 / 125)
+    same_client = "kvfence HTTP / llama-server np=8 ub=512 output tok/s, same client"
+    assert targets[same_client] == pytest.approx(100 / 125)
     assert targets["offline output tok/s vs transformers best"] == pytest.approx(200 / 50)
     assert targets["gRPC / in-process output tok/s"] == pytest.approx(200 / 250)
     assert "250 [200–400]" in (tmp_path / "offline.md").read_text()
@@ -45,21 +49,33 @@ def test_report_uses_worst_kvfence_run_against_best_peer_run(tmp_path: Path, qui
 
 def test_report_shows_the_llama_sweep_with_the_fastest_configuration_chosen(tmp_path: Path, quiet_report: None) -> None:
     sweep = {
-        "n_seq=8 kv_unified=off fa=auto": 90.0,
-        "n_seq=32 kv_unified=on fa=on": 120.0,
-        "n_seq=16 kv_unified=on fa=on": 110.0,
+        "llama-server np=8 ub=512": 90.0,
+        "llama-server np=32 ub=512": 120.0,
+        "llama-server np=16 ub=512": 110.0,
     }
-    runs = [_run("kvfence engine", 0.5), _run("llama.cpp n_seq=32 kv_unified=on fa=on", 1.0)]
+    runs = [_run("kvfence engine", 0.5), _run("llama-server np=32 ub=512", 1.0)]
     data = offline.report(runs, {}, True, 2, torch.bfloat16, [Work((1,), 100)] * 8, {}, sweep)
-    assert data["llama_cpp_sweep"] == sweep
+    assert data["llama_server_sweep"] == sweep
     md = (tmp_path / "offline.md").read_text()
-    lines = [line for line in md.splitlines() if "kv_unified" in line and line.startswith("| n_seq")]
+    lines = [line for line in md.splitlines()
+             if line.startswith("| llama-server np=") and line.count("|") == 4]
     assert lines == [
-        "| n_seq=32 kv_unified=on fa=on | 120 | best |",
-        "| n_seq=16 kv_unified=on fa=on | 110 |  |",
-        "| n_seq=8 kv_unified=off fa=auto | 90 |  |",
+        "| llama-server np=32 ub=512 | 120 | best |",
+        "| llama-server np=16 ub=512 | 110 |  |",
+        "| llama-server np=8 ub=512 | 90 |  |",
     ]
     assert "first 2 requests" in md
+
+
+def test_report_sets_kvfence_against_each_batched_bench_point(tmp_path: Path, quiet_report: None) -> None:
+    batched = [BatchedRow(1, 128, 64, 0.1, 0.4, 160.0), BatchedRow(4, 128, 64, 0.4, 0.6, 426.0)]
+    runs = [_run("kvfence engine", w) for w in (0.25, 0.5)]  # worst 200 tok/s
+    data = offline.report(runs, {}, True, 2, torch.bfloat16, [Work((1,), 100)], {},
+                          batched=batched)
+    assert [b["output_tok_s"] for b in data["llama_batched_bench"]] == [128.0, 256.0]
+    md = (tmp_path / "offline.md").read_text()
+    assert "| 1 | 160 | 128 | 1.56 |" in md
+    assert "| 4 | 426 | 256 | 0.78 |" in md
 
 
 def test_served_budget_rows_are_judged_against_the_untimed_engine_alone(tmp_path: Path, quiet_report: None) -> None:
@@ -90,7 +106,7 @@ def test_repeats_run_in_rounds_and_a_broken_system_keeps_the_others(
 
     runs: list[Throughput] = []
     errors: dict[str, str] = {}
-    offline._attempt_rounds(
+    offline.attempt_rounds(
         [("a", lambda: system("a")), ("x", lambda: system("x", True)), ("b", lambda: system("b"))],
         runs,
         errors,

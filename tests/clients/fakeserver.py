@@ -67,6 +67,10 @@ class Recorder:
     timeouts: list[float | None] = field(default_factory=list)
     peer_identities: list[list[bytes]] = field(default_factory=list)
 
+    def generate_requests(self) -> list[inference_pb2.GenerateRequest]:
+        """The Generate calls among ``requests``, in order."""
+        return [r for r in self.requests if isinstance(r, inference_pb2.GenerateRequest)]
+
 
 class FakeInference(inference_pb2_grpc.InferenceServicer):
     def __init__(
@@ -87,7 +91,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         self.cancelled: list[bool] = []  # per Generate that ended without an error status
         self.hit_rate = 0.75  # what GetUsage reports
 
-    async def _auth(self, request: Message, context: grpc.aio.ServicerContext) -> None:
+    async def auth(self, request: Message, context: grpc.aio.ServicerContext) -> None:
+        """Record the call and refuse it unless it carries one of ``keys``."""
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         self.seen.requests.append(request)
         self.seen.metadata.append(md)
@@ -114,7 +119,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         request: inference_pb2.GenerateRequest,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        await self._auth(request, context)
+        await self.auth(request, context)
         self.generate_calls += 1
         n = self.generate_calls
         fail = self.failures.pop(0) if self.failures else None
@@ -151,8 +156,10 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             )
         )
 
-    async def Tokenize(self, request, context):  # type: ignore[no-untyped-def]
-        await self._auth(request, context)
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        await self.auth(request, context)
         if self.failures:
             await context.abort_with_status(_status(self.failures.pop(0)))
         words = (
@@ -162,8 +169,10 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         )
         return inference_pb2.TokenizeResponse(token_ids=[len(w) for w in words], tokens=words)
 
-    async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
-        await self._auth(request, context)
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        await self.auth(request, context)
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(
@@ -181,8 +190,10 @@ class FakeCache(cache_pb2_grpc.CacheServicer):
     def __init__(self, inference: FakeInference) -> None:
         self._inference = inference  # shares its auth and recorder
 
-    async def GetUsage(self, request, context):  # type: ignore[no-untyped-def]
-        await self._inference._auth(request, context)
+    async def GetUsage(
+        self, request: cache_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.GetUsageResponse:
+        await self._inference.auth(request, context)
         return cache_pb2.GetUsageResponse(
             pages_in_use=2,
             pages_cached=5,
@@ -201,8 +212,10 @@ class FakeCache(cache_pb2_grpc.CacheServicer):
             ),
         )
 
-    async def Purge(self, request, context):  # type: ignore[no-untyped-def]
-        await self._inference._auth(request, context)
+    async def Purge(
+        self, request: cache_pb2.PurgeRequest, context: grpc.aio.ServicerContext
+    ) -> cache_pb2.PurgeResponse:
+        await self._inference.auth(request, context)
         return cache_pb2.PurgeResponse(pages_purged=5)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import grpc
 import pytest
@@ -30,9 +31,9 @@ FAST = RetryPolicy(max_attempts=5, initial_backoff_s=0.1, max_backoff_s=0.3, jit
 UNAVAILABLE = Fail(grpc.StatusCode.UNAVAILABLE, "engine restarting")
 
 
-def _client(target: str, sleeps: list[float], **kwargs: object) -> Client:
+def _client(target: str, sleeps: list[float], **kwargs: Any) -> Client:
     kwargs.setdefault("retries", FAST)
-    return Client(target, api_key=GOOD_KEY, sleep=sleeps.append, **kwargs)  # type: ignore[arg-type]
+    return Client(target, api_key=GOOD_KEY, sleep=sleeps.append, **kwargs)
 
 
 def test_unavailable_is_retried_with_exponential_backoff(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,7 +97,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: dict[str, list[EngineEvent]] = defaultdict(list)
 
-    def sink(self, request_id: str):  # type: ignore[no-untyped-def]
+    def sink(self, request_id: str) -> Callable[[EngineEvent], None]:
         return self.events[request_id].append
 
     def tokens(self, request_id: str) -> list[int]:
@@ -104,9 +106,11 @@ class Recorder:
     def text(self, request_id: str) -> str:
         return "".join(e.text for e in self.events[request_id] if isinstance(e, Delta))
 
-    def finished(self, request_id: str) -> Finished | None:
+    def finished(self, request_id: str) -> Finished:
+        """The request's last event, which must be its ``Finished``."""
         evs = self.events[request_id]
-        return evs[-1] if evs and isinstance(evs[-1], Finished) else None
+        assert evs and isinstance(evs[-1], Finished), f"{request_id} has not finished: {evs[-1:]}"
+        return evs[-1]
 
     def admitted(self, request_id: str) -> Admitted:
         first = self.events[request_id][0]
@@ -114,10 +118,10 @@ class Recorder:
         return first
 
 
-def untimed(**kw: object) -> SchedulerTuning:
+def untimed(**kw: Any) -> SchedulerTuning:
     """Scheduling constants with steps sized in tokens alone (``max_step_ms`` 0), so a
     test's plan does not depend on how fast the machine runs the tiny model."""
-    return SchedulerTuning(**{"max_step_ms": 0.0, **kw})  # type: ignore[arg-type]
+    return dataclasses.replace(SchedulerTuning(max_step_ms=0.0), **kw)
 
 
 def make_core(
@@ -147,14 +151,14 @@ def req(
     tenant: str = "t1",
     max_tokens: int = 8,
     sampling: SamplingParams = GREEDY,
-    **stopping: object,
+    **stopping: Any,
 ) -> Request:
     return Request(
         request_id=request_id,
         tenant=tenant,
         prompt_ids=tuple(prompt),
         sampling=sampling,
-        stopping=StoppingParams(max_tokens=max_tokens, **stopping),  # type: ignore[arg-type]
+        stopping=StoppingParams(max_tokens=max_tokens, **stopping),
     )
 
 

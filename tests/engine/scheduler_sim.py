@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcache import CacheConfig, KVCacheManager, PagePool
 from service.engine.cost_model import Regime, StepCost, StepShape, chunk_keys
@@ -163,5 +164,5 @@ def chunk_line(machine: StepCost, context: int, tokens: int) -> float:
             + machine.per_key_s * chunk_keys(context, tokens))
 
 
-def with_tuning(**kw: object) -> SchedulerTuning:
-    return dataclasses.replace(SchedulerTuning(), **kw)  # type: ignore[arg-type]
+def with_tuning(**kw: Any) -> SchedulerTuning:
+    return dataclasses.replace(SchedulerTuning(), **kw)

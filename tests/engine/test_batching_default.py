@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 
+from service.engine.core import EngineCore
 from service.engine.types import EngineConfig, Request, SamplingParams, StoppingParams
 from service.model import LoadedModel
 from tests.engine.conftest import (
@@ -63,16 +64,18 @@ def build_requests(loaded: LoadedModel) -> list[Request]:
     return requests
 
 
+# The requests, and each one's tokens and top-2 logit gaps when run alone.
+Reference = tuple[list[Request], dict[str, list[int]], dict[str, list[float]]]
+
+
 @pytest.fixture(scope="module")
-def reference(
-    default_model: LoadedModel,
-) -> tuple[list[Request], dict[str, list[int]], dict[str, list[float]]]:
+def reference(default_model: LoadedModel) -> Reference:
     requests = build_requests(default_model)
     tokens, gaps = run_one_at_a_time(make_core(default_model, pages=64, ttl=0.0), requests)
     return requests, tokens, gaps
 
 
-def check(name: str, got: dict[str, list[int]], reference) -> None:  # type: ignore[no-untyped-def]
+def check(name: str, got: dict[str, list[int]], reference: Reference) -> None:
     _, tokens, gaps = reference
     tolerated = near_tie_divergences(got, tokens, gaps)
     for rid, step, gap in tolerated:
@@ -80,13 +83,13 @@ def check(name: str, got: dict[str, list[int]], reference) -> None:  # type: ign
     assert len(tolerated) <= 1, tolerated
 
 
-def run_batched(core, requests: list[Request]) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+def run_batched(core: EngineCore, requests: list[Request]) -> dict[str, list[int]]:
     rec = Recorder()
     run_all(core, rec, requests)
     return {r.request_id: rec.tokens(r.request_id) for r in requests}
 
 
-def test_default_config_then_warm_prefix_cache(default_model: LoadedModel, reference) -> None:  # type: ignore[no-untyped-def]
+def test_default_config_then_warm_prefix_cache(default_model: LoadedModel, reference: Reference) -> None:
     requests = reference[0]
     core = make_core(default_model, pages=1024)
     check("default", run_batched(core, requests), reference)
@@ -102,14 +105,14 @@ def test_default_config_then_warm_prefix_cache(default_model: LoadedModel, refer
     assert_at_baseline(core)
 
 
-def test_small_pool_preempts(default_model: LoadedModel, reference) -> None:  # type: ignore[no-untyped-def]
+def test_small_pool_preempts(default_model: LoadedModel, reference: Reference) -> None:
     core = make_core(default_model, pages=SMALL_POOL_PAGES, ttl=0.0)
     check("small pool", run_batched(core, reference[0]), reference)
     assert core.counters().num_preemptions > 0
     assert_at_baseline(core)
 
 
-def test_prefill_chunks_of_32(default_model: LoadedModel, reference) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_chunks_of_32(default_model: LoadedModel, reference: Reference) -> None:
     config = EngineConfig(tuning=untimed(prefill_chunk=32), warmup=False)
     core = make_core(default_model, config=config, pages=1024)
     check("chunk 32", run_batched(core, reference[0]), reference)

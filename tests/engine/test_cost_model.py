@@ -168,3 +168,27 @@ def test_a_negligible_key_cost_does_not_wreck_the_chunk_size() -> None:
     cost = StepCost(0.005, 0.0, 0.0, 0.001, 0.00005, 6e-23)
     assert cost.chunk_tokens(0.0025, 1) == 30
     assert cost.chunk_tokens(0.0065, 1000) == 110
+
+
+def test_a_batch_size_seen_is_priced_at_its_own_time_not_the_line() -> None:
+    """One row runs a memory-bound loop, a few share a tile: the cost is not linear in rows.
+    After a long run of 8-14-row steps the line's intercept prices one row at what the
+    tiles cost; the one-row steps seen before keep a lone row at its own time, so the
+    decode guard (decode_stretch x a tenant's own rows) is not inflated by the others."""
+
+    def truth(rows: int, keys: int) -> float:
+        return (0.016 if rows == 1 else 0.028 + 0.0005 * rows) + 1e-6 * keys
+
+    model = StepCostModel()
+    for keys in (40, 80, 120):
+        model.observe(1, keys, [], truth(1, keys))
+    for i in range(200):
+        rows = 8 + i % 7
+        model.observe(rows, 600 + 10 * i, [], truth(rows, 600 + 10 * i))
+    model.observe(1, 30, [(0, 16)], truth(1, 30) + 0.004)
+    cost = model.fit()
+    assert cost is not None
+    assert cost.decode_seconds(1, 300) == pytest.approx(truth(1, 300), rel=1e-3)
+    assert cost.decode_seconds(12, 2000) == pytest.approx(truth(12, 2000), rel=1e-3)
+    line = cost.base_s + cost.per_row_s + cost.per_row_key_s * 300
+    assert line > 1.5 * truth(1, 300)

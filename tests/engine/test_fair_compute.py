@@ -8,7 +8,10 @@ tenant most over its share is the one preempted.
 
 from __future__ import annotations
 
+import pytest
+
 from kvcache import TenantCachePolicy
+from service.engine.core import EngineCore
 from service.engine.cost_model import StepCost
 from service.engine.tuning import SchedulerTuning
 from service.engine.types import EngineConfig, TenantSchedPolicy
@@ -18,8 +21,8 @@ from tests.engine.conftest import FakeClock, Recorder, make_core, prompt_ids, re
 V = 384
 
 
-def _computed(core: object, request_id: str) -> int:
-    sched = core.scheduler  # type: ignore[attr-defined]
+def _computed(core: EngineCore, request_id: str) -> int:
+    sched = core.scheduler
     for seq in sched.running:
         if seq.seq_id == request_id:
             return int(seq.num_computed)
@@ -101,10 +104,10 @@ def test_out_of_pages_preempts_the_tenant_most_over_its_share(tiny: LoadedModel)
     assert len(running & {"a0", "a1", "a2"}) == 2
 
 
-def _teach_cost(core: object, decode_s: float, per_token_s: float) -> StepCost:
+def _teach_cost(core: EngineCore, decode_s: float, per_token_s: float) -> StepCost:
     """Replace what the scheduler's cost model learned with a machine whose decode-only
     step takes ``decode_s`` and whose prefill chunk tokens cost ``per_token_s`` each."""
-    model = core.scheduler.budget.cost  # type: ignore[attr-defined]
+    model = core.scheduler.budget.cost
     for _ in range(200):  # the real steps' weight decays to nothing
         for rows in (1, 2, 3):
             model.observe(rows, 10 * rows, [], decode_s)
@@ -141,7 +144,7 @@ def _chunk_beside_b_decode(
     core.add(b, rec.sink("b"))
     core.step()  # b is prefilled; it decodes from now on
     core.add(req("a", prompt_ids(1, prompt, V), tenant=prefiller, max_tokens=2), rec.sink("a"))
-    core.scheduler.counter.charge(prefiller, ahead_by)  # type: ignore[attr-defined]
+    core.scheduler.counter.charge(prefiller, ahead_by)
     cost = _teach_cost(core, decode_s=0.020, per_token_s=0.001)
     core.step()
     assert len(rec.tokens("b")) == 2  # the decode ran in the same step as a's chunk
@@ -215,7 +218,9 @@ def test_beside_anothers_decodes_only_the_least_served_tenant_gets_the_prefill_f
     assert _chunk_beside_b_decode(tiny, tuning, prompt=12, ahead_by=1000)[0] == 12
 
 
-def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int = 8) -> dict:
+def _decodes_beside_a_heavy_tenant(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, stretch: float, steps: int = 8
+) -> dict[str, int]:
     """Tokens each stream gets over ``steps`` steps: tenant a's four streams, 1,000 tokens
     ahead, beside tenant b's one, on a machine taught that a decode step costs 12 ms plus
     5 ms a row (b's row alone: 17 ms; the guard at stretch 2: 34 ms, so b's row and three
@@ -229,10 +234,10 @@ def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int
         core.add(r, rec.sink(name))
     while any(len(rec.tokens(n)) == 0 for n in names):
         core.step()
-    core.scheduler.counter.charge("a", 1000)  # type: ignore[attr-defined]
+    core.scheduler.counter.charge("a", 1000)
     # The taught machine stays: the tiny model's real steps are not observed.
-    core.scheduler.observe_step = lambda shape, seconds: None  # type: ignore[attr-defined]
-    model = core.scheduler.budget.cost  # type: ignore[attr-defined]
+    monkeypatch.setattr(core.scheduler, "observe_step", lambda shape, seconds: None)
+    model = core.scheduler.budget.cost
     for _ in range(200):
         for rows in range(1, 7):
             model.observe(rows, 0, [], 0.012 + 0.005 * rows)
@@ -245,15 +250,15 @@ def _decodes_beside_a_heavy_tenant(tiny: LoadedModel, stretch: float, steps: int
 
 
 def test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream(
-    tiny: LoadedModel,
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    got = _decodes_beside_a_heavy_tenant(tiny, stretch=2.0)
+    got = _decodes_beside_a_heavy_tenant(tiny, monkeypatch, stretch=2.0)
     # b, the least served, decodes every step; a's rows fill what b's guard leaves (three
     # a step), and take turns: over 8 steps each of a's four streams decodes 6 times.
     assert got["b0"] == 8
     assert [got[f"a{i}"] for i in range(4)] == [6, 6, 6, 6]
     # Without the guard every row decodes every step.
-    assert set(_decodes_beside_a_heavy_tenant(tiny, stretch=0.0).values()) == {8}
+    assert set(_decodes_beside_a_heavy_tenant(tiny, monkeypatch, stretch=0.0).values()) == {8}
 
 
 def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from service.engine.core import EngineCore
 from service.engine.types import Admitted, Delta, EngineConfig, EngineEvent, TenantSchedPolicy
@@ -20,7 +21,7 @@ class StepLog:
         self.admitted_at: dict[str, int] = {}
         self.tokens: Counter[str] = Counter()
 
-    def sink(self, rid: str, tenant: str):  # type: ignore[no-untyped-def]
+    def sink(self, rid: str, tenant: str) -> Callable[[EngineEvent], None]:
         def record(event: EngineEvent) -> None:
             if isinstance(event, Admitted):
                 self.admitted_at[rid] = self.core.num_steps

@@ -26,7 +26,8 @@ def test_admission_offers_the_least_served_eligible_tenant_first() -> None:
     head = q.peek(lambda t: t != "b", served.__getitem__)
     assert head is not None and head.name == "c1"
     # Each tenant's queue is served in order; a preempted request goes back in front.
-    q.remove(q.peek(lambda t: t == "a", served.__getitem__))  # type: ignore[arg-type]
+    head = q.peek(lambda t: t == "a", served.__getitem__)
+    assert head is not None and q.remove(head)
     back = Item("a", "a0")
     q.push(back, front=True)
     assert q.peek(lambda t: t == "a", served.__getitem__) is back

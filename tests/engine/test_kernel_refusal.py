@@ -15,7 +15,7 @@ from kvcache import CacheConfig
 from kvcache.backends import cpu_decode
 from kvcache.errors import KernelRefused
 from service.engine import EngineConfig, Finished, build_engine
-from service.engine.types import EngineEvent
+from service.engine.types import Delta, EngineEvent
 from service.model import LoadedModel
 from tests.engine.conftest import Recorder, assert_at_baseline, make_core, prompt_ids, req, run_all
 
@@ -78,7 +78,9 @@ def test_a_refused_plan_fails_its_requests_and_the_engine_keeps_serving(
         assert isinstance(finished, Finished) and finished.reason == "error"
         served = asyncio.run(collect(good))
         assert isinstance(served[-1], Finished) and served[-1].reason != "error"
-        tokens = [t for e in served[1:-1] for t in e.token_ids]  # type: ignore[attr-defined]
+        deltas = [e for e in served[1:-1] if isinstance(e, Delta)]
+        assert len(deltas) == len(served) - 2
+        tokens = [t for e in deltas for t in e.token_ids]
         assert tokens == reference.tokens("good")
         assert_at_baseline(asyncio.run(engine.stats()))
     finally:

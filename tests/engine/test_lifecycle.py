@@ -95,7 +95,7 @@ def test_finished_requests_leave_the_deadline_heap(tiny: LoadedModel) -> None:
         peak = max(peak, core.counters().num_deadlines)
     while core.has_work():
         core.step()
-    assert all(rec.finished(f"d{i}").reason == "length" for i in range(1500))  # type: ignore[union-attr]
+    assert all(rec.finished(f"d{i}").reason == "length" for i in range(1500))
     assert peak <= 2 * 64 + 16  # bounded by the live requests, not by all ever added
     assert core.counters().num_deadlines <= 16
 
@@ -144,7 +144,7 @@ def test_stop_token_min_tokens_and_ignore_eos(tiny: LoadedModel) -> None:
     stop = toks[stop_at]
     run_all(core, rec, [req("s", prompt, max_tokens=12, ignore_eos=True, stop_token_ids=(stop,))])
     assert rec.tokens("s") == toks[: stop_at + 1]
-    assert rec.finished("s").reason == "stop"  # type: ignore[union-attr]
+    assert rec.finished("s").reason == "stop"
     # min_tokens beyond the stop position bans the stop token until then.
     run_all(
         core,
@@ -192,7 +192,7 @@ def test_stop_string_across_tokens_is_trimmed_and_text_matches_full_decode(
     rec = Recorder()
     run_all(make_core(tiny), rec, [req("s", prompt, max_tokens=24, ignore_eos=True, stop=(stop,))])
     assert rec.text("s") == full[:cut]
-    assert rec.finished("s").reason == "stop"  # type: ignore[union-attr]
+    assert rec.finished("s").reason == "stop"
     assert rec.tokens("s") == ids[: len(rec.tokens("s"))]
 
 
@@ -256,7 +256,7 @@ def test_queue_full_and_invalid_requests_raise_at_once(tiny: LoadedModel) -> Non
     with pytest.raises(RequestTooLarge):
         core.add(req("l", [5] * 2048), rec.sink("l"))
     core.finish_all("abort")
-    assert [rec.finished(r).reason for r in "abc"] == ["abort"] * 3  # type: ignore[union-attr]
+    assert [rec.finished(r).reason for r in "abc"] == ["abort"] * 3
     assert_at_baseline(core)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import pytest
 import torch
@@ -200,13 +201,13 @@ def test_penalties_in_a_mixed_ragged_batch_match_reference() -> None:
 class _Untouchable(tuple[int, ...]):
     """Token ids that fail the test if the sampler reads them."""
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> NoReturn:
         raise AssertionError("read another row's tokens")
 
     def __len__(self) -> int:
         raise AssertionError("read another row's tokens")
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+    def __getitem__(self, i: object) -> NoReturn:
         raise AssertionError("read another row's tokens")
 
 
@@ -220,3 +221,40 @@ def test_penalty_cost_is_the_penalized_rows_own_tokens() -> None:
     rows.append(row(penalized, prompt=(5,), output=()))
     out = Sampler(seed=0).sample(logits_of(BASE, BASE, BASE, BASE), rows)
     assert out.token_ids == [5, 5, 5, 1]  # 3.0 / 2 = 1.5 < 2.0: token 1 wins the last row
+
+
+def _sorted_cut(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Reference: which tokens a full descending sort keeps under top-k then top-p."""
+    vocab = scaled.shape[1]
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    for i, p in enumerate(params):
+        values, order = scaled[i].sort(descending=True)
+        k = p.top_k if 0 < p.top_k < vocab else vocab
+        probs = values[:k].softmax(dim=-1)
+        ahead = probs.cumsum(dim=-1) - probs
+        kept = ahead <= p.top_p if p.top_p < 1.0 else torch.ones(k, dtype=torch.bool)
+        kept[0] = True
+        row = torch.zeros(vocab, dtype=torch.bool)
+        row[order[:k][kept]] = True
+        keep[i] = row
+    return keep
+
+
+@pytest.mark.parametrize("peaked", [True, False])
+def test_top_k_top_p_keeps_what_a_full_sort_keeps(peaked: bool) -> None:
+    """The candidate cut equals the full-sort cut, for rows decided among the candidates
+    (peaked) and rows that need the whole vocabulary (flat, large top-k)."""
+    from service.engine.sampler import CANDIDATES, _top_k_top_p
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 4 * CANDIDATES + 3
+    scaled = torch.randn(24, vocab, generator=gen) * (1.0 if peaked else 0.05)
+    if peaked:
+        scaled[:, :20] += 9.0
+    params = [
+        SamplingParams(temperature=1.0, top_p=tp, top_k=tk)
+        for tp in (0.3, 0.9, 0.999, 1.0)
+        for tk in (0, 5, CANDIDATES + 40, vocab + 1, 2 * CANDIDATES, 1)
+    ]
+    got = _top_k_top_p(scaled.clone(), params, vocab) > float("-inf")
+    assert torch.equal(got, _sorted_cut(scaled, params))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvcache import TenantCachePolicy
 from service.engine.core import EngineCore
 from service.engine.plan import SchedulerOutput
-from service.engine.types import Admitted, Delta, EngineConfig, Finished
+from service.engine.types import Admitted, Delta, EngineConfig, Finished, Request
 from service.model import LoadedModel
 from tests.engine.conftest import (
     Recorder,
@@ -39,7 +39,7 @@ def plan(outs: list[SchedulerOutput]) -> list[list[tuple[str, int]]]:
     return [[(e.seq.seq_id, e.num_new) for e in o.entries] for o in outs]
 
 
-def mixed_requests(n: int = 12, max_prompt: int = 300) -> list:  # type: ignore[type-arg]
+def mixed_requests(n: int = 12, max_prompt: int = 300) -> list[Request]:
     return [
         req(f"r{i}", prompt_ids(i, 1 + (i * 97) % max_prompt, V), max_tokens=1 + (i * 5) % 12)
         for i in range(n)
@@ -124,7 +124,7 @@ def test_prefix_cache_hit_skips_cached_pages_within_tenant_only(tiny: LoadedMode
     assert rec.tokens("again") == rec.tokens("first") == rec.tokens("other")
     firsts = [o.entries[0].num_new for o in outs if o.admitted]
     assert firsts == [70, 6, 70]  # the hit computes only the tail past 4 cached pages
-    assert rec.finished("again").cached_tokens == 64  # type: ignore[union-attr]
+    assert rec.finished("again").cached_tokens == 64
     assert_at_baseline(core)
 
 
@@ -150,7 +150,7 @@ def test_request_that_can_never_fit_fails_with_request_too_large(tiny: LoadedMod
             and events[0].error.kind == "too_large"
         )
         assert events[0].error.what == what
-    assert rec.finished("fits").reason == "length"  # type: ignore[union-attr]
+    assert rec.finished("fits").reason == "length"
     assert_at_baseline(core)
 
 

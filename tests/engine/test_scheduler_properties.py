@@ -16,6 +16,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+from service.engine.cost_model import StepCost
 from tests.engine.scheduler_sim import Arrival, Sim, chunk_line, machine, with_tuning
 
 # No shrinking: a failure prints its example as drawn (shrinking a run takes minutes).
@@ -101,7 +102,7 @@ MACHINES = st.builds(
     weights=[1.0, 1.0, 1.0],
 )
 def test_a_tenants_gap_stays_within_the_stated_bound_of_its_own_rows_cost(
-    work: list[Arrival], fake, stretch: float, max_step_ms: float, floor: int,  # type: ignore[no-untyped-def]
+    work: list[Arrival], fake: StepCost, stretch: float, max_step_ms: float, floor: int,
     weights: list[float],
 ) -> None:
     w = dict(zip(TENANTS, weights, strict=True))

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvcache import StepEntry
+from kvcache import KVCacheManager, StepAttention, StepEntry
 from kvcache.backends.torch_backend import TorchBackend
 from kvcache.backends.torch_graph import TorchGraphDecode
 from kvcache.graph_step import pad_decode
@@ -39,13 +39,17 @@ def test_pad_rows_repeats_the_first_row() -> None:
     assert out.tolist() == [7, 8, 9, 7, 7]
 
 
-def _decode_step(mgr_lens: dict[str, int], page_size: int = 4):  # type: ignore[no-untyped-def]
+def _decode_step(
+    mgr_lens: dict[str, int], page_size: int = 4
+) -> tuple[KVCacheManager, StepAttention]:
     mgr, _ = make_manager(num_pages=32, page_size=page_size)
     for s, n in mgr_lens.items():
         mgr.open(s, "t", list(range(n + 1)), use_prefix_cache=False)
         mgr.allocate_slots(s, n + 1)
         mgr.commit(s, range(n + 1), n)
-    return mgr, mgr.begin_step([StepEntry(s, n, 1) for s, n in mgr_lens.items()]).attn
+    plan = mgr.begin_step([StepEntry(s, n, 1) for s, n in mgr_lens.items()])
+    assert plan.attn is not None
+    return mgr, plan.attn
 
 
 def test_pad_decode_repeats_the_first_sequence_and_its_slot() -> None:

@@ -127,9 +127,11 @@ def test_owner_check_backs_up_the_key_spaces() -> None:
     prefill(mgr, "a", "victim", PROMPT)
     mgr.free("a")
     # fault injection: plant the victim's first-page entry in the attacker's key space
-    entry = next(e for e in mgr.prefix._spaces["victim"].values() if e.parent_serial == 0)
+    entry = next(e for e in mgr.prefix.entries("victim").values() if e.parent_serial == 0)
     planted = replace(entry, namespace=Namespace("attacker"))  # passes the namespace check
-    mgr.prefix._spaces["attacker"] = {mgr.prefix.key(Namespace("attacker"), b"", PROMPT[:4]): planted}
+    assert not mgr.prefix.entries("attacker")
+    key = mgr.prefix.key(Namespace("attacker"), b"", PROMPT[:4])
+    mgr.prefix.inject_entry("attacker", key, planted)
     free_before = mgr.num_free_pages()
     with pytest.raises(FenceViolation, match="another tenant"):
         mgr.open("b", "attacker", PROMPT)
@@ -144,10 +146,10 @@ def test_failed_match_rolls_back_pages_already_shared() -> None:
     mgr.free("a")
     mgr.free("b")
     # fault injection: the attacker's second-page entry points at the victim's page
-    victim_entry = next(e for e in mgr.prefix._spaces["victim"].values() if e.parent_serial)
-    attacker = mgr.prefix._spaces["attacker"]
+    victim_entry = next(e for e in mgr.prefix.entries("victim").values() if e.parent_serial)
+    attacker = mgr.prefix.entries("attacker")
     second = next(k for k, e in attacker.items() if e.parent_serial)
-    attacker[second] = replace(attacker[second], page_id=victim_entry.page_id)
+    mgr.prefix.inject_entry("attacker", second, replace(attacker[second], page_id=victim_entry.page_id))
     with pytest.raises(FenceViolation, match="another tenant"):
         mgr.open("c", "attacker", PROMPT)
     assert mgr.usage("attacker").pages_in_use == 0  # the first page's ref was released

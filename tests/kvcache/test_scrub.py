@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kvcache import TenantCachePolicy
+from kvcache import ScrubPolicy, TenantCachePolicy
 
 from .helpers import grow, make_manager, page_data, prefill
 
 
-def _reuse_page(policy: str, second_tenant: str) -> tuple[torch.Tensor, int, int]:
+def _reuse_page(policy: ScrubPolicy, second_tenant: str) -> tuple[torch.Tensor, int, int]:
     """Tenant 'a' writes 7s to one page and frees it; ``second_tenant`` takes that page.
     Returns (the page's contents as handed out, page id, scrub count)."""
-    mgr, _ = make_manager(num_pages=1, scrub_policy=policy)  # type: ignore[arg-type]
+    mgr, _ = make_manager(num_pages=1, scrub_policy=policy)
     prefill(mgr, "first", "a", [1, 2, 3, 4], fill=7.0, use_prefix_cache=False)
     page = mgr.sequence_pages("first")[0].page_id
     assert torch.all(page_data(mgr, page) == 7.0)

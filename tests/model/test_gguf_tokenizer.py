@@ -3,8 +3,10 @@ each ``tokenizer.ggml.pre`` name stands for."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 from tokenizers import Regex, pre_tokenizers
@@ -38,7 +40,23 @@ _TEXTS = [
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
-def _train(tmp_path: Path, *, dummy_prefix: bool) -> object:
+class SentencePiece(Protocol):
+    """The part of sentencepiece's ``SentencePieceProcessor`` these tests call (the package
+    ships no type information)."""
+
+    def get_piece_size(self) -> int: ...
+    def is_unknown(self, i: int) -> bool: ...
+    def is_control(self, i: int) -> bool: ...
+    def is_byte(self, i: int) -> bool: ...
+    def is_unused(self, i: int) -> bool: ...
+    def id_to_piece(self, i: int) -> str: ...
+    def piece_to_id(self, piece: str) -> int: ...
+    def get_score(self, i: int) -> float: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def _train(tmp_path: Path, *, dummy_prefix: bool) -> SentencePiece:
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_TRAIN.splitlines(keepends=True)),
@@ -54,30 +72,31 @@ def _train(tmp_path: Path, *, dummy_prefix: bool) -> object:
         allow_whitespace_only_pieces=True,
         minloglevel=2,
     )
-    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+    processor: SentencePiece = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    return processor
 
 
-def _vocab(sp: object, *, dummy_prefix: bool, scores: bool = True) -> GGUFVocab:
+def _vocab(sp: SentencePiece, *, dummy_prefix: bool, scores: bool = True) -> GGUFVocab:
     """The tokenizer.ggml.* fields llama.cpp's converter writes for a SentencePiece model."""
-    n = sp.get_piece_size()  # type: ignore[attr-defined]
+    n = sp.get_piece_size()
 
     def kind(i: int) -> int:
-        if sp.is_unknown(i):  # type: ignore[attr-defined]
+        if sp.is_unknown(i):
             return _UNKNOWN
-        if sp.is_control(i):  # type: ignore[attr-defined]
+        if sp.is_control(i):
             return _CONTROL
-        if sp.is_byte(i):  # type: ignore[attr-defined]
+        if sp.is_byte(i):
             return _BYTE
-        if sp.is_unused(i):  # type: ignore[attr-defined]
+        if sp.is_unused(i):
             return _UNUSED
-        return _USER_DEFINED if sp.id_to_piece(i) == "<sep>" else _NORMAL  # type: ignore[attr-defined]
+        return _USER_DEFINED if sp.id_to_piece(i) == "<sep>" else _NORMAL
 
     return GGUFVocab(
         model="llama",
         pre="default",
-        tokens=[sp.id_to_piece(i) for i in range(n)],  # type: ignore[attr-defined]
+        tokens=[sp.id_to_piece(i) for i in range(n)],
         token_types=[kind(i) for i in range(n)],
-        scores=[sp.get_score(i) for i in range(n)] if scores else [],  # type: ignore[attr-defined]
+        scores=[sp.get_score(i) for i in range(n)] if scores else [],
         merges=[],
         special_token_ids=[0, 1, 2],
         bos_token_id=1,
@@ -103,13 +122,13 @@ def test_a_sentencepiece_vocab_encodes_and_decodes_like_sentencepiece(
     for text in _TEXTS:
         if dummy_prefix and "<sep>" in text:
             continue  # llama.cpp prefixes text after an added token too: see the test below
-        want = sp.encode(text)  # type: ignore[attr-defined]
+        want = sp.encode(text)
         # As message content, control-token text ("</s>") is plain text, as sentencepiece sees it.
         assert tok.encode_chat([(text, True)]) == want, repr(text)
         if not any(t in text for t in ("<s>", "</s>", "<unk>")):
             assert tok.encode(text) == want, repr(text)
-        assert tok.decode(want) == sp.decode(want), repr(text)  # type: ignore[attr-defined]
-        fallbacks += sum(sp.is_byte(i) for i in want)  # type: ignore[attr-defined]
+        assert tok.decode(want) == sp.decode(want), repr(text)
+        fallbacks += sum(sp.is_byte(i) for i in want)
     assert fallbacks > 20  # the set exercises byte fallback, not just in-vocabulary text
 
 
@@ -121,7 +140,7 @@ def test_without_scores_the_file_order_is_the_merge_order(tmp_path: Path) -> Non
     for text in _TEXTS:
         if "<sep>" in text:
             continue  # llama.cpp prefixes text after an added token too
-        want = sp.encode(text)  # type: ignore[attr-defined]
+        want = sp.encode(text)
         assert tok.encode_chat([(text, True)]) == want, repr(text)
 
 
@@ -140,18 +159,18 @@ def test_sentencepiece_token_bytes_concatenate_to_the_text(tmp_path: Path) -> No
 def test_bos_follows_the_add_bos_key_and_llama_cpps_default(tmp_path: Path) -> None:
     sp = _train(tmp_path, dummy_prefix=True)
     vocab = _vocab(sp, dummy_prefix=True)
-    ids = sp.encode("fox")  # type: ignore[attr-defined]
+    ids = sp.encode("fox")
     assert _tokenizer(vocab).encode("fox", add_special_tokens=True) == [1, *ids]
-    off = GGUFVocab(**{**_fields(vocab), "add_bos_token": False})
+    off = dataclasses.replace(vocab, add_bos_token=False)
     assert _tokenizer(off).encode("fox", add_special_tokens=True) == ids
-    eos = GGUFVocab(**{**_fields(vocab), "add_bos_token": False, "add_eos_token": True})
+    eos = dataclasses.replace(vocab, add_bos_token=False, add_eos_token=True)
     assert _tokenizer(eos).encode("fox", add_special_tokens=True) == [*ids, 2]
 
 
 def test_control_tokens_are_special_and_user_defined_ones_match_whole(tmp_path: Path) -> None:
     sp = _train(tmp_path, dummy_prefix=False)
     tok = _tokenizer(_vocab(sp, dummy_prefix=False))
-    sep = sp.piece_to_id("<sep>")  # type: ignore[attr-defined]
+    sep = sp.piece_to_id("<sep>")
     assert tok.encode("x<sep>y").count(sep) == 1
     assert sep not in tok.special_ids() and {0, 1, 2} <= tok.special_ids()
     assert tok.encode("</s>") == [2]
@@ -162,18 +181,14 @@ def test_with_a_space_prefix_text_after_an_added_token_gets_one_as_in_llama_cpp(
 ) -> None:
     sp = _train(tmp_path, dummy_prefix=True)
     tok = _tokenizer(_vocab(sp, dummy_prefix=True))
-    sep = sp.piece_to_id("<sep>")  # type: ignore[attr-defined]
-    assert tok.encode("fox<sep>fox") == [*sp.encode("fox"), sep, *sp.encode("fox")]  # type: ignore[attr-defined]
-
-
-def _fields(v: GGUFVocab) -> dict[str, object]:
-    return {name: getattr(v, name) for name in GGUFVocab.__slots__}
+    sep = sp.piece_to_id("<sep>")
+    assert tok.encode("fox<sep>fox") == [*sp.encode("fox"), sep, *sp.encode("fox")]
 
 
 def test_an_unknown_tokenizer_model_is_refused_by_name(tmp_path: Path) -> None:
     vocab = _vocab(_train(tmp_path, dummy_prefix=True), dummy_prefix=True)
     with pytest.raises(ModelLoadError, match="'bert'"):
-        build_gguf_tokenizer(GGUFVocab(**{**_fields(vocab), "model": "bert"}))
+        build_gguf_tokenizer(dataclasses.replace(vocab, model="bert"))
 
 
 # name -> (text, the pieces llama.cpp's split gives), one name per distinct rule

@@ -12,6 +12,7 @@ from service import cli, dev
 from service.config import ConfigError, parse_kv_memory
 from service.tenants import load_tenants
 from tests.serverutil import ROOT
+from tools.configuration_doc import actions, commands
 
 
 def test_client_verbs_do_not_import_torch_or_the_engine() -> None:
@@ -35,7 +36,8 @@ def test_tenants_add_prints_the_key_once_and_stores_its_hash(
     out = capsys.readouterr().out
     key = out.strip().splitlines()[-1].split()[-1]
     assert key.startswith("kvf_") and key not in path.read_text()
-    assert load_tenants(path).by_key(key).name == "acme"  # type: ignore[union-attr]
+    owner = load_tenants(path).by_key(key)
+    assert owner is not None and owner.name == "acme"
     assert cli.main(["tenants", "add", "acme", "--file", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "already exists" in err and "Traceback" not in err
@@ -78,12 +80,8 @@ def test_every_serve_flag_reads_its_env_var(monkeypatch: pytest.MonkeyPatch) -> 
     args = cli.parse_args(["serve", "--max-num-seqs", "9"])
     assert args.max_num_seqs == 9  # the flag wins
     assert (args.kv_memory, args.log_content, args.tls_client_ca) == ("0.25", True, "/ca.pem")
-    serve = next(
-        a
-        for a in cli.build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
-        if a.prog.endswith("serve")
-    )
-    for action in serve._actions:
+    serve = dict(commands(cli.build_parser()))["kvfence serve"]
+    for action in actions(serve):
         if action.option_strings and action.dest != "help":
             assert f"[env KVFENCE_{action.dest.upper()}]" in (action.help or "")
 
@@ -102,6 +100,7 @@ def test_devserve_creates_a_dev_tenant_once(tmp_path: Path) -> None:
     tenants = tmp_path / "dev" / "tenants.toml"
     key = dev.ensure_dev_tenant(tenants)
     assert (tmp_path / "dev" / "dev-key.txt").read_text().strip() == key
-    assert load_tenants(tenants).by_key(key).name == "dev"  # type: ignore[union-attr]
+    owner = load_tenants(tenants).by_key(key)
+    assert owner is not None and owner.name == "dev"
     assert dev.ensure_dev_tenant(tenants) == key  # reused, not rotated
     assert oct((tmp_path / "dev" / "dev-key.txt").stat().st_mode & 0o777) == "0o600"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.rpc.error_details_pb2 import ErrorInfo, RetryInfo
 
-from service.engine.types import Finished, FinishError, RequestTooLarge
+from service.engine.types import Finished, FinishError, FinishReason, RequestTooLarge
 from service.errors import ServiceError
 from service.finish import finish_error
 from service.limits import TenantLimiter
@@ -33,8 +34,8 @@ def test_token_bucket_refills_at_the_per_minute_rate() -> None:
     limiter.configure("t", Quotas(max_concurrent_streams=100, tokens_per_minute=120))
     limiter.acquire("t", 100).release()
     err = _refused(limiter, "t", 30)  # 20 left, 10 short at 2 tokens/s
-    retry = next(d for d in err.details if type(d).__name__ == "RetryInfo")
-    assert retry.retry_delay.seconds == 5 and retry.retry_delay.nanos == 0  # type: ignore[attr-defined]
+    retry = err.detail(RetryInfo)
+    assert retry.retry_delay.seconds == 5 and retry.retry_delay.nanos == 0
     clock.now += 5.0
     limiter.acquire("t", 30).release()
     assert not [d for d in _refused(limiter, "t", 121).details if type(d).__name__ == "RetryInfo"]
@@ -75,8 +76,8 @@ def test_reconfigure_keeps_active_streams() -> None:
     limiter.acquire("t", 1)
 
 
-def _finished(reason: str, error: FinishError | None = None) -> Finished:
-    return Finished(reason, 3, 1, 0, 0.0, 0.1, 0.2, error)  # type: ignore[arg-type]
+def _finished(reason: FinishReason, error: FinishError | None = None) -> Finished:
+    return Finished(reason, 3, 1, 0, 0.0, 0.1, 0.2, error)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +104,7 @@ def _finished(reason: str, error: FinishError | None = None) -> Finished:
     ],
 )
 def test_finish_mapping(
-    reason: str,
+    reason: FinishReason,
     error: FinishError | None,
     draining: bool,
     code: grpc.StatusCode,
@@ -112,7 +113,7 @@ def test_finish_mapping(
     err = finish_error(_finished(reason, error), draining)
     assert err.code == code
     if detail in ("KV_FENCE", "ENGINE"):
-        assert err.details[0].reason == detail  # type: ignore[attr-defined]
+        assert err.detail(ErrorInfo).reason == detail
         assert "boom" not in err.message and "stale" not in err.message
     elif detail is not None:
         assert type(err.details[0]).__name__ == detail or type(err.details[-1]).__name__ == detail

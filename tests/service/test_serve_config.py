@@ -19,6 +19,7 @@ from service.config import (
     kv_budget,
     serve_config,
 )
+from tools.configuration_doc import actions, commands
 
 
 def test_engine_config_takes_the_models_length_unless_capped() -> None:
@@ -59,8 +60,8 @@ EVERY_FLAG = [
 def test_serve_config_is_built_once_from_every_flag() -> None:
     from service import cli
 
-    serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    flags = {s for a in serve_parser._actions for s in a.option_strings if s.startswith("--")}
+    serve_parser = dict(commands(cli.build_parser()))["kvfence serve"]
+    flags = {s for a in actions(serve_parser) for s in a.option_strings if s.startswith("--")}
     assert flags - {"--help"} == {a for a in EVERY_FLAG if a.startswith("--")}
     config = serve_config(cli.parse_args(["serve", *EVERY_FLAG]))
     assert config == ServeConfig(

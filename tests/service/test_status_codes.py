@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import grpc
 import pytest
@@ -16,18 +17,22 @@ from tests.service.rpc import details, generate, request, stubs, usage
 LONG = 490  # with a 6-token prompt this fills the 512-token context: a stream that lasts
 
 
-def _wait_for(check: object, timeout: float = 5.0) -> None:
+class _Stream(Iterator[inference_pb2.GenerateResponse], Protocol):
+    """A server stream as grpc's blocking stub returns it: an iterator and a call."""
+
+    def cancel(self) -> bool: ...
+
+
+def _wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
+    while not check():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
 
 
-def _open_stream(
-    srv: ServerHandle, tenant: str, max_tokens: int = LONG
-) -> Iterator[inference_pb2.GenerateResponse]:
+def _open_stream(srv: ServerHandle, tenant: str, max_tokens: int = LONG) -> _Stream:
     inference, _ = stubs(srv)
-    stream: Iterator[inference_pb2.GenerateResponse] = inference.Generate(
+    stream: _Stream = inference.Generate(
         request("Hello world", max_tokens=max_tokens), metadata=srv.auth(tenant)
     )
     assert next(stream).WhichOneof("event") == "started"
@@ -96,7 +101,7 @@ def test_concurrent_stream_quota_is_resource_exhausted_with_retry_info(srv: Serv
         assert d["QuotaFailure"].violations[0].subject == "max_concurrent_streams"
         assert d["RetryInfo"].retry_delay.seconds == 1
     finally:
-        stream.cancel()  # type: ignore[attr-defined]
+        stream.cancel()
     # The slot is released with the stream.
     _wait_for(lambda: srv.server.limiter.active("one_stream") == 0)
     assert len(generate(srv, "one_stream", request("hi", max_tokens=1))) == 3
@@ -147,7 +152,7 @@ def test_mid_stream_cancel_frees_the_pages_within_a_step(srv: ServerHandle) -> N
         assert next(stream).WhichOneof("event") == "chunk"
     during = usage(srv, "acme")
     assert during.pages_in_use >= 1 and during.running_requests == 1
-    stream.cancel()  # type: ignore[attr-defined]
+    stream.cancel()
     with pytest.raises(grpc.RpcError) as info:
         list(stream)
     assert info.value.code() == grpc.StatusCode.CANCELLED

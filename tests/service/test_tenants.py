@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc.error_details_pb2 import ErrorInfo
 
 from service.auth import Authenticator
 from service.errors import ServiceError
@@ -96,8 +97,10 @@ def test_add_tenant_stores_only_the_hash_and_appends(tmp_path: Path) -> None:
     assert key1 not in text and key2 not in text
     assert hash_key(key1).hex() in text
     registry = load_tenants(path)
-    assert registry.by_key(key1).name == "acme"  # type: ignore[union-attr]
-    assert registry.by_key(key2).name == "globex"  # type: ignore[union-attr]
+    owner = registry.by_key(key1)
+    assert owner is not None and owner.name == "acme"
+    owner = registry.by_key(key2)
+    assert owner is not None and owner.name == "globex"
     assert registry.by_key(key1 + "x") is None
     with pytest.raises(TenantsFileError, match="already exists"):
         add_tenant(path, "acme")
@@ -128,7 +131,7 @@ def _reason(
     with pytest.raises(ServiceError) as info:
         auth.authenticate(metadata, ctx)
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-    return info.value.details[0].reason  # type: ignore[attr-defined,no-any-return]
+    return str(info.value.detail(ErrorInfo).reason)
 
 
 def test_authenticator_decisions() -> None:
@@ -202,7 +205,7 @@ def test_san_of_another_type_does_not_match() -> None:
     for context in ({"peer_dns": [b"ops@svc.example"]}, {"peer_uri": [b"ops@svc.example"]}):
         with pytest.raises(ServiceError) as info:
             auth.authenticate([], context)
-        assert info.value.details[0].reason == "UNKNOWN_CERT"  # type: ignore[attr-defined]
+        assert info.value.detail(ErrorInfo).reason == "UNKNOWN_CERT"
 
 
 def test_certificate_mapping_to_two_tenants_is_refused() -> None:
@@ -211,7 +214,7 @@ def test_certificate_mapping_to_two_tenants_is_refused() -> None:
     with pytest.raises(ServiceError) as info:
         auth.authenticate([], both)
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-    assert info.value.details[0].reason == "AMBIGUOUS_CERT"  # type: ignore[attr-defined]
+    assert info.value.detail(ErrorInfo).reason == "AMBIGUOUS_CERT"
 
 
 @pytest.mark.parametrize("entry", ["spiffe://acme/worker", "ip:10.0.0.1", "uri:", "acme"])

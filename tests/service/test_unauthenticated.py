@@ -118,8 +118,7 @@ def test_health_watch_streams_are_capped(tiny_model: Any) -> None:
 
 
 def _watching(srv: Any) -> int:
-    health = srv.server._health_service  # the BoundedHealth the server registered
-    return int(health.watching)
+    return int(srv.server.health_watches)
 
 
 def test_default_cap_holds(tiny_model: Any) -> None:

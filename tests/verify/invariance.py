@@ -8,6 +8,7 @@ Used by ``tests/engine/test_batch_invariance.py`` (small, in ``make test``) and 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcache import CacheConfig
@@ -72,7 +73,7 @@ class _Tokens:
     def __init__(self) -> None:
         self.by_id: dict[str, list[int]] = {}
 
-    def sink(self, request_id: str):  # type: ignore[no-untyped-def]
+    def sink(self, request_id: str) -> Callable[[EngineEvent], None]:
         tokens = self.by_id.setdefault(request_id, [])
 
         def on(event: EngineEvent) -> None:

@@ -1,7 +1,7 @@
 """Every mutant, by area. To add one: a few lines in an area file (or a new area file added
 to ``ALL`` here): ``mutant(name, guarantee, edit(path, old, new), ..., tests=...)``."""
 
-from tools.mutants.catalog import fairness, gemma_moe, hardening, kvcache, models, service
+from tools.mutants.catalog import fairness, gemma_moe, hardening, kvcache, lora, models, service
 from tools.mutants.mutant import Mutant
 
 ALL: tuple[Mutant, ...] = (
@@ -11,4 +11,5 @@ ALL: tuple[Mutant, ...] = (
     *hardening.MUTANTS,
     *models.MUTANTS,
     *gemma_moe.MUTANTS,
+    *lora.MUTANTS,
 )

@@ -54,6 +54,12 @@ MUTANTS = (
                T_GAP),
     ),
     mutant(
+        "batch-size-priced-by-line",
+        "a decode batch size that was seen is priced at its own time, not the fitted line",
+        edit(COST_MODEL, "            if seen == padded:", "            if seen == -padded:"),
+        tests=f"{T_COST}::test_a_batch_size_seen_is_priced_at_its_own_time_not_the_line",
+    ),
+    mutant(
         "chunk-cost-ignores-context",
         "a prefill chunk is sized by the keys it reads, so late chunks of a long prompt stay in time",
         edit(COST_MODEL, "b = self.per_token_s + self.per_key_s * (context + 0.5)",

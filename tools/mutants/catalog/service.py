@@ -126,8 +126,8 @@ MUTANTS = (
         "tenant-blind-cache",
         "a cached prefix is reused only by its own tenant (all in-cache checks pass: a real leak)",
         edit("kvcache/manager.py",
-             "table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache, salt)",
-             'table = PageTable(seq_id, "shared", self.page_size, use_prefix_cache, salt)'),
+             "table = PageTable(seq_id, tenant, self.page_size, use_prefix_cache, salt, adapter)",
+             'table = PageTable(seq_id, "shared", self.page_size, use_prefix_cache, salt, adapter)'),
         tests="tests/isolation/test_timing_channel.py",
     ),
     mutant(

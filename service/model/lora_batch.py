@@ -1,0 +1,106 @@
+"""The adapters of one step's rows, applied as segmented deltas beside the base projections.
+
+A step may mix rows of several adapters and of the base. The base projection runs once over
+every row (the same call a base-only step makes); each adapter then adds
+``(x[rows] @ A.T) @ B.T`` to its own rows only. That is one pair of small matmuls per adapter
+present in the step and fused projection, never a forward per adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from service.model.layers import Layer
+from service.model.lora import GROUPS, LoraAdapter, LoraGroup
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupPlan:
+    """One fused projection's adapter rows in a step: ``rows`` lists them adapter by adapter
+    (None = every row, all on one adapter) and ``parts`` gives each adapter's slice of it."""
+
+    rows: torch.Tensor | None  # [n] int64
+    parts: tuple[tuple[LoraGroup, int, int], ...]  # (weights, start, end) into ``rows``
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """The adapters of one step's rows, planned once per step for every fused projection."""
+
+    plans: dict[str, _GroupPlan]
+
+    @staticmethod
+    def of_rows(adapters: Sequence[LoraAdapter | None], device: torch.device) -> LoraBatch | None:
+        """Group each token row's adapter (None = base); None where no row has one."""
+        by_id: dict[str, tuple[LoraAdapter, list[int]]] = {}
+        for row, adapter in enumerate(adapters):
+            if adapter is not None:
+                by_id.setdefault(adapter.identity, (adapter, []))[1].append(row)
+        if not by_id:
+            return None
+        plans: dict[str, _GroupPlan] = {}
+        for key in GROUPS:
+            segments = [(a.groups[key], rows) for a, rows in by_id.values() if key in a.groups]
+            if not segments:
+                continue
+            if len(segments) == 1 and len(segments[0][1]) == len(adapters):
+                plans[key] = _GroupPlan(None, ((segments[0][0], 0, len(adapters)),))
+                continue
+            order: list[int] = []
+            parts = []
+            for group, rows in segments:
+                parts.append((group, len(order), len(order) + len(rows)))
+                order.extend(rows)
+            rows_t = torch.tensor(order, dtype=torch.long, device=device)
+            plans[key] = _GroupPlan(rows_t, tuple(parts))
+        return LoraBatch(plans)
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[rows] += (x[rows] @ A[layer].T) @ B[layer].T`` for each adapter of the step
+        that has ``group`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``), on its rows."""
+        plan = self.plans.get(group)
+        if plan is None:
+            return
+        if plan.rows is None:
+            g = plan.parts[0][0]
+            out.addmm_(x @ g.a[layer].T, g.b[layer].T)  # in place: no [T, out] temporary
+            return
+        # NOTE: one gather and one scatter for the whole step; each adapter's rows are then a
+        # contiguous slice, so an adapter costs its two matmuls and nothing more.
+        xs = x.index_select(0, plan.rows)
+        deltas = [(xs[s:e] @ g.a[layer].T) @ g.b[layer].T for g, s, e in plan.parts]
+        out.index_add_(0, plan.rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas))
+
+
+def lora_qkv(i: int, layer: Layer, x: torch.Tensor, lora: LoraBatch, eps: float) -> torch.Tensor:
+    """Layer ``i``'s q|k|v rows (before their bias) with each adapter row's delta added."""
+    h = F.rms_norm(x, (x.shape[-1],), layer.attn_norm, eps)
+    qkv = layer.qkv(h)
+    lora.add(i, "qkv", h, qkv)
+    return qkv
+
+
+def lora_rest(
+    i: int, layer: Layer, out: torch.Tensor, x: torch.Tensor, lora: LoraBatch, eps: float
+) -> None:
+    """The plain Llama layer ``i`` after attention, on the base projections' plain calls (each
+    projection's input is kept, so the adapter rows' deltas are added beside it)."""
+    x.add_(layer.o(out))
+    lora.add(i, "o", out, x)
+    if layer.o_bias is not None:
+        x.add_(layer.o_bias)
+    h = F.rms_norm(x, (x.shape[-1],), layer.mlp_norm, eps)
+    gate_up = layer.gate_up(h)
+    lora.add(i, "gate_up", h, gate_up)
+    if layer.gate_up_bias is not None:
+        gate_up = gate_up + layer.gate_up_bias
+    gate, up = gate_up.chunk(2, dim=-1)
+    m = F.silu(gate).mul_(up)
+    x.add_(layer.down(m))
+    lora.add(i, "down", m, x)
+    if layer.down_bias is not None:
+        x.add_(layer.down_bias)

@@ -1,0 +1,26 @@
+"""Switch-offs of what per-tenant LoRA adapters guarantee: visibility and KV separation."""
+
+from tools.mutants.mutant import edit, mutant
+
+T_SERVE = "tests/service/test_lora_serving.py"
+
+MUTANTS = (
+    mutant(
+        "adapter-visible-to-other-tenants",
+        "a tenant naming another tenant's adapter gets exactly what an unknown name gets",
+        edit("service/adapters.py",
+             "        entry = self._tenants.get(tenant.name)\n"
+             "        if entry is None or model not in entry.declared:\n",
+             "        entry = next((e for e in self._tenants.values() if model in e.declared), None)\n"
+             "        if entry is None or model not in entry.declared:\n"),
+        tests=f"{T_SERVE}::test_another_tenants_adapter_is_refused_exactly_like_a_name_that_exists_nowhere",
+    ),
+    mutant(
+        "prefix-key-without-adapter",
+        "the prefix-cache namespace includes the adapter: no KV is shared across adapters or the base",
+        edit("kvcache/page_table.py",
+             "        return Namespace(self.tenant, adapter=self.adapter, salt=self.salt)",
+             "        return Namespace(self.tenant, salt=self.salt)"),
+        tests=f"{T_SERVE}::test_adapters_and_the_base_never_share_cached_prefix_pages",
+    ),
+)
