@@ -33,6 +33,7 @@ from kvcache.native_build import load_once
 from service.model.quant import GROUP, Int4Codes
 
 _SOURCE = Path(__file__).with_name("q4_gemv.c")
+PANEL = 16  # output rows per panel of the panel layout (PANEL in q4_gemv.c)
 _lock = threading.Lock()
 _loaded: dict[str, Q4Kernel | None] = {}
 
@@ -94,6 +95,9 @@ class Q4Kernel:
         # unit (AMX-BF16 CPUs): x and the weights are rounded to bf16 there, float32 sums.
         self.amx = bool(lib.kvf_amx())
         self.amx_min_rows = int(lib.kvf_amx_min_rows())
+        # Weights in the panel layout (:func:`service.model.invariance.to_panels`) run on
+        # AVX512-VNNI here; elsewhere on plain C loops (the same bits, far slower).
+        self.panel_simd = bool(lib.kvf_panel_simd())
         self.scratch_threads = lib.kvf_q4_scratch_threads  # threads holding scratch (tests)
         self.scratch_threads.restype = ctypes.c_int64
 
@@ -104,6 +108,7 @@ class Q4Kernel:
         q8: bool = False,
         *,
         tiles: bool = False,
+        panels: bool = False,
         gated: bool = False,
         gamma: torch.Tensor | None = None,
         eps: float = 0.0,
@@ -119,7 +124,9 @@ class Q4Kernel:
         With ``into`` ``[M, N]`` float32 the product is added to it (a residual add) and
         ``into`` returned; with ``rope`` the first heads of each output row are rotated
         by ``table`` (:class:`Rope`). With ``tiles`` a batch of :attr:`amx_min_rows` or more
-        rows may run on the tile unit (:attr:`amx`), in the dense bf16 matmul's arithmetic."""
+        rows may run on the tile unit (:attr:`amx`), in the dense bf16 matmul's arithmetic.
+        With ``panels`` ``blocks`` are in the panel layout
+        (:func:`service.model.invariance.to_panels`, N a multiple of 16)."""
         m, width = x.shape
         k = width // 2 if gated else width
         n, row_bytes_ = blocks.shape
@@ -132,7 +139,8 @@ class Q4Kernel:
             or (gated and width % 2 != 0)
             or not GROUP <= k <= self.max_k
             or k % GROUP != 0
-            or row_bytes_ != row_bytes(k, q8)
+            or row_bytes_ != (panel_row_bytes(k, q8) if panels else row_bytes(k, q8))
+            or (panels and n % PANEL != 0)
             or (gamma is not None and (gamma.dtype != torch.float32 or gamma.shape != (k,)))
             or (
                 into is not None
@@ -150,7 +158,8 @@ class Q4Kernel:
         norm = 0 if gamma is None else gamma.data_ptr()
         heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
         status = self.fn(
-            x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), flags(q8, tiles), int(gated),
+            x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), flags(q8, tiles, panels),
+            int(gated),
             norm, eps, int(into is not None), _pointer(table if rope else None), heads, dim,
         )
         if status != 0:
@@ -249,10 +258,11 @@ def _padded(scales: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(scales, (0, pad)) if pad else scales
 
 
-def flags(q8: bool, tiles: bool) -> int:
+def flags(q8: bool, tiles: bool, panels: bool = False) -> int:
     """A weight's q8 argument to the kernel: bit 0 for 8-bit blocks, bit 1 (KVF_TILES in
-    q4_gemv.c) to let batches run on the tile unit."""
-    return int(q8) | (2 if tiles else 0)
+    q4_gemv.c) to let batches run on the tile unit, bit 2 (KVF_PANELS) for 4-bit blocks in
+    the panel layout."""
+    return int(q8) | (2 if tiles else 0) | (4 if panels else 0)
 
 
 def row_bytes(k: int, q8: bool) -> int:
@@ -260,6 +270,11 @@ def row_bytes(k: int, q8: bool) -> int:
     groups = k // GROUP
     padded = groups + (-groups % 8)
     return groups * 32 + 2 * padded if q8 else groups * 16 + 4 * padded
+
+
+def panel_row_bytes(k: int, q8: bool) -> int:
+    """Bytes per output row of the panel layout (:func:`service.model.invariance.to_panels`)."""
+    return k // GROUP * (36 if q8 else 20)
 
 
 def to_blocks(w: Int4Codes) -> torch.Tensor:
@@ -311,6 +326,8 @@ class Q4Linear:
     # Batches of kernel.amx_min_rows or more may run on the tile unit (bf16 arithmetic):
     # set where the model's larger batches run dense bf16 weights anyway.
     tiles: bool = False
+    # blocks in the panel layout (service.model.invariance.to_panels): batch-invariant steps
+    panels: bool = False
     # (C function, blocks pointer, k, flags) for the per-call fast path, set in __post_init__
     _fast: tuple[Any, int, int, int] = field(init=False, repr=False, compare=False)
 
@@ -323,14 +340,14 @@ class Q4Linear:
 
     def __post_init__(self) -> None:
         # The blocks are checked once here, so a call checks only its input (below).
-        self.kernel.matmul(torch.zeros(1, self.k), self.blocks, self.q8)
+        self.kernel.matmul(torch.zeros(1, self.k), self.blocks, self.q8, panels=self.panels)
         fast = (self.kernel.fn, self.blocks.data_ptr(), self.k, self.flags)
         object.__setattr__(self, "_fast", fast)
 
     @property
     def flags(self) -> int:
         """This weight's q8 argument to the kernel (:func:`flags`)."""
-        return flags(self.q8, self.tiles)
+        return flags(self.q8, self.tiles, self.panels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.repeat > 1:
@@ -379,8 +396,8 @@ class Q4Linear:
                 raise ValueError("the 4-bit GEMV kernel refused its shapes")
             return out
         return self.kernel.matmul(
-            x, self.blocks, self.q8, tiles=self.tiles, gated=gated, gamma=gamma, eps=eps, into=into, rope=rope,
-            table=table,
+            x, self.blocks, self.q8, tiles=self.tiles, panels=self.panels, gated=gated,
+            gamma=gamma, eps=eps, into=into, rope=rope, table=table,
         )
 
     @property

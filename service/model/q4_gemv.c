@@ -34,6 +34,8 @@
 #define BLOCK 32
 /* In a weight's q8 argument: bit 0 says 8-bit blocks; KVF_TILES allows the tile path. */
 #define KVF_TILES 2
+/* In a weight's q8 argument: the weights are in the panel layout (q4_panels below). */
+#define KVF_PANELS 4
 /* Rows (a step's tokens) in one call: the per-row work is the same at any count (the
  * scratch is on the heap), so a batch-invariant step sends all its tokens in one call; the
  * packs' max_rows picks how many a batch-variant step sends here. */
@@ -193,7 +195,8 @@ static inline void block_to_int16(const float *xp, float inv, int16_t *qp) {
  * makes ~120 calls; malloc and free each time cost more than the smallest GEMVs) and freed
  * when its thread exits (a pthread key's destructor). The row loops' weight-scale tables
  * live here rather than on the OpenMP workers' stacks. */
-enum { SCRATCH_PREPARE, SCRATCH_STEPS, SCRATCH_AMX, SCRATCH_SLOTS };
+enum { SCRATCH_PREPARE, SCRATCH_STEPS, SCRATCH_AMX, SCRATCH_PANEL, SCRATCH_PANEL_CODES,
+       SCRATCH_SLOTS };
 /* One worker's tables of weight scale times x step: rows_q4/rows_q8 use 4 x MAX_GROUPS, tile
  * 2 x TILE x MAX_GROUPS floats (TILE is 4). */
 #define STEP_FLOATS (8 * MAX_GROUPS)
@@ -744,6 +747,336 @@ static int amx_gemv(const float *x, int rows, int k, const uint8_t *w, int n_tot
 }
 #endif
 
+/* ---- Panels: the batch-invariant layout and its kernels ----
+ * Weights packed for batch-invariant steps (KVF_PANELS in a weight's q8 argument): output
+ * rows in panels of PANEL, and each panel's block g as panel_bytes(q8) bytes at
+ * w + ((size_t)panel * G + g) * panel_bytes(q8):
+ *   4-bit: 256 bytes of codes [i 0..3][n 0..15][j 0..3]: the low nibble is q of element
+ *       4i + j of output n, the high nibble element 16 + 4i + j (ggml's byte 4i + j);
+ *   8-bit (q8): 512 bytes of int8 codes [i 0..7][n 0..15][j 0..3], element 4i + j;
+ *   then 16 fp16 scales d, then 16 fp16 minimums m (output n at n; 0 for 8-bit blocks, so
+ *   their mac only carries a NaN or inf of x, as float math would).
+ * A row's output n is defined as (x's int16 blocks q_g, steps s_g and float sums t_g as
+ * prepare() makes them, one row at a time):
+ *   S_g = sum_e code_e * q_g[e]             exact int32; (float)S_g below is exact for
+ *                                           4-bit codes (|S_g| < 2^24), rounded for 8-bit
+ *   acc = fmaf((float)S_g, d_g * s_g, acc)  for g = 0 .. G-1, from 0
+ *   mac = fmaf(m_g, t_g, mac)               for g = 0 .. G-1, from 0
+ *   out = acc + mac                         (out + that, for a residual add)
+ * Every path below (plain C; AVX512-VNNI, one row or four) computes exactly this: integer
+ * sums are exact in any order and the float steps are one chain per output in block
+ * order, so a row's output is the same bits in a batch of any size, at any place in it.
+ * NOTE: why not the int16 GEMV's arithmetic: it keeps 8 float partial sums per block (one
+ * per vpmaddwd lane), so a batch kernel reproducing it does 8 conversions and FMAs per
+ * (row, output, block) on top of the integer products; with one exact integer per block
+ * the float work is one FMA per (row, output, block), 16 outputs a vector. */
+#define PANEL 16
+
+static inline size_t panel_bytes(int q8) { return q8 ? 576 : 320; }
+
+/* Output rows n0 .. n0 + PANEL - 1 (the panel at ``panel``) for rows r_begin .. r_end - 1
+ * of x, in plain C. */
+static __attribute__((unused)) void panel_plain(const prepared_x *p, int r_begin, int r_end,
+                                                int k, int groups, const uint8_t *panel,
+                                                float *out, int n0, int n_total, int q8) {
+    const size_t step_bytes = panel_bytes(q8), d_at = q8 ? 512 : 256;
+    const int padded = (groups + 7) & ~7;
+    for (int r = r_begin; r < r_end; ++r) {
+        const int16_t *q = p->q + (size_t)r * k;
+        const float *xs = p->scale + (size_t)r * padded, *xsum = p->sum + (size_t)r * padded;
+        float acc[PANEL], mac[PANEL];
+        for (int n = 0; n < PANEL; ++n) acc[n] = mac[n] = 0.0f;
+        for (int g = 0; g < groups; ++g) {
+            const uint8_t *b = panel + (size_t)g * step_bytes;
+            const int16_t *qg = q + (size_t)g * BLOCK;
+            for (int n = 0; n < PANEL; ++n) {
+                int32_t s = 0;
+                for (int i = 0; i < (q8 ? 8 : 4); ++i)
+                    for (int j = 0; j < 4; ++j) {
+                        const int c = b[64 * i + 4 * n + j];
+                        if (q8) s += (int8_t)c * qg[4 * i + j];
+                        else s += (c & 15) * qg[4 * i + j] + (c >> 4) * qg[16 + 4 * i + j];
+                    }
+                const float step = half_at(b + d_at + 2 * n) * xs[g];
+                acc[n] = fmaf((float)s, step, acc[n]);
+                mac[n] = fmaf(half_at(b + d_at + 32 + 2 * n), xsum[g], mac[n]);
+            }
+        }
+        for (int n = 0; n < PANEL; ++n) store(p, out + (size_t)r * n_total + n0 + n, acc[n] + mac[n]);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVF_PANEL_SIMD 1
+
+/* x's int16 blocks as bytes for the byte dot products: q = 256 * hi + lo, hi signed, lo
+ * unsigned; hi at xb, lo at xb + plane, each plane [rows, k] and then zeros to ``plane``
+ * bytes (the tile unit reads whole tiles of 16 rows); then each block's sum of hi as int32
+ * [rows, groups] (vpdpbusd multiplies unsigned by signed bytes: 8-bit codes c take
+ * (c + 128) . hi - 128 * sum(hi)). */
+static void panel_split(const prepared_x *p, int rows, int k, uint8_t *xb, size_t plane) {
+    const size_t total = (size_t)rows * k;
+    int32_t *hsum = (int32_t *)(xb + 2 * plane);
+    for (size_t e = 0; e < total; ++e) {
+        const int q = p->q[e];
+        xb[plane + e] = (uint8_t)(q & 0xff);
+        xb[e] = (uint8_t)(int8_t)((q - (q & 0xff)) / 256);
+    }
+    for (size_t b = 0; b < total / BLOCK; ++b) {
+        int32_t h = 0;
+        for (int j = 0; j < BLOCK; ++j) h += (int8_t)xb[b * BLOCK + j];
+        hsum[b] = h;
+    }
+    memset(xb + total, 0, plane - total);
+    memset(xb + plane + total, 0, plane - total);
+}
+
+static inline __m512i bytes4(const uint8_t *at) {
+    int32_t v;
+    memcpy(&v, at, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* R (1-4) rows from r0 against one panel, 16 outputs a vector: each block's codes are
+ * unpacked once for the R rows, and S_g = 256 * (codes . hi) + (codes . lo) by vpdpbusd
+ * (unsigned times signed bytes: codes times hi, lo times codes), exact. */
+static inline __attribute__((always_inline)) void panel_simd_rows(
+    const prepared_x *p, const uint8_t *xb, size_t plane, int r0, const int R, int k, int groups,
+    const uint8_t *panel, float *out, int n0, int n_total, const int q8) {
+    const int padded = (groups + 7) & ~7;
+    const size_t lo_at = plane, step_bytes = panel_bytes(q8), d_at = q8 ? 512 : 256;
+    const int32_t *hsum = (const int32_t *)(xb + 2 * plane);
+    const __m512i nibble = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4], mac[4];
+    for (int r = 0; r < R; ++r) acc[r] = mac[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        const uint8_t *b = panel + (size_t)g * step_bytes;
+        /* 4-bit: wl[i] elements 4i .. 4i + 3 of each output, wh[i] 16 + 4i ..; 8-bit:
+         * wl[i] elements 4i .. as signed bytes, wh[i] the same plus 128 (unsigned) */
+        __m512i wl[8], wh[8];
+        for (int i = 0; i < (q8 ? 8 : 4); ++i) {
+            const __m512i c = _mm512_loadu_si512((const void *)(b + 64 * i));
+            if (q8) {
+                wl[i] = c;
+                wh[i] = _mm512_xor_si512(c, bias);
+            } else {
+                wl[i] = _mm512_and_si512(c, nibble);
+                wh[i] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at + 32)));
+        for (int r = 0; r < R; ++r) {
+            const size_t at = (size_t)(r0 + r) * k + (size_t)g * BLOCK;
+            const uint8_t *hi = xb + at, *lo = xb + lo_at + at;
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            if (q8) {
+                for (int i = 0; i < 8; i += 2) {
+                    h0 = _mm512_dpbusd_epi32(h0, wh[i], bytes4(hi + 4 * i));
+                    h1 = _mm512_dpbusd_epi32(h1, wh[i + 1], bytes4(hi + 4 * i + 4));
+                    l0 = _mm512_dpbusd_epi32(l0, bytes4(lo + 4 * i), wl[i]);
+                    l1 = _mm512_dpbusd_epi32(l1, bytes4(lo + 4 * i + 4), wl[i + 1]);
+                }
+                const int32_t bias_sum = 128 * hsum[(size_t)(r0 + r) * groups + g];
+                h0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(bias_sum));
+            } else for (int i = 0; i < 4; i += 2) {
+                h0 = _mm512_dpbusd_epi32(h0, wl[i], bytes4(hi + 4 * i));
+                h1 = _mm512_dpbusd_epi32(h1, wh[i], bytes4(hi + 16 + 4 * i));
+                h0 = _mm512_dpbusd_epi32(h0, wl[i + 1], bytes4(hi + 4 * i + 4));
+                h1 = _mm512_dpbusd_epi32(h1, wh[i + 1], bytes4(hi + 20 + 4 * i));
+                l0 = _mm512_dpbusd_epi32(l0, bytes4(lo + 4 * i), wl[i]);
+                l1 = _mm512_dpbusd_epi32(l1, bytes4(lo + 16 + 4 * i), wh[i]);
+                l0 = _mm512_dpbusd_epi32(l0, bytes4(lo + 4 * i + 4), wl[i + 1]);
+                l1 = _mm512_dpbusd_epi32(l1, bytes4(lo + 20 + 4 * i), wh[i + 1]);
+            }
+            const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8),
+                                               _mm512_add_epi32(l0, l1));
+            const float *xs = p->scale + (size_t)(r0 + r) * padded;
+            const float *xsum = p->sum + (size_t)(r0 + r) * padded;
+            const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(xs[g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), step, acc[r]);
+            mac[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), mac[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float *dst = out + (size_t)(r0 + r) * n_total + n0;
+        __m512 v = _mm512_add_ps(acc[r], mac[r]);
+        if (p->accumulate) v = _mm512_add_ps(_mm512_loadu_ps(dst), v);
+        _mm512_storeu_ps(dst, v);
+    }
+}
+#endif
+
+#if defined(KVF_PANEL_SIMD) && defined(KVF_AMX) && defined(__AMX_INT8__)
+/* Batches of PANEL_AMX_MIN_ROWS or more on the tile unit: per 16 rows of x, a panel and a
+ * block, S_g of the 16 x 16 (row, output) pairs as two int8 tile products (codes times hi
+ * bytes, lo bytes times codes), exact in int32, then the same float steps as
+ * panel_simd_rows, row by row. Tiles: 0 and 1 x's hi and lo bytes of the block (16 rows x
+ * 32), 2 the panel's codes of the block (8 x 64: row i holds elements 4i .. 4i + 3 of each
+ * output), 3 and 4 the int32 sums. */
+#define KVF_PANEL_AMX 1
+#define PANEL_AMX_MIN_ROWS 16
+
+static void panel_amx_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; ++t) {
+        c.rows[t] = t == 2 ? 8 : 16;
+        c.colsb[t] = t < 2 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* A 4-bit panel's codes as bytes in the tile layout, 512 bytes a block, at wb (8-bit
+ * panels hold them so already). */
+static void panel_unpack(const uint8_t *panel, int groups, uint8_t *wb) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < groups; ++g)
+        for (int i = 0; i < 4; ++i) {
+            const __m512i c = _mm512_loadu_si512((const void *)(panel + (size_t)g * 320 + 64 * i));
+            _mm512_storeu_si512((void *)(wb + (size_t)g * 512 + 64 * i), _mm512_and_si512(c, nibble));
+            _mm512_storeu_si512((void *)(wb + (size_t)g * 512 + 256 + 64 * i),
+                                _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble));
+        }
+}
+
+/* Rows r0 .. r0 + live - 1 (live <= 16; xb's planes hold whole tiles) against one panel,
+ * its codes in the tile layout at codes, block g at codes + g * stride. */
+static void panel_amx_rows(const prepared_x *p, const uint8_t *xb, size_t plane, int r0, int live,
+                           int k, int groups, const uint8_t *panel, const uint8_t *codes,
+                           size_t stride, float *out, int n0, int n_total, int q8) {
+    const size_t step_bytes = panel_bytes(q8), d_at = q8 ? 512 : 256;
+    const int padded = (groups + 7) & ~7;
+    _Alignas(64) int32_t sums[2][2][16 * 16]; /* [block parity][hi, lo][row x output] */
+    __m512 acc[16], mac[16];
+    for (int r = 0; r < live; ++r) acc[r] = mac[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        int32_t (*s)[16 * 16] = sums[g & 1];
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_loadd(0, xb + (size_t)r0 * k + (size_t)g * BLOCK, k);
+        _tile_loadd(1, xb + plane + (size_t)r0 * k + (size_t)g * BLOCK, k);
+        _tile_loadd(2, codes + (size_t)g * stride, 64);
+        _tile_dpbssd(3, 0, 2);
+        _tile_dpbusd(4, 1, 2);
+        _tile_stored(3, s[0], 64);
+        _tile_stored(4, s[1], 64);
+        const uint8_t *b = panel + (size_t)g * step_bytes;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at + 32)));
+        for (int r = 0; r < live; ++r) {
+            const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(s[0] + 16 * r), 8),
+                                               _mm512_load_si512(s[1] + 16 * r));
+            const float *xs = p->scale + (size_t)(r0 + r) * padded;
+            const float *xsum = p->sum + (size_t)(r0 + r) * padded;
+            const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(xs[g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), step, acc[r]);
+            mac[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), mac[r]);
+        }
+    }
+    for (int r = 0; r < live; ++r) {
+        float *dst = out + (size_t)(r0 + r) * n_total + n0;
+        __m512 v = _mm512_add_ps(acc[r], mac[r]);
+        if (p->accumulate) v = _mm512_add_ps(_mm512_loadu_ps(dst), v);
+        _mm512_storeu_ps(dst, v);
+    }
+}
+#endif
+
+/* Whether the panel layout runs on SIMD here (else on panel_plain: the same bits, slowly). */
+int kvf_panel_simd(void) {
+#ifdef KVF_PANEL_SIMD
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether batches of the panel layout run on the tile unit here (the same bits). */
+int kvf_panel_amx(void) {
+#ifdef KVF_PANEL_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+#ifdef KVF_PANEL_SIMD
+/* Rows r0 .. rows - 1 against one panel on AVX512-VNNI, four at a time. */
+#define PANEL_ROWS(R, Q8) \
+    panel_simd_rows(p, xb, plane, r, R, k, groups, panel, out, n0, n_total, Q8)
+static void panel_simd_all(const prepared_x *p, const uint8_t *xb, size_t plane, int r0, int rows,
+                           int k, int groups, const uint8_t *panel, float *out, int n0, int n_total,
+                           int q8) {
+    int r = r0;
+    for (; r + 4 <= rows; r += 4) {
+        if (q8) PANEL_ROWS(4, 1);
+        else PANEL_ROWS(4, 0);
+    }
+    switch ((rows - r) * 2 + q8) {
+    case 7: PANEL_ROWS(3, 1); break;
+    case 6: PANEL_ROWS(3, 0); break;
+    case 5: PANEL_ROWS(2, 1); break;
+    case 4: PANEL_ROWS(2, 0); break;
+    case 3: PANEL_ROWS(1, 1); break;
+    case 2: PANEL_ROWS(1, 0); break;
+    default: break;
+    }
+}
+#undef PANEL_ROWS
+#endif
+
+/* out [rows, n_total] (= or += with p->accumulate) for weights w in the panel layout.
+ * Returns 0, or -1 without scratch memory (nothing written). */
+static int panel_gemv(const prepared_x *p, int rows, int k, const uint8_t *w, int n_total,
+                      float *out, int q8) {
+    const int groups = k / BLOCK, panels = n_total / PANEL;
+    const size_t bytes = panel_bytes(q8);
+#ifdef KVF_PANEL_SIMD
+    const size_t plane = (size_t)((rows + 15) & ~15) * k;
+    uint8_t *xb = (uint8_t *)thread_buffer(SCRATCH_PANEL,
+                                           2 * plane + sizeof(int32_t) * (size_t)rows * groups);
+    if (xb == NULL) return -1;
+    panel_split(p, rows, k, xb, plane);
+#endif
+#ifdef KVF_PANEL_AMX
+    if (rows >= PANEL_AMX_MIN_ROWS && amx_permitted()) {
+        int no_memory = 0;
+#pragma omp parallel if ((size_t)n_total * groups >= 2048) reduction(| : no_memory)
+        {
+            uint8_t *wb = q8 ? NULL
+                             : (uint8_t *)thread_buffer(SCRATCH_PANEL_CODES, (size_t)groups * 512);
+            no_memory = !q8 && wb == NULL;
+            panel_amx_configure();
+#pragma omp for schedule(static)
+            for (int q = 0; q < panels; ++q) {
+                if (no_memory) continue;
+                const uint8_t *panel = w + (size_t)q * groups * bytes;
+                if (!q8) panel_unpack(panel, groups, wb);
+                for (int r0 = 0; r0 < rows; r0 += 16)
+                    panel_amx_rows(p, xb, plane, r0, rows - r0 < 16 ? rows - r0 : 16, k, groups,
+                                   panel, q8 ? panel : wb, q8 ? bytes : 512, out, q * PANEL,
+                                   n_total, q8);
+            }
+            _tile_release();
+        }
+        return no_memory ? -1 : 0;
+    }
+#endif
+#pragma omp parallel for schedule(static) if ((size_t)n_total * groups >= 2048)
+    for (int q = 0; q < panels; ++q) {
+        const uint8_t *panel = w + (size_t)q * groups * bytes;
+#ifdef KVF_PANEL_SIMD
+        panel_simd_all(p, xb, plane, 0, rows, k, groups, panel, out, q * PANEL, n_total, q8);
+#else
+        panel_plain(p, 0, rows, k, groups, panel, out, q * PANEL, n_total, q8);
+#endif
+    }
+    return 0;
+}
+/* ---- end of the panels ---- */
+
 /* Whether batches can take the tile path (built for and allowed on this CPU). */
 int kvf_amx(void) {
 #ifdef KVF_AMX
@@ -807,11 +1140,20 @@ int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, flo
     if (rope != NULL && (accumulate || rope_heads < 1 || rope_dim < 2 || rope_dim % 2 != 0 ||
                          (int64_t)rope_heads * rope_dim > n_total))
         return -1;
-    const int may_tile = (q8 & KVF_TILES) != 0;
+    const int may_tile = (q8 & KVF_TILES) != 0, panels = (q8 & KVF_PANELS) != 0;
     q8 &= 1;
+    if (panels && n_total % PANEL != 0) return -1;
     const int groups = k / BLOCK;
     const size_t padded = (size_t)((groups + 7) & ~7);
     const size_t row_bytes = q8 ? (size_t)groups * 32 + 2 * padded : (size_t)groups * 16 + 4 * padded;
+    if (panels) {
+        prepared_x p;
+        if (prepare(x, rows, k, gated, gamma, eps, &p) != 0) return -1;
+        p.accumulate = accumulate;
+        if (panel_gemv(&p, rows, k, w, n_total, out, q8) != 0) return -1;
+        if (rope != NULL) rope_rows(out, rows, n_total, rope_heads, rope_dim, rope);
+        return 0;
+    }
 #ifdef KVF_AMX
     if (may_tile && amx_gemv(x, rows, k, w, n_total, out, q8, gated, gamma, eps, accumulate, row_bytes) == 0) {
         if (rope != NULL) rope_rows(out, rows, n_total, rope_heads, rope_dim, rope);

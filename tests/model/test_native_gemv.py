@@ -672,6 +672,10 @@ def test_the_invariant_model_has_one_kernel_for_every_batch_size(
     assert m.packed is not None and m._stack is not None
     packs = [*m.packed.qkv, *m.packed.o, *m.packed.gate_up, *m.packed.down, m.packed.lm_head]
     assert all(isinstance(p, native_gemv.Q4Linear) and not p.tiles for p in packs)
+    # where the kernel runs the panel layout on SIMD, every projection and the head (their
+    # rows fill panels of 16) are on it: one exact integer a block, the fast batches
+    kernel = packs[0].kernel
+    assert all(p.panels == kernel.panel_simd for p in packs)
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(130, m.config.hidden_size, generator=gen)
     for lin in (m.packed.qkv[0], m.packed.lm_head):

@@ -206,6 +206,14 @@ MUTANTS = (
         tests="tests/model/test_native_gemv.py::test_the_invariant_model_has_one_kernel_for_every_batch_size",
     ),
     mutant(
+        "batch-invariant-panel-unfused-combine",
+        "the panel GEMV's few-row loop rounds each block's step like its tile-unit batches (one FMA)",
+        edit("service/model/q4_gemv.c",
+             "            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), step, acc[r]);",
+             "            acc[r] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), step), acc[r]);"),
+        tests="tests/model/test_native_gemv_panels.py",
+    ),
+    mutant(
         "batch-invariant-prefill-through-sdpa",
         "a batch-invariant step's prefill tokens attend as decode-kernel rows, never through SDPA",
         edit("kvcache/backends/torch_backend.py",
