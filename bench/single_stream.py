@@ -8,7 +8,10 @@ clients are, and once more in the server's process, where its per-token Python s
 server's interpreter lock), both again with ``--compile on`` (each start
 compiles; inductor's cache makes all but the first quick, and start-up is not in the
 figures), llama.cpp with one sequence, and transformers ``generate()`` (dense weights in
-kvfence's dtype). The targets are reported for the default and for ``--compile on``. TTFT is request start to the first token;
+kvfence's dtype). The targets are reported for the default and for ``--compile on``. The
+second pullable model (gemma-3-270m, Q4_K_M) runs too, over gRPC and in llama.cpp on the same
+GGUF file, back to back like the default model's pair (random prompts from its own
+vocabulary); its decode ratio to llama.cpp is reported, judged by no target. TTFT is request start to the first token;
 decode tok/s is (tokens - 1) over the time from the first token to the last. Runs are
 interleaved (run r of every system, then run r + 1) so machine load drifts hit all alike,
 and within a run the systems the targets pair (in process, gRPC, llama.cpp) go back to back,
@@ -63,6 +66,8 @@ def reps(quick: bool) -> int:
 GRPC, INPROC, LLAMA = "kvfence gRPC (auto)", "kvfence in-process (auto)", "llama.cpp n_seq=1"
 GRPC_SAME = "kvfence gRPC (auto), client in the server's process"
 GRPC_C, INPROC_C = "kvfence gRPC (auto, --compile on)", "kvfence in-process (auto, --compile on)"
+SECOND = "gemma-3-270m"  # the second pullable model (service.model.catalog)
+GRPC_2, LLAMA_2 = f"kvfence gRPC (auto), {SECOND}", f"llama.cpp n_seq=1, {SECOND}"
 NO_COMPILE = "it needs bf16 compute, and kvfence's dtype on this CPU is "
 
 
@@ -176,8 +181,10 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         started_engine,
     )
     from service.model import load_model
+    from service.model.catalog import ensure_model
 
     path = default_model_file()
+    second_path = ensure_model(SECOND)
     vocab = gguf_vocab_size(path)
     tokens = 32 if quick else 128
     runs = 3
@@ -185,11 +192,17 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         random_work(100 + r, reps(quick), (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
         for r in range(runs + 1)
     ]  # work[0] warms every system up
+    second_vocab = gguf_vocab_size(second_path)
+    second_work = [
+        random_work(300 + r, reps(quick), (PROMPT_TOKENS,) * 2, (tokens,) * 2, second_vocab)
+        for r in range(runs + 1)
+    ]
     sizing = Sizing(
         max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512, kv_bytes=64 << 20
     )
     auto = load_model(str(path), weights="auto", progress=False)
     dense = load_model(str(path), weights="bf16", progress=False)
+    second = load_model(str(second_path), weights="auto", progress=False)
     dtype = str(auto.dtype).removeprefix("torch.")
     samples: dict[str, list[Sample]] = {}
 
@@ -200,9 +213,11 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
             _, traces = await run_engine(engine, ws, bypass_prefix_cache=True, max_concurrency=1)
         return _trace_sample(traces, ws)
 
-    async def grpc(ws: Sequence[Work], size: Sizing = sizing, same_process: bool = False) -> Sample:
+    async def grpc(
+        ws: Sequence[Work], size: Sizing = sizing, same_process: bool = False, loaded: Any = auto
+    ) -> Sample:
         client = run_grpc if same_process else run_grpc_elsewhere
-        async with grpc_server(auto, ["bench"], size) as (target, keys, _):
+        async with grpc_server(loaded, ["bench"], size) as (target, keys, _):
             _, traces = await client(
                 target, keys, ws, ["bench"], bypass_prefix_cache=True, max_concurrency=1
             )
@@ -217,6 +232,8 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         GRPC_C: lambda ws: grpc(ws, compiled),
         LLAMA: _llama_system(path, threads),
         "transformers generate": _hf_system(path, auto.dense_weights_dtype),
+        GRPC_2: lambda ws: grpc(ws, loaded=second),
+        LLAMA_2: _llama_system(second_path, threads),
     }
     if auto.dtype != torch.bfloat16:
         # --compile on refuses to start without bf16 compute (service.engine.compiled).
@@ -224,7 +241,7 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
         del systems[INPROC_C], systems[GRPC_C]
     for r, ws in enumerate(work):
         for name in run_order(list(systems), r):
-            result = systems[name](ws)
+            result = systems[name](second_work[r] if name in (GRPC_2, LLAMA_2) else ws)
             got = await result if asyncio.iscoroutine(result) else result
             if r > 0:
                 samples.setdefault(name, []).append(got)
@@ -239,10 +256,18 @@ async def _measure(quick: bool, threads: int) -> tuple[dict[str, list[Sample]], 
 def run_order(names: Sequence[str], r: int) -> list[str]:
     """Run ``r``'s order: the three systems the targets pair (in process, gRPC, llama.cpp)
     back to back with gRPC in the middle, reversed on even runs so a steady drift of the
-    machine's speed favours neither side of a ratio across the runs; then the others."""
+    machine's speed favours neither side of a ratio across the runs; then the second
+    model's pair (gRPC, llama.cpp) the same way; then the others."""
     core = [n for n in (INPROC, GRPC, LLAMA) if n in names]
-    paired = core if r % 2 == 1 else core[::-1]
-    return [*paired, *(n for n in names if n not in core)]
+    pair = [n for n in (GRPC_2, LLAMA_2) if n in names]
+    if r % 2 == 0:
+        core, pair = core[::-1], pair[::-1]
+    return [*core, *pair, *(n for n in names if n not in core and n not in pair)]
+
+
+def ratios(num: Sequence[Sample], den: Sequence[Sample]) -> list[float]:
+    """Run by run, ``num``'s decode rate over ``den``'s."""
+    return [a.decode_tok_s / b.decode_tok_s for a, b in zip(num, den, strict=True)]
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -263,14 +288,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         if g_name not in samples:
             continue
         grpc, inproc = samples[g_name], samples[i_name]
-        vs_llama = [g.decode_tok_s / ll.decode_tok_s for g, ll in zip(grpc, llama, strict=True)]
-        overhead = [i.decode_tok_s / g.decode_tok_s for g, i in zip(grpc, inproc, strict=True)]
+        vs_llama = ratios(grpc, llama)
+        overhead = ratios(inproc, grpc)
         targets += [
             Target(f"single-stream gRPC{label} decode vs llama.cpp tg128 (worst run)",
                    min(vs_llama), 1.0),
             Target(f"gRPC{label} per-token time / in-process (worst run)", max(overhead), 1.15,
                    higher_is_better=False),
         ]
+    second = spread(ratios(samples[GRPC_2], samples[LLAMA_2]))
     names = list(figures)
     plot = bar_plot(
         out,
@@ -292,6 +318,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             md_table(("system", "TTFT ms", "decode tok/s"), rows),
             *([] if GRPC_C in samples else [f"`--compile on` rows not run: {NO_COMPILE}{dtype}."]),
             targets_table(targets),
+            f"{SECOND} (Q4_K_M), the same GGUF file in both: kvfence gRPC decode / llama.cpp "
+            f"tg (no target): {fmt(second)}.",
             f"![decode]({plot})",
         ]
     )
@@ -302,6 +330,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "dtype": dtype,
         "systems": figures,
         "targets": targets,
+        "second_model": {"model": SECOND, "grpc_decode_vs_llama_cpp": second},
     }
     write_suite(out, SUITE, data, md)
     return data

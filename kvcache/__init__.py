@@ -5,7 +5,8 @@ quotas, scrubbing, attention metadata and the paged-attention backends. No gRPC,
 
 Modules (one noun each):
 - ``attention``: the AttentionFn protocol the model calls; LayerAttention, a layer's
-  attention facts (its sliding window) that the pool holds and every backend honours.
+  attention facts (its sliding window, its logit softcap) that the pool holds and every
+  backend honours.
 - ``dense``: contiguous single-sequence reference attention (test oracle).
 - ``config``: CacheConfig, TenantCachePolicy.
 - ``errors``: KVCacheError and its typed subclasses (raised only on bugs).

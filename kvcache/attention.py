@@ -7,6 +7,7 @@ sequence's own pages and returns the attention output. Only ``kvcache`` implemen
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +19,8 @@ class AttentionFn(Protocol):
 
     ``q``: ``[T, num_q_heads, head_dim]``; ``k``, ``v``: ``[T, num_kv_heads, head_dim]``.
     Returns ``[T, num_q_heads, head_dim]`` in ``q``'s dtype, softmax scale ``head_dim**-0.5``,
-    causal within each sequence (within the layer's window, :class:`LayerAttention`).
+    causal within each sequence (within the layer's window, scores softcapped where the
+    layer says so: :class:`LayerAttention`).
     Implementations store k/v for later steps.
     """
 
@@ -33,13 +35,18 @@ class LayerAttention:
     page pool holds one per layer) and honoured by every backend.
 
     ``window`` > 0: a query at position p attends to keys ``p - window + 1 .. p`` only (a
-    sliding window, the query's own key included); 0 attends to every earlier key."""
+    sliding window, the query's own key included); 0 attends to every earlier key.
+    ``softcap`` > 0: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before
+    the softmax (Gemma 2's attention-logit softcapping); 0 leaves scores as they are."""
 
     window: int = 0
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if not math.isfinite(self.softcap) or self.softcap < 0:
+            raise ValueError(f"softcap must be finite and >= 0, got {self.softcap}")
 
 
 @dataclass(frozen=True, slots=True)

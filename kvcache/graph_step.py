@@ -65,6 +65,9 @@ class GraphDecodeAttention:
             # The static kernels read every key of a sequence; a windowed layer would not
             # be honoured, so a windowed pool runs eager steps only.
             raise ValueError("a captured decode step cannot serve a pool with sliding windows")
+        if pool.softcaps:
+            # The static kernels take no softcap either: a softcapped pool runs eager steps.
+            raise ValueError("a captured decode step cannot serve a pool with logit softcaps")
         self._pool = pool
         self._kernel = kernel
         self.batch_size = kernel.batch_size

@@ -244,7 +244,9 @@ class KVCacheManager:
             spans.append(span)
         attn = None
         if spans:
-            metadata = build_metadata(spans, self.page_size, self.pool.device, self.pool.windows)
+            metadata = build_metadata(
+                spans, self.page_size, self.pool.device, self.pool.windows, self.pool.softcaps
+            )
             attn = StepAttention(metadata, self.pool, self._backend.prepare(metadata))
         return StepPlan(tuple(passed), attn, tuple(refused))
 

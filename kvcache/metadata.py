@@ -48,6 +48,8 @@ class AttentionMetadata:
     page_ids: tuple[tuple[int, ...], ...]
     # Each layer's window (kvcache.attention.LayerAttention); empty: no layer has one.
     windows: tuple[int, ...] = ()
+    # Each layer's logit softcap (LayerAttention.softcap); empty: no layer has one.
+    softcaps: tuple[float, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +72,10 @@ def build_metadata(
     page_size: int,
     device: torch.device,
     windows: tuple[int, ...] = (),
+    softcaps: tuple[float, ...] = (),
 ) -> AttentionMetadata:
-    """CSR metadata for the spans, in batch order; ``windows`` as the pool's."""
+    """CSR metadata for the spans, in batch order; ``windows`` and ``softcaps`` as the
+    pool's."""
     qo_lens = tuple(s.num_new for s in spans)
     kv_lens = tuple(s.q_start + s.num_new for s in spans)
     page_ids = tuple(s.page_ids for s in spans)
@@ -94,6 +98,7 @@ def build_metadata(
         kv_lens=kv_lens,
         page_ids=page_ids,
         windows=windows,
+        softcaps=softcaps,
     )
 
 

@@ -142,6 +142,10 @@ class PagePool:
         self.windows: tuple[int, ...] = (
             tuple(a.window for a in attention) if any(a.window for a in attention) else ()
         )
+        # Each layer's attention-logit softcap (0: none); empty where no layer has one.
+        self.softcaps: tuple[float, ...] = (
+            tuple(a.softcap for a in attention) if any(a.softcap for a in attention) else ()
+        )
         # NOTE: zero-initialised so a page never handed out before holds no stale bytes.
         self.kv = torch.zeros(
             (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim),

@@ -30,6 +30,7 @@ class StepAttention:
         self._write_attend: WriteAttend | None = getattr(kernel, "write_attend", None)
         self._native: NativeAttendOf | None = getattr(kernel, "native_attend", None)
         self._windows = metadata.windows or (0,) * pool.num_layers
+        self._softcaps = metadata.softcaps or (0.0,) * pool.num_layers
 
     def native_attend(self, q_heads: int, every_chunk: bool = False) -> NativeAttend | None:
         """This step's attention for native model code (:class:`NativeAttend`), where the
@@ -58,10 +59,10 @@ class StepAttention:
         if not 0 <= layer < pool.num_layers:
             raise InvalidRequest(f"layer {layer} out of range")
         kv_layer = pool.layer(layer)
-        window = self._windows[layer]
+        window, softcap = self._windows[layer], self._softcaps[layer]
         if self._write_attend is not None:
-            out = self._write_attend(q, k, v, kv_layer, self._rows, window)
+            out = self._write_attend(q, k, v, kv_layer, self._rows, window, softcap)
             if out is not None:
                 return out
         write_kv_rows(kv_layer, k, v, self._rows)
-        return self._kernel(q, kv_layer, window)
+        return self._kernel(q, kv_layer, window, softcap)

@@ -16,17 +16,20 @@ class StepKernel(Protocol):
     ``q`` ``[T, Hq, D]``; ``kv_layer`` the layer's ``[num_pages, 2, page_size, Hkv, D]``
     view with this step's K/V already written. Reads only ``metadata``'s pages. ``window``
     is the layer's (``metadata.windows``): > 0, each query reads only its last ``window``
-    keys (its own included).
+    keys (its own included). ``softcap`` is the layer's (``metadata.softcaps``): > 0, each
+    scaled score ``s`` is ``softcap * tanh(s / softcap)`` before the softmax.
     """
 
-    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor: ...
+    def __call__(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0, softcap: float = 0.0
+    ) -> torch.Tensor: ...
 
 
 class WriteAttend(Protocol):
-    """A step kernel's optional ``write_attend(q, k, v, kv_layer, rows, window)``: store the
-    step's K/V at ``rows`` (:func:`kvcache.metadata.kv_rows`) and attend (within ``window``
-    as :class:`StepKernel`), in one call; None when it cannot for this step (then nothing
-    was written)."""
+    """A step kernel's optional ``write_attend(q, k, v, kv_layer, rows, window, softcap)``:
+    store the step's K/V at ``rows`` (:func:`kvcache.metadata.kv_rows`) and attend (within
+    ``window``, scores capped by ``softcap``, as :class:`StepKernel`), in one call; None when
+    it cannot for this step (then nothing was written)."""
 
     def __call__(
         self,
@@ -36,6 +39,7 @@ class WriteAttend(Protocol):
         kv_layer: torch.Tensor,
         rows: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor | None: ...
 
 

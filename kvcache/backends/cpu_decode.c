@@ -8,7 +8,9 @@
  * Layout (kvcache/pool.py): one layer is [num_pages, 2 (K|V), page_size, Hkv, D].
  * Sequence b attends over its first lens[b] keys, on pages
  * indices[indptr[b] .. indptr[b + 1]); nothing outside those pages is read. With a window
- * w > 0 it attends over the last w of them only (keys lens[b] - w .. lens[b] - 1).
+ * w > 0 it attends over the last w of them only (keys lens[b] - w .. lens[b] - 1). With a
+ * logit softcap c > 0 each scaled score s becomes c * tanh(s / c) before the softmax (Gemma 2);
+ * those calls run the plain C job, the SIMD jobs compute uncapped scores only.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,7 +57,13 @@ enum {
     KVF_BAD_LENGTH = -4,   /* a length below 0 or past its sequence's pages */
     KVF_ROW_NOT_OWN = -5,  /* a KV row not on a page of its own sequence */
     KVF_BAD_SHAPE = -6,    /* batch, heads, dim or page size outside what the kernel takes */
+    KVF_BAD_SOFTCAP = -7,  /* a logit softcap below 0 or not finite */
 };
+
+/* 0 for a softcap of 0 (none) or a finite positive one. */
+static int check_softcap(float softcap) {
+    return isfinite(softcap) && softcap >= 0.0f ? 0 : KVF_BAD_SOFTCAP;
+}
 
 /* The step plan: sequence b attends over its first lens[b] keys on pages
  * indices[indptr[b] .. indptr[b + 1]), of n_indices page indices in all, in a layer of
@@ -413,7 +421,7 @@ static void job_avx2_f32(const float *q, const float *kv, int first, int last,
 static void job_portable(const void *q_, const void *kv_, int first, int last,
                          const int32_t *indices, int n, int off, void *out_, int group, int dim,
                          int64_t row, int64_t half, int page_size, float scale, int q32,
-                         int kv32) {
+                         int kv32, float softcap) {
     float qf[MAX_GROUP][MAX_DIM];
     float acc[MAX_GROUP][MAX_DIM];
     float s[MAX_GROUP][MAX_PAGE];
@@ -449,7 +457,8 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < dim; ++d) dot += qf[g][d] * kf[d];
-                s[g][o] = dot;
+                /* Gemma 2's cap on the scaled score, as transformers computes it */
+                s[g][o] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
             }
         }
         for (int g = 0; g < group; ++g) {
@@ -499,11 +508,14 @@ static void job_portable(const void *q_, const void *kv_, int first, int last,
 }
 
 /* Every (sequence, KV head) job of a step: q and out bf16 or float32 (q32), KV bf16 or
- * float32 (kv32). */
+ * float32 (kv32); softcap > 0 caps the scores (the plain C job). */
 static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
                         const int32_t *indices, const int32_t *lens, void *out, int batch,
                         int hq, int hkv, int dim, int page_size, float scale, int q32,
-                        int kv32, int window) {
+                        int kv32, int window, float softcap) {
+    /* NOTE: only softcapped models (Gemma 2) pay for the plain loops and tanhf. */
+    const int simd = softcap == 0.0f;
+    (void)simd; /* read only where a SIMD job is compiled in */
     const int group = hq / hkv;
     const int64_t row = (int64_t)hkv * dim;          /* one slot: all heads */
     const int64_t half = (int64_t)page_size * row;   /* K or V of one page */
@@ -522,33 +534,33 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
         const char *qb = (const char *)q + at, *kvb = (const char *)kv + (size_t)(h * dim) * kv_elem;
         char *ob = (char *)out + at;
 #ifdef KVF_AVX512
-        if (!q32 && !kv32 && dim % 32 == 0) {
+        if (simd && !q32 && !kv32 && dim % 32 == 0) {
             job_avx512((const uint16_t *)qb, (const uint16_t *)kvb, first, indptr[b + 1],
                        indices, kept, off, (uint16_t *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
 #ifdef KVF_AVX512
-        if (q32 && kv32 && dim % 16 == 0) {
+        if (simd && q32 && kv32 && dim % 16 == 0) {
             job_avx512_f32((const float *)qb, kvb, first, indptr[b + 1], indices, kept, off,
                            (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
-        if (q32 && !kv32 && dim % 16 == 0) {
+        if (simd && q32 && !kv32 && dim % 16 == 0) {
             job_avx512_bf16kv((const float *)qb, kvb, first, indptr[b + 1], indices, kept, off,
                               (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
 #ifdef KVF_AVX2
-        if (q32 && kv32 && dim % 8 == 0) {
+        if (simd && q32 && kv32 && dim % 8 == 0) {
             job_avx2_f32((const float *)qb, (const float *)kvb, first, indptr[b + 1],
                          indices, kept, off, (float *)ob, group, dim, row, half, page_size, scale);
             continue;
         }
 #endif
         job_portable(qb, kvb, first, indptr[b + 1], indices, kept, off, ob, group, dim, row, half,
-                     page_size, scale, q32, kv32);
+                     page_size, scale, q32, kv32, softcap);
     }
 }
 
@@ -556,13 +568,14 @@ static void decode_jobs(const void *q, const void *kv, const int32_t *indptr,
 static int checked_decode(const void *q, const void *kv, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, void *out, int batch,
                           int hq, int hkv, int dim, int page_size, float scale, int q32, int kv32,
-                          int64_t n_indices, int64_t num_pages, int window) {
+                          int64_t n_indices, int64_t num_pages, int window, float softcap) {
     int status = check_shape(batch, hq, hkv, dim, page_size);
+    if (status == 0) status = check_softcap(softcap);
     if (status == 0)
         status = check_plan(indptr, indices, lens, batch, n_indices, num_pages, page_size);
     if (status == 0)
         decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, q32,
-                    kv32, window);
+                    kv32, window, softcap);
     return status;
 }
 
@@ -571,18 +584,18 @@ static int checked_decode(const void *q, const void *kv, const int32_t *indptr,
 int kvf_decode_bf16(const uint16_t *q, const uint16_t *kv, const int32_t *indptr,
                     const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
                     int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices,
-                    int64_t num_pages, int window) {
+                    int64_t num_pages, int window, float softcap) {
     return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
-                          scale, 0, 0, n_indices, num_pages, window);
+                          scale, 0, 0, n_indices, num_pages, window, softcap);
 }
 
 /* The same for float32 q, kv and out (the float32 engine's decode rows). */
 int kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
                    const int32_t *indices, const int32_t *lens, float *out, int batch, int hq,
                    int hkv, int dim, int page_size, float scale, int64_t n_indices,
-                   int64_t num_pages, int window) {
+                   int64_t num_pages, int window, float softcap) {
     return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
-                          scale, 1, 1, n_indices, num_pages, window);
+                          scale, 1, 1, n_indices, num_pages, window, softcap);
 }
 
 /* Float32 q and out over bf16 KV (--dtype auto on bf16 CPUs: float32 compute, KV stored in
@@ -590,9 +603,9 @@ int kvf_decode_f32(const float *q, const float *kv, const int32_t *indptr,
 int kvf_decode_f32_bf16kv(const float *q, const uint16_t *kv, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, float *out, int batch,
                           int hq, int hkv, int dim, int page_size, float scale,
-                          int64_t n_indices, int64_t num_pages, int window) {
+                          int64_t n_indices, int64_t num_pages, int window, float softcap) {
     return checked_decode(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size,
-                          scale, 1, 0, n_indices, num_pages, window);
+                          scale, 1, 0, n_indices, num_pages, window, softcap);
 }
 
 /* 0 when every one of the 2 * batch rows is inside the layer, else -1. */
@@ -642,13 +655,15 @@ int kvf_write_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lens, uint16_t *out, int batch,
                           int hq, int hkv, int dim, int page_size, float scale,
-                          int64_t n_indices, int window) {
-    const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
+                          int64_t n_indices, int window,
+                         float softcap) {
+    int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
                                    page_size, n_indices);
+    if (status == 0) status = check_softcap(softcap);
     if (status != 0) return status;
     write_rows(k, v, kv, rows, batch, hkv, dim, sizeof(uint16_t));
     decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 0, 0,
-                window);
+                window, softcap);
     return 0;
 }
 
@@ -670,26 +685,30 @@ int kvf_write_decode_f32_bf16kv(const float *q, const float *k, const float *v, 
                                 const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                                 const int32_t *indices, const int32_t *lens, float *out,
                                 int batch, int hq, int hkv, int dim, int page_size, float scale,
-                                int64_t n_indices, int window) {
-    const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
+                                int64_t n_indices, int window,
+                         float softcap) {
+    int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
                                    page_size, n_indices);
+    if (status == 0) status = check_softcap(softcap);
     if (status != 0) return status;
     write_rows_to_bf16(k, v, kv, rows, batch, hkv, dim);
     decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 0,
-                window);
+                window, softcap);
     return 0;
 }
 
 int kvf_write_decode_f32(const float *q, const float *k, const float *v, float *kv,
                          const int64_t *rows, int64_t layer_rows, const int32_t *indptr,
                          const int32_t *indices, const int32_t *lens, float *out, int batch,
-                         int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices, int window) {
-    const int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
+                         int hq, int hkv, int dim, int page_size, float scale, int64_t n_indices, int window,
+                         float softcap) {
+    int status = check_write(rows, layer_rows, indptr, indices, lens, batch, hq, hkv, dim,
                                    page_size, n_indices);
+    if (status == 0) status = check_softcap(softcap);
     if (status != 0) return status;
     write_rows(k, v, kv, rows, batch, hkv, dim, sizeof(float));
     decode_jobs(q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale, 1, 1,
-                window);
+                window, softcap);
     return 0;
 }
 
@@ -712,6 +731,7 @@ typedef struct {
     int32_t kv16;           /* the pool holds bf16 (float32 q, k, v and out all the same) */
     int64_t n_indices;      /* page indices in the plan */
     const int32_t *windows; /* [layers] each layer's window (0: every key), or NULL: none */
+    const float *softcaps;  /* [layers] each layer's logit softcap (0: none), or NULL: none */
 } kvf_step_ctx;
 
 /* q [batch, Hq, D], k and v [batch, Hkv, D] contiguous float32; out [batch, Hq, D]. Returns
@@ -720,13 +740,14 @@ int kvf_step_attend_f32(const kvf_step_ctx *c, int layer, const float *q, const 
                         const float *v, float *out) {
     if (layer < 0 || layer >= c->layers) return -1;
     const int window = c->windows ? c->windows[layer] : 0;
+    const float softcap = c->softcaps ? c->softcaps[layer] : 0.0f;
     if (c->kv16)
         return kvf_write_decode_f32_bf16kv(q, k, v, (uint16_t *)c->kv + (size_t)layer * (size_t)c->layer_elems,
                                            c->rows, c->layer_rows, c->indptr, c->indices, c->lens,
                                            out, c->batch, c->hq, c->hkv, c->dim, c->page_size,
-                                           c->scale, c->n_indices, window);
+                                           c->scale, c->n_indices, window, softcap);
     return kvf_write_decode_f32(q, k, v, (float *)c->kv + (size_t)layer * (size_t)c->layer_elems, c->rows,
                                 c->layer_rows, c->indptr, c->indices, c->lens, out, c->batch,
                                 c->hq, c->hkv, c->dim, c->page_size, c->scale, c->n_indices,
-                                window);
+                                window, softcap);
 }

@@ -48,6 +48,7 @@ _REFUSALS = {
     -4: "a sequence length below 0 or past its pages",
     -5: "a KV row outside its own sequence's pages; nothing was written",
     -6: "a batch, head, dimension or page size the CPU decode kernel does not take",
+    -7: "a logit softcap below 0 or not finite",
 }
 
 
@@ -69,10 +70,10 @@ class DecodeKernel:
         self._fn = lib.kvf_decode_bf16
         self._fn.restype = ctypes.c_int
         # (q, kv, indptr, indices, lens, out, batch, hq, hkv, dim, page_size, scale,
-        #  n_indices, num_pages, window)
+        #  n_indices, num_pages, window, softcap)
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_float]
         self._fn.argtypes += [ctypes.c_int64] * 2
-        self._fn.argtypes += [ctypes.c_int]
+        self._fn.argtypes += [ctypes.c_int, ctypes.c_float]
         self._fn32 = lib.kvf_decode_f32
         self._fn32.restype = ctypes.c_int
         self._fn32.argtypes = self._fn.argtypes
@@ -86,7 +87,7 @@ class DecodeKernel:
             + [ctypes.c_void_p] * 4
             + [ctypes.c_int] * 5
             + [ctypes.c_float, ctypes.c_int64]
-            + [ctypes.c_int]
+            + [ctypes.c_int, ctypes.c_float]
         )
         # by (q, k, v and out dtype, pool dtype)
         self._fused: dict[tuple[torch.dtype, torch.dtype], Callable[..., int]] = {
@@ -129,10 +130,12 @@ class DecodeKernel:
         indices: torch.Tensor,
         lens: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of ``q`` ``[B, Hq, D]`` (one token per sequence) over each sequence's
         first ``lens[b]`` keys on pages ``indices[indptr[b]:indptr[b + 1]]`` (the last
-        ``window`` of them where ``window`` > 0). ``q`` has the pool's dtype, or is float32
+        ``window`` of them where ``window`` > 0; each scaled score ``s`` taken as
+        ``softcap * tanh(s / softcap)`` where ``softcap`` > 0). ``q`` has the pool's dtype, or is float32
         over a bf16 pool (the output is ``q``'s dtype). Raises :class:`KernelRefused` for
         anything the kernel does not take, nothing read."""
         try:
@@ -174,6 +177,7 @@ class DecodeKernel:
             indices.numel(),
             pages,
             window,
+            softcap,
         )
         if status != 0:
             raise refused(status)
@@ -191,6 +195,7 @@ class DecodeKernel:
         indices: torch.Tensor,
         lens: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Store ``k``/``v`` ``[B, Hkv, D]`` at ``rows`` ``[2, B]`` (K rows, then V rows, as
         :func:`kvcache.metadata.kv_rows` computes them) of layer ``layer`` of the pool tensor
@@ -203,7 +208,7 @@ class DecodeKernel:
             raise KernelRefused("shape or dtype the CPU decode kernel does not take")
         q, k, v, kv_layer = q.contiguous(), k.contiguous(), v.contiguous(), kv[layer]
         writer = self._layer_writer(q, k, v, kv_layer, (rows, indptr, indices, lens), False)
-        return writer(q, k, v, kv_layer, window)
+        return writer(q, k, v, kv_layer, window, softcap)
 
     def layer_writer(
         self,
@@ -303,12 +308,14 @@ class DecodeKernel:
         indices: torch.Tensor,
         lens: torch.Tensor,
         windows: torch.Tensor | None = None,
+        softcaps: torch.Tensor | None = None,
     ) -> NativeAttend:
         """A float32 all-decode step's attention as a C function and context for native
         model code (:class:`kvcache.attention.NativeAttend`): the pool ``kv``
         ``[L, pages, 2, page_size, Hkv, D]`` and the step's metadata are checked here, once;
         each layer's C call checks its layer index and every row it writes. ``windows``
-        ``[L]`` int32: each layer's window (0 or None: every key)."""
+        ``[L]`` int32: each layer's window (0 or None: every key); ``softcaps`` ``[L]``
+        float32: each layer's logit softcap (0 or None: none)."""
         if (
             kv.dim() != 6
             or kv.dtype not in (torch.float32, torch.bfloat16)
@@ -322,6 +329,12 @@ class DecodeKernel:
             or not windows.is_contiguous()
         ):
             raise KernelRefused("one int32 window per layer")
+        if softcaps is not None and (
+            softcaps.dtype != torch.float32
+            or softcaps.shape != (kv.shape[0],)
+            or not softcaps.is_contiguous()
+        ):
+            raise KernelRefused("one float32 softcap per layer")
         batch = lens.numel()
         self._checked_step(batch, q_heads, kv[0], rows, indptr, indices, lens, torch.float32)
         layers, pages, two, page_size, hkv, dim = kv.shape
@@ -330,11 +343,12 @@ class DecodeKernel:
             indptr.data_ptr(), indices.data_ptr(), lens.data_ptr(), layers, batch, q_heads,
             hkv, dim, page_size, dim**-0.5, int(kv.dtype == torch.bfloat16), indices.numel(),
             None if windows is None else windows.data_ptr(),
+            None if softcaps is None else softcaps.data_ptr(),
         )
         return NativeAttend(
             fn=self._step_attend, ctx=ctypes.addressof(ctx), batch=batch, q_heads=q_heads,
             kv_heads=hkv, head_dim=dim, num_layers=layers,
-            keep=(ctx, kv, rows, indptr, indices, lens, windows),
+            keep=(ctx, kv, rows, indptr, indices, lens, windows, softcaps),
         )
 
 
@@ -359,6 +373,7 @@ class _StepContext(ctypes.Structure):
         ("kv16", ctypes.c_int32),
         ("n_indices", ctypes.c_int64),
         ("windows", ctypes.c_void_p),
+        ("softcaps", ctypes.c_void_p),
     ]
 
 
@@ -396,8 +411,10 @@ class LayerWriter:
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """``window`` > 0: each row attends over its sequence's last ``window`` keys."""
+        """``window`` > 0: each row attends over its sequence's last ``window`` keys;
+        ``softcap`` > 0: scores capped as :meth:`DecodeKernel.run` caps them."""
         if not (
             q.shape == self._q
             and k.shape == self._kv
@@ -420,6 +437,7 @@ class LayerWriter:
         status = self._fn(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_layer.data_ptr(), rows, layer_rows,
             indptr, indices, lens, out.data_ptr(), batch, hq, hkv, dim, page, scale, nnz, window,
+            softcap,
         )
         if status != 0:
             raise refused(status)

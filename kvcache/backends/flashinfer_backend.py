@@ -89,8 +89,8 @@ def query_rows(meta: AttentionMetadata, which: Sequence[int]) -> list[int]:
     return [r for i in which for r in range(offsets[i], offsets[i + 1])]
 
 
-def _plan_options(shape: HeadShape, window: int) -> dict[str, Any]:
-    return {
+def _plan_options(shape: HeadShape, window: int, softcap: float = 0.0) -> dict[str, Any]:
+    options: dict[str, Any] = {
         "pos_encoding_mode": "NONE",  # RoPE is applied by the model before attention
         "q_data_type": shape.dtype,
         "kv_data_type": shape.dtype,
@@ -98,6 +98,10 @@ def _plan_options(shape: HeadShape, window: int) -> dict[str, Any]:
         # FlashInfer's query at position p reads keys p - window_left .. p; -1 reads all.
         "window_left": window - 1 if window > 0 else -1,
     }
+    if softcap > 0:
+        # FlashInfer's logits_soft_cap: each scaled score s becomes cap * tanh(s / cap).
+        options["logits_soft_cap"] = softcap
+    return options
 
 
 class FlashInferStep:
@@ -114,12 +118,16 @@ class FlashInferStep:
         heads = (shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
         dec_csr = csr(metadata, decode, device) if decode else None
         pre_csr = csr(metadata, prefill, device) if prefill else None
-        # One plan per distinct window of the pool's layers (a plan fixes window_left), each
-        # on its own pair of wrappers; layers with the same window share it.
-        self._pairs: dict[int, tuple[Any, Any]] = {}
-        for window in sorted(set(metadata.windows or (0,))):
-            dec, pre = self._pairs[window] = backend.wrappers(window)
-            opts = _plan_options(shape, window)
+        # One plan per distinct (window, softcap) of the pool's layers (a plan fixes
+        # window_left and logits_soft_cap), each on its own pair of wrappers; layers with the
+        # same pair share it.
+        layers = max(len(metadata.windows), len(metadata.softcaps), 1)
+        windows = metadata.windows or (0,) * layers
+        caps = metadata.softcaps or (0.0,) * layers
+        self._pairs: dict[tuple[int, float], tuple[Any, Any]] = {}
+        for window, softcap in sorted(set(zip(windows, caps, strict=True))):
+            dec, pre = self._pairs[window, softcap] = backend.wrappers(window, softcap)
+            opts = _plan_options(shape, window, softcap)
             if dec_csr is not None:
                 c = dec_csr
                 dec.plan(c.kv_indptr, c.kv_indices, c.kv_last_page_len, *heads, **opts)
@@ -147,8 +155,10 @@ class FlashInferStep:
             self._decode_rows = torch.tensor(rows[0], dtype=torch.long, device=device)
             self._prefill_rows = torch.tensor(rows[1], dtype=torch.long, device=device)
 
-    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
-        pair = self._pairs[window]
+    def __call__(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0, softcap: float = 0.0
+    ) -> torch.Tensor:
+        pair = self._pairs[window, softcap]
         qx = q.to(kv_layer.dtype)
         if self._only is not None:
             return pair[self._only].run(qx, kv_layer).to(q.dtype)  # type: ignore[no-any-return]
@@ -183,17 +193,19 @@ class FlashInferBackend:
         # NOTE: separate workspaces: in a mixed step both wrappers are planned before either runs.
         self.decode: Any = self._make("decode")
         self.prefill: Any = self._make("prefill")
-        # Pairs for sliding-window layers, by window: made on the first step that needs one.
-        self._windowed: dict[int, tuple[Any, Any]] = {}
+        # Pairs for sliding-window or softcapped layers, by (window, softcap): made on the
+        # first step that needs one.
+        self._windowed: dict[tuple[int, float], tuple[Any, Any]] = {}
 
-    def wrappers(self, window: int) -> tuple[Any, Any]:
+    def wrappers(self, window: int, softcap: float = 0.0) -> tuple[Any, Any]:
         """The (decode, prefill) wrappers planned for layers with ``window`` (0: full
-        attention, the pair above)."""
-        if window == 0:
+        attention) and ``softcap`` (0: none); the pair above for plain layers."""
+        if window == 0 and softcap == 0:
             return self.decode, self.prefill
-        pair = self._windowed.get(window)
+        pair = self._windowed.get((window, softcap))
         if pair is None:
-            pair = self._windowed[window] = (self._make("decode"), self._make("prefill"))
+            pair = (self._make("decode"), self._make("prefill"))
+            self._windowed[window, softcap] = pair
         return pair
 
     def prepare(self, metadata: AttentionMetadata) -> FlashInferStep:

@@ -12,6 +12,10 @@ slot) and the padding is masked out, so no sequence ever reads a page outside it
   and the softmax in float32.
 - float32 decode and all prefill chunks gather whole pages and run SDPA (``enable_gqa``) on
   a strided view; prefill uses a causal mask aligned to the chunk's start position.
+- a layer with a logit softcap (Gemma 2) cannot use SDPA, which has no hook between the
+  scores and the softmax: its SDPA chunks run the same gathered K/V through an explicit
+  scores -> ``cap * tanh(s / cap)`` -> mask -> float32 softmax -> V product instead; the
+  matmul decode rows and the C kernel cap their scores in place.
 - on CPU, bf16 and float32 decode rows skip the gather: where the C kernel of
   :mod:`kvcache.backends.cpu_decode` could be built, it reads each row's own pages in place
   (one call for each run of consecutive decode rows). NOTE: measured on a 2-core AVX2 EPYC,
@@ -239,15 +243,17 @@ class TorchStep:
             decode=False,
         )
 
-    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0, softcap: float = 0.0
+    ) -> torch.Tensor:
         if not self._built:
             self._build(q.dtype, q.shape[1], kv_layer)
         chunks = self._chunks if window == 0 else self._window_plan(window)
         if len(chunks) == 1:
-            return self._run(q, kv_layer, chunks[0])
+            return self._run(q, kv_layer, chunks[0], softcap)
         out = torch.empty_like(q)
         for c in chunks:
-            out[c.start : c.end] = self._run(q[c.start : c.end], kv_layer, c)
+            out[c.start : c.end] = self._run(q[c.start : c.end], kv_layer, c, softcap)
         return out
 
     def _window_plan(self, window: int) -> list[_Chunk]:
@@ -264,6 +270,7 @@ class TorchStep:
         kv_layer: torch.Tensor,
         rows: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor | None:
         """Where the whole step is one run of decode rows on the C kernel, store ``k``/``v``
         at ``rows`` (:func:`kvcache.metadata.kv_rows`) and attend in one C call
@@ -274,7 +281,9 @@ class TorchStep:
         layer, the one checked-once call ~15."""
         if self._writer is None:
             self._writer = self._layer_writer(q, k, v, kv_layer, rows)
-        return None if self._writer is False else self._writer(q, k, v, kv_layer, window)
+        if self._writer is False:
+            return None
+        return self._writer(q, k, v, kv_layer, window, softcap)
 
     def native_attend(
         self, q_heads: int, kv: torch.Tensor, rows: torch.Tensor, every_chunk: bool = False
@@ -298,16 +307,17 @@ class TorchStep:
             return None
         # None where no layer has a window: nothing to build per step
         windows = torch.tensor(meta.windows, dtype=torch.int32) if meta.windows else None
+        caps = torch.tensor(meta.softcaps, dtype=torch.float32) if meta.softcaps else None
         if all(n == 1 for n in meta.qo_lens):
             # The step's own CSR metadata (what _build's one decode chunk slices out of it)
             lens = torch.tensor(meta.kv_lens, dtype=torch.int32)
             return kernel.step_context(
-                q_heads, kv, rows, meta.kv_indptr, meta.kv_indices, lens, windows
+                q_heads, kv, rows, meta.kv_indptr, meta.kv_indices, lens, windows, caps
             )
         per_token = self._token_rows(None if every_chunk else _NATIVE_CHUNK_KEYS)
         if per_token is None:
             return None
-        return kernel.step_context(q_heads, kv, rows, *per_token, windows)
+        return kernel.step_context(q_heads, kv, rows, *per_token, windows, caps)
 
     def _token_rows(
         self, max_keys: int | None
@@ -357,9 +367,11 @@ class TorchStep:
             return False
         return self._kernel.layer_writer(q, k, v, kv_layer, rows, *paged)
 
-    def _run(self, q: torch.Tensor, kv_layer: torch.Tensor, c: _Chunk) -> torch.Tensor:
+    def _run(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, c: _Chunk, softcap: float = 0.0
+    ) -> torch.Tensor:
         if c.paged is not None and self._kernel is not None:
-            return self._kernel.run(q, kv_layer, *c.paged, c.window)
+            return self._kernel.run(q, kv_layer, *c.paged, c.window, softcap)
         _, hq, d = q.shape
         hkv = kv_layer.shape[-2]
         n = c.kv_len
@@ -377,6 +389,8 @@ class TorchStep:
             # GQA without copies: q head h*group + g reads kv head h.
             qg = qf.reshape(c.batch, hkv, hq // hkv, d) * (d**-0.5)
             scores = torch.matmul(qg, k.transpose(-1, -2))
+            if softcap > 0:
+                scores = torch.tanh(scores / softcap) * softcap
             if c.padding is not None:
                 scores.masked_fill_(c.padding, float("-inf"))
             # float32 softmax without a separate upcast op: same values, one kernel fewer.
@@ -384,13 +398,46 @@ class TorchStep:
             return torch.matmul(probs, v).view(c.batch, hq, d).to(q.dtype)
         if c.decode:
             qd = q.reshape(c.batch, hq, 1, d)
-            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=c.mask, enable_gqa=True)
+            if softcap > 0:
+                out = softcapped_attention(qd, k, v, c.mask, False, softcap)
+            else:
+                out = F.scaled_dot_product_attention(qd, k, v, attn_mask=c.mask, enable_gqa=True)
             return out.view(c.batch, hq, d)
         qb = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
-        out = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=c.mask, is_causal=c.causal, enable_gqa=True
-        )
+        if softcap > 0:
+            out = softcapped_attention(qb, k, v, c.mask, c.causal, softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                qb, k, v, attn_mask=c.mask, is_causal=c.causal, enable_gqa=True
+            )
         return out[0].transpose(0, 1)
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA's contract (``q`` ``[B, Hq, Tq, D]``, ``k``/``v`` ``[B, Hkv, N, D]``, boolean
+    ``mask`` True = attend broadcast to ``[B, Hq, Tq, N]``, ``causal`` top-left, GQA) with
+    each scaled score ``s`` taken as ``softcap * tanh(s / softcap)`` before the mask and a
+    float32 softmax, as Gemma 2's reference attention computes it. Returns ``q``'s dtype."""
+    b, hq, tq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    # GQA without copies: q head h*group + g reads kv head h.
+    qg = q.float().reshape(b, hkv, hq // hkv * tq, d) * (d**-0.5)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).view(b, hq, tq, n)
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(tq, n, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hkv, hq // hkv * tq, n)
+    out = torch.matmul(probs, v.float()).view(b, hq, tq, d)
+    return out.to(q.dtype)
 
 
 class TorchBackend:

@@ -82,6 +82,8 @@ def unavailable_reason(model: LlamaModel, pool: PagePool) -> str | None:
         return "it serves the packed decode weights (--weights auto, int4 or int8), and there are none"
     if pool.windows:
         return "a layer attends within a sliding window, which its decode kernel does not take"
+    if pool.softcaps:
+        return "a layer softcaps its attention logits, which its decode kernel does not take"
     if cxx_compiler() is None:
         return "no C++ compiler found (install g++ or set CXX)"
     if not cpu_graph.available(model.config.num_heads, pool.layer(0)):

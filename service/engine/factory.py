@@ -58,7 +58,10 @@ def build_cache(
             cfg.head_dim,
             model.kv_dtype,
             model.device,
-            tuple(LayerAttention(window=w) for w in cfg.layer_windows),
+            tuple(
+                LayerAttention(window=w, softcap=cfg.attn_softcap)
+                for w in cfg.layer_windows or (0,) * cfg.num_layers
+            ),
         )
     )
     return KVCacheManager(pool, cache_config, clock, backend)

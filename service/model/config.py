@@ -73,6 +73,9 @@ class ModelConfig:
     query_scale: float = 1.0
     layer_rope_thetas: tuple[float, ...] = ()  # empty: rope_theta on every layer
     final_softcap: float = 0.0  # 0: none
+    # Gemma 2: every layer's attention scores softcapped as cap * tanh(s / cap) before the
+    # softmax; kvcache computes it (kvcache.attention.LayerAttention.softcap). 0: none.
+    attn_softcap: float = 0.0
     norm_offset: float = 0.0  # added to every RMSNorm weight at load ((1 + w) norms)
     # Mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is ``num_experts`` gated MLPs
     # of ``intermediate_size``, ``experts_per_token`` picked per token by a router.
@@ -98,6 +101,11 @@ class ModelConfig:
             and not self.layer_rope_thetas
             and self.query_scale == 1.0
         )
+
+    @property
+    def layer_softcaps(self) -> tuple[float, ...]:
+        """Each layer's attention-logit softcap; empty where no layer has one."""
+        return (self.attn_softcap,) * self.num_layers if self.attn_softcap else ()
 
     @property
     def windowed(self) -> bool:

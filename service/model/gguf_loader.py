@@ -27,6 +27,8 @@ _EOG_TEXTS = frozenset(
     ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>"]
 )
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# A decoder expert tensor, which llama.cpp's converter stacks over the experts of its layer.
+_EXPERT_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
 _ROPE_FREQS = "rope_freqs.weight"
 LLAMA = _llama.FAMILY
 
@@ -76,6 +78,8 @@ class GGUFCheckpoint:
         return src if raw is None else str(raw.name)
 
     def source(self, name: str) -> Source:
+        if m := _EXPERT_RE.fullmatch(name):
+            return Source(f"{m.group(1)}.{m.group(3)}.weight", expert=int(m.group(2)))
         return self.family.source(self.config, name)
 
     def _raw(self, name: str) -> tuple[ReaderTensor, Source]:
@@ -87,6 +91,9 @@ class GGUFCheckpoint:
             raise ModelLoadError(
                 f"tensor {raw.name} has {int(raw.shape[-1])} rows, expected {src.stop}"
             )
+        if src.expert >= 0 and (len(raw.shape) != 3 or src.expert >= int(raw.shape[-1])):
+            shape = tuple(int(n) for n in reversed(raw.shape.tolist()))
+            raise ModelLoadError(f"tensor {raw.name} has shape {shape}, without expert {src.expert}")
         return raw, src
 
     def _permuted(self, name: str) -> int:
@@ -99,7 +106,7 @@ class GGUFCheckpoint:
 
     def get(self, name: str) -> torch.Tensor:
         raw, src = self._raw(name)
-        w = _dequantize(raw)
+        w = _dequantize(raw, src.expert)
         if src.stop:
             w = w[src.start : src.stop]
         if heads := self._permuted(name):
@@ -111,7 +118,7 @@ class GGUFCheckpoint:
         int4 mapping (see service/model/quant.py)."""
         raw, src = self._raw(name)
         unpack = _INT4_EXACT.get(GGMLQuantizationType(raw.tensor_type))
-        if unpack is None or len(raw.shape) != 2 or int(raw.shape[0]) % 32:
+        if unpack is None or src.expert >= 0 or len(raw.shape) != 2 or int(raw.shape[0]) % 32:
             return None
         rows = int(raw.shape[1])
         try:
@@ -134,12 +141,15 @@ _INT4_EXACT = {
 }
 
 
-def _dequantize(raw: ReaderTensor) -> torch.Tensor:
+def _dequantize(raw: ReaderTensor, expert: int = -1) -> torch.Tensor:
+    """The tensor as float32, or (``expert`` >= 0) entry ``expert`` of its first axis: the
+    reader's data holds whole rows of blocks, so one expert's bytes dequantize alone."""
     kind = GGMLQuantizationType(raw.tensor_type)
     try:
-        arr = dequantize(raw.data, kind)
         shape = tuple(int(n) for n in reversed(raw.shape.tolist()))
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        data = raw.data if expert < 0 else raw.data[expert]
+        arr = dequantize(data, kind)
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape if expert < 0 else shape[1:])
     except NotImplementedError:
         raise ModelLoadError(f"tensor {raw.name} has unsupported tensor type {kind.name}") from None
     except ValueError as e:

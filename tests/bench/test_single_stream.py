@@ -6,11 +6,14 @@ import pytest
 
 from bench.single_stream import (
     GRPC,
+    GRPC_2,
     INPROC,
     LLAMA,
+    LLAMA_2,
     Sample,
     fmt,
     median_sample,
+    ratios,
     run_order,
     sample,
     spread,
@@ -33,6 +36,20 @@ def test_run_order_pairs_the_targets_systems_back_to_back_and_alternates() -> No
     assert second == [LLAMA, GRPC, INPROC, "bf16", "same", "hf"]
     assert run_order(names, 3) == first
     assert sorted(first) == sorted(names)
+
+
+def test_the_second_model_s_pair_runs_back_to_back_and_alternates_too() -> None:
+    names = [INPROC, GRPC, LLAMA, "hf", GRPC_2, LLAMA_2]
+    assert run_order(names, 1) == [INPROC, GRPC, LLAMA, GRPC_2, LLAMA_2, "hf"]
+    assert run_order(names, 2) == [LLAMA, GRPC, INPROC, LLAMA_2, GRPC_2, "hf"]
+
+
+def test_a_ratio_is_taken_run_by_run() -> None:
+    grpc = [Sample(0.1, 90.0), Sample(0.1, 120.0)]
+    llama = [Sample(0.1, 100.0), Sample(0.1, 100.0)]
+    assert ratios(grpc, llama) == [pytest.approx(0.9), pytest.approx(1.2)]
+    with pytest.raises(ValueError):
+        ratios(grpc, llama[:1])
 
 
 def test_a_run_is_the_median_of_its_repetitions() -> None:

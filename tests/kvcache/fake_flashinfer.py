@@ -18,6 +18,7 @@ PLAN_OPTIONS = {
     "sm_scale",
     "causal",
     "window_left",
+    "logits_soft_cap",
 }
 
 
@@ -44,6 +45,7 @@ class ReferenceWrapper:
             assert t.device.type == "cpu" and t.dtype == torch.int32
         assert indices.dtype == torch.int32
         self.window_left = int(options.get("window_left", -1))
+        self.soft_cap = float(options.get("logits_soft_cap") or 0.0)
         self._plan = (qo, indptr, indices, last, hq, hkv, d, ps, options["sm_scale"])
         self.plans += 1
 
@@ -62,6 +64,8 @@ class ReferenceWrapper:
             k = k.repeat_interleave(hq // hkv, dim=1)
             v = v.repeat_interleave(hq // hkv, dim=1)
             scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+            if self.soft_cap > 0:  # logits_soft_cap: cap * tanh(s / cap)
+                scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
             # Causal, bottom-right aligned: query j sits at position n - rows + j.
             pos = torch.arange(n - rows, n)[:, None]
             keys = torch.arange(n)[None, :]

@@ -96,16 +96,31 @@ def test_the_c_entry_point_checks_the_plan_itself(case: str) -> None:
     out = torch.full_like(q, 7.0)
     status = kernel._fn32(
         q.data_ptr(), pool[1].data_ptr(), *(t.data_ptr() for t in plan), out.data_ptr(),
-        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, plan[1].numel(), PAGES, 0,
+        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, plan[1].numel(), PAGES, 0, 0.0,
     )
     codes = {"page index outside the pool": -3, "spans": -2, "length": -4}
     assert status == codes[BAD_PLANS[case][3]] and (out == 7.0).all()
     good = _step(torch.float32, torch.float32)[4:]
     status = kernel._fn32(
         q.data_ptr(), pool[1].data_ptr(), *(t.data_ptr() for t in good), out.data_ptr(),
-        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, good[1].numel(), PAGES, 0,
+        2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, good[1].numel(), PAGES, 0, 0.0,
     )
     assert status == 0 and not (out == 7.0).any()
+
+
+def test_the_c_entry_point_refuses_a_bad_softcap_itself() -> None:
+    """A logit softcap below 0 or not finite is refused by the C function (status -7,
+    nothing read) before any job runs; 0 (no cap) and a positive cap attend."""
+    kernel = _kernel()
+    pool, q, *_ = _step(torch.float32, torch.float32)
+    good = _step(torch.float32, torch.float32)[4:]
+    for cap, want in ((-1.0, -7), (float("nan"), -7), (float("inf"), -7), (0.0, 0), (3.0, 0)):
+        out = torch.full_like(q, 7.0)
+        status = kernel._fn32(
+            q.data_ptr(), pool[1].data_ptr(), *(t.data_ptr() for t in good), out.data_ptr(),
+            2, HKV * GROUP, HKV, DIM, PAGE, DIM**-0.5, good[1].numel(), PAGES, 0, cap,
+        )
+        assert status == want and bool((out == 7.0).all()) == (want != 0), cap
 
 
 def test_a_page_index_outside_the_pool_is_refused() -> None:

@@ -8,77 +8,32 @@ windows, and the oracle without them is far away (so a path that ignored the win
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import pytest
 import torch
 
-from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
+from kvcache import KVCacheManager, PagePool
 from kvcache.attention import LayerAttention
 from kvcache.backends import cpu_decode
 from kvcache.backends.flashinfer_backend import FlashInferBackend, HeadShape
 from kvcache.dense import DenseAttention
 
 from .fake_flashinfer import ReferenceWrapper
-from .helpers import SECRET, FakeClock, attn_of, grow
+from .layer_steps import HKV, HQ, PAGE, D, manager, run_steps
 
-HQ, HKV, D, PAGE, WINDOW = 4, 2, 32, 4, 5
+WINDOW = 5
 WINDOWS = (0, WINDOW)
-# per sequence, new tokens in each step (0: not in it): long prefill, a continuing chunk,
-# decodes; "b" stays shorter than the window
-STEPS = {"a": [11, 6, 1, 1, 1], "b": [3, 1, 1, 1, 0]}
-_ATTEND = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 4)
 
 
 def _manager(dtype: torch.dtype, backend: Any = None) -> KVCacheManager:
-    attention = tuple(LayerAttention(window=w) for w in WINDOWS)
-    pool = PagePool(2, 64, PAGE, HKV, D, dtype, "cpu", attention)
-    return KVCacheManager(pool, CacheConfig(page_size=PAGE, secret=SECRET), FakeClock(), backend)
+    return manager(dtype, tuple(LayerAttention(window=w) for w in WINDOWS), backend)
 
 
 def _run(mgr: KVCacheManager, native: bool = False) -> tuple[float, float]:
-    """Every step of STEPS through the pool; returns the largest difference from the
-    windowed dense oracle, and the smallest largest-difference from the full one."""
-    dense = {s: DenseAttention(2, WINDOWS) for s in STEPS}
-    full = {s: DenseAttention(2) for s in STEPS}
-    done = dict.fromkeys(STEPS, 0)
-    for s, plan in STEPS.items():
-        mgr.open(s, "t", list(range(sum(plan))), use_prefix_cache=False)
-    worst, far = 0.0, float("inf")
-    gen = torch.Generator().manual_seed(0)
-    for step_no in range(len(STEPS["a"])):
-        entries = []
-        for s, plan in STEPS.items():
-            if plan[step_no]:
-                grow(mgr, s, done[s] + plan[step_no])
-                entries.append(StepEntry(s, done[s], plan[step_no]))
-        step = attn_of(mgr, entries)
-        t = step.metadata.num_tokens
-        attend = step.native_attend(HQ) if native else None
-        for layer in range(2):
-            q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV))
-            q, k, v = (x.to(mgr.pool.dtype) if attend is None else x for x in (q, k, v))
-            if attend is not None:
-                out = torch.empty_like(q)
-                status = _ATTEND(attend.fn)(
-                    attend.ctx, layer, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-                )
-                assert status == 0
-            else:
-                out = step(layer, q, k, v)
-            row = 0
-            for e in entries:
-                rows = slice(row, row + e.num_new)
-                want = dense[e.seq_id](layer, q[rows], k[rows], v[rows]).float()
-                other = full[e.seq_id](layer, q[rows], k[rows], v[rows]).float()
-                worst = max(worst, (out[rows].float() - want).abs().max().item())
-                if layer == 1 and e.seq_id == "a" and step_no > 0:
-                    far = min(far, (out[rows].float() - other).abs().max().item())
-                row += e.num_new
-        for e in entries:
-            done[e.seq_id] += e.num_new
-    return worst, far
+    """The steps through the pool: the largest difference from the windowed dense oracle,
+    and the smallest largest-difference from the full one."""
+    return run_steps(mgr, lambda: DenseAttention(2, WINDOWS), lambda: DenseAttention(2), native)
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "torch"])

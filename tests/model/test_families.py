@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.model import LoadedModel, load_model
+from service.model import load_model
 from service.model.families import FAMILIES
 from tests.fixtures import tiny_families as tf
+from tests.fixtures.oracles import Tiny, tiny_oracles, weights_of
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tools.parity import checks as parity
 
@@ -37,20 +38,15 @@ WRITERS: dict[str, Callable[[Path], Path]] = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[LoadedModel, Any]]:
-    out = {}
-    for name, write in WRITERS.items():
-        path = write(tmp_path_factory.mktemp(name))
-        hf_model, _ = parity.load_hf_oracle(path)
-        out[name] = (load_model(path, dtype="float32", progress=False), hf_model)
-    return out
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tiny]:
+    return tiny_oracles(tmp_path_factory, WRITERS)
 
 
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_each_family_matches_transformers_shorter_and_longer_than_the_window(
-    tiny: dict[str, tuple[LoadedModel, Any]], name: str
+    tiny: dict[str, Tiny], name: str
 ) -> None:
-    ours, hf_model = tiny[name]
+    _, ours, hf_model = tiny[name]
     texts = (SHORT, LONG)
     assert len(ours.tokenizer.encode(SHORT)) < tf.WINDOW < len(ours.tokenizer.encode(LONG))
     assert parity.max_logit_diff(ours, hf_model, texts) <= 1e-4
@@ -58,9 +54,9 @@ def test_each_family_matches_transformers_shorter_and_longer_than_the_window(
 
 
 def test_the_configs_carry_what_each_checkpoint_says(
-    tiny: dict[str, tuple[LoadedModel, Any]],
+    tiny: dict[str, Tiny],
 ) -> None:
-    cfg = {name: entry[0].model.config for name, entry in tiny.items()}
+    cfg = {name: entry.ours.model.config for name, entry in tiny.items()}
     w = tf.WINDOW
     assert cfg["mistral"].layer_windows == (w, w) and cfg["mistral_no_window"].layer_windows == ()
     assert cfg["qwen2_windowed"].layer_windows == (0, w)
@@ -92,13 +88,13 @@ def test_the_configs_carry_what_each_checkpoint_says(
     ],
 )
 def test_each_feature_changes_the_output_it_is_matched_on(
-    tiny: dict[str, tuple[LoadedModel, Any]], name: str, change: dict[str, Any]
+    tiny: dict[str, Tiny], name: str, change: dict[str, Any]
 ) -> None:
     """Guards the parity test: the checkpoint with the feature switched off is far from
     transformers, so matching it means the feature is computed."""
-    ours, hf_model = tiny[name]
+    _, ours, hf_model = tiny[name]
     m = ours.model
-    weights = _weights_of(m)
+    weights = weights_of(m)
     if change.get("o_bias") is False:
         weights = dataclasses.replace(weights, o_bias=None)
     if change.get("mlp_bias") is False:
@@ -111,11 +107,11 @@ def test_each_feature_changes_the_output_it_is_matched_on(
 
 @pytest.mark.parametrize("name", ["phi3", "qwen2_windowed", "llama_biased", "llama_linear"])
 def test_a_llama_cpp_gguf_of_the_family_loads_identically(
-    tiny: dict[str, tuple[LoadedModel, Any]], tmp_path: Path, name: str
+    tiny: dict[str, Tiny], tmp_path: Path, name: str
 ) -> None:
     """llama.cpp's GGUF names (Phi-3's fused attn_qkv and ffn_up included) give the model
     the HF directory gives, windows and all."""
-    from_dir = tiny[name][0]
+    from_dir = tiny[name].ours
     gguf = write_gguf_from_hf(from_dir.path, tmp_path / "m.gguf")
     from_gguf = load_model(gguf, dtype="float32", progress=False)
     assert from_gguf.model.config.arch == from_dir.model.config.arch
@@ -132,27 +128,3 @@ def test_every_family_is_registered_once() -> None:
     archs = [a for f in FAMILIES for a in f.gguf_archs]
     assert len(types) == len(set(types)) and len(archs) == len(set(archs))
     assert {"llama", "qwen2", "qwen3", "mistral", "phi3"} <= set(types)
-
-
-def _weights_of(m: Any) -> Any:
-    from service.model.llama import DecoderWeights
-
-    def data(p: torch.nn.Parameter | None) -> torch.Tensor | None:
-        return None if p is None else p.data
-
-    return DecoderWeights(
-        embed=m.embed.data,
-        lm_head=None if m.lm_head is m.embed else m.lm_head.data,
-        final_norm=m.final_norm.data,
-        attn_norm=m.attn_norm.data,
-        qkv=m.qkv.data,
-        qkv_bias=data(m.qkv_bias),
-        qk_norm=data(m.qk_norm),
-        o=m.o.data,
-        mlp_norm=m.mlp_norm.data,
-        gate_up=m.gate_up.data,
-        down=m.down.data,
-        o_bias=data(m.o_bias),
-        gate_up_bias=data(m.gate_up_bias),
-        down_bias=data(m.down_bias),
-    )

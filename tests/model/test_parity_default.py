@@ -76,3 +76,14 @@ def test_default_config_and_special_ids(default_model: LoadedModel) -> None:
     assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings) == (49152, 100000.0, True)
     assert default_model.tokenizer.bos_token_id == 1
     assert default_model.tokenizer.eos_token_ids[0] == 2  # <|im_end|>
+
+
+def test_the_served_configuration_keeps_top1_agreement_with_float32_transformers(
+    served_model: LoadedModel, hf_oracle: tuple[Any, Any]
+) -> None:
+    """The default model at the default dtype and weights (as ``kvfence serve`` loads it)
+    against transformers float32 on the same file, teacher-forced on our greedy history:
+    the oracle's top-1 is our token at >= 98% of positions (``make parity``'s auto row)."""
+    row = parity.decode_parity(served_model, hf_oracle[0], PROMPTS[:4])
+    assert row.positions == 4 * parity.GREEDY_TOKENS
+    assert row.agree >= parity.SERVED_MIN_AGREEMENT * row.positions, row.line("served")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from service.model import LoadedModel, load_model
+from service.model import load_model
 from service.model.llama import LlamaModel
+from tests.fixtures.oracles import Tiny, tiny_oracles, weights_of
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tests.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3
 from tools.parity import checks as parity
@@ -39,18 +39,13 @@ WRITERS: dict[str, Callable[[Path], Path]] = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, LoadedModel, Any]]:
-    out = {}
-    for name, write in WRITERS.items():
-        path = write(tmp_path_factory.mktemp(name))
-        hf_model, _ = parity.load_hf_oracle(path)
-        out[name] = (path, load_model(path, dtype="float32", progress=False), hf_model)
-    return out
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tiny]:
+    return tiny_oracles(tmp_path_factory, WRITERS)
 
 
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_tiny_logits_and_greedy_match_transformers(
-    tiny: dict[str, tuple[Path, LoadedModel, Any]], name: str
+    tiny: dict[str, Tiny], name: str
 ) -> None:
     _, ours, hf_model = tiny[name]
     assert parity.max_logit_diff(ours, hf_model, TEXTS) <= 1e-4
@@ -58,23 +53,23 @@ def test_tiny_logits_and_greedy_match_transformers(
 
 
 def test_tiny_configs_are_what_the_writers_say(
-    tiny: dict[str, tuple[Path, LoadedModel, Any]],
+    tiny: dict[str, Tiny],
 ) -> None:
-    cfg = {name: entry[1].model.config for name, entry in tiny.items()}
+    cfg = {name: entry.ours.model.config for name, entry in tiny.items()}
     assert cfg["qwen2"].attention_bias and not cfg["qwen2"].qk_norm
     assert cfg["qwen3"].qk_norm and cfg["qwen3"].head_dim == 32 and cfg["qwen3"].tie_word_embeddings
     assert cfg["llama3_rope"].rope_scaling is not None
     assert cfg["llama3_rope"].rope_scaling.original_max_position_embeddings == 64
     assert not cfg["llama"].tie_word_embeddings and cfg["llama_tied"].tie_word_embeddings
-    assert (tiny["llama_sharded"][0] / "model.safetensors.index.json").exists()
-    assert len(list(tiny["llama_sharded"][0].glob("*.safetensors"))) > 1
+    assert (tiny["llama_sharded"].path / "model.safetensors.index.json").exists()
+    assert len(list(tiny["llama_sharded"].path.glob("*.safetensors"))) > 1
 
 
-def test_llama3_rope_scaling_changes_logits(tiny: dict[str, tuple[Path, LoadedModel, Any]]) -> None:
+def test_llama3_rope_scaling_changes_logits(tiny: dict[str, Tiny]) -> None:
     """Guards the parity test above: without the scaling the logits would be different."""
     _, ours, _ = tiny["llama3_rope"]
     m = ours.model
-    unscaled = LlamaModel(dataclasses.replace(m.config, rope_scaling=None), _weights_of(m))
+    unscaled = LlamaModel(dataclasses.replace(m.config, rope_scaling=None), weights_of(m))
     ids = ours.tokenizer.encode(TEXTS[1])
     diff = (parity.logits_ours(m, ids) - parity.logits_ours(unscaled, ids)).abs().max().item()
     assert diff > 1e-2
@@ -82,7 +77,7 @@ def test_llama3_rope_scaling_changes_logits(tiny: dict[str, tuple[Path, LoadedMo
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_gguf_conversion_loads_identically(
-    tiny: dict[str, tuple[Path, LoadedModel, Any]], tmp_path: Path, name: str
+    tiny: dict[str, Tiny], tmp_path: Path, name: str
 ) -> None:
     """A llama.cpp-style GGUF (Q/K rows permuted for llama) gives the same model and tokenizer."""
     path, from_dir, _ = tiny[name]
@@ -101,22 +96,4 @@ def test_gguf_conversion_loads_identically(
     assert from_gguf.chat_template is not None
     assert from_gguf.chat_template.render([{"role": "user", "content": "x"}]).endswith(
         "<|im_start|>assistant\n"
-    )
-
-
-def _weights_of(m: LlamaModel) -> Any:
-    from service.model.llama import DecoderWeights
-
-    return DecoderWeights(
-        embed=m.embed.data,
-        lm_head=None if m.lm_head is m.embed else m.lm_head.data,
-        final_norm=m.final_norm.data,
-        attn_norm=m.attn_norm.data,
-        qkv=m.qkv.data,
-        qkv_bias=None if m.qkv_bias is None else m.qkv_bias.data,
-        qk_norm=None if m.qk_norm is None else m.qk_norm.data,
-        o=m.o.data,
-        mlp_norm=m.mlp_norm.data,
-        gate_up=m.gate_up.data,
-        down=m.down.data,
     )

@@ -124,9 +124,11 @@ class _CountingBackend:
         self.prepared += 1
         kernel = self.inner.prepare(metadata)
 
-        def run(q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+        def run(
+            q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0, softcap: float = 0.0
+        ) -> torch.Tensor:
             self.kernel_calls += 1
-            return kernel(q, kv_layer, window)
+            return kernel(q, kv_layer, window, softcap)
 
         return run
 

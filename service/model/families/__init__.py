@@ -18,7 +18,7 @@ Contract for a family module (``service/model/families/<name>.py``):
 - A family adds features to the decoder only through :class:`ModelConfig` fields, and a
   field the native CPU paths (packed GEMV fusions, the native decoder stack) cannot honour
   turns them off for that model (``service.model.layers``), never silently.
-- Per-layer attention facts (``layer_windows``) travel to kvcache as data
+- Per-layer attention facts (``layer_windows``, ``attn_softcap``) travel to kvcache as data
   (:class:`kvcache.attention.LayerAttention`); every attention backend honours them.
 
 Adding a family is its module, one line in :data:`FAMILIES`, and a parity test against

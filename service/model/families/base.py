@@ -14,11 +14,14 @@ from service.model.families.keys import ConfigKeys
 class Source(NamedTuple):
     """Where a decoder tensor (HF name, see ``service.model.weights.tensor_names``) lives in
     the checkpoint: the file's tensor ``name``, and rows ``[start, stop)`` of it when the file
-    fuses several decoder tensors into one (``stop`` 0: the whole tensor)."""
+    fuses several decoder tensors into one (``stop`` 0: the whole tensor), or entry
+    ``expert`` of its first axis when the file stacks every expert's tensor into one (GGUF's
+    ``ffn_*_exps``; -1: not stacked)."""
 
     name: str
     start: int = 0
     stop: int = 0
+    expert: int = -1
 
 
 def direct(config: ModelConfig, name: str) -> Source:
@@ -59,6 +62,12 @@ LLAMA_GGUF_LAYER_NAMES: Mapping[str, str] = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+    # Mixture of experts: the router, and each projection of every expert stacked into one
+    # [experts, rows, cols] tensor (named here without an expert index; see Source.expert).
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 GGUF_GLOBAL_NAMES: Mapping[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",

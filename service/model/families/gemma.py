@@ -3,8 +3,8 @@ and after both attention and the MLP, GeGLU (tanh GELU), q scaled by
 ``query_pre_attn_scalar``, local sliding-window layers beside global ones, final-logit
 softcapping; Gemma 3 adds q/k norms and a RoPE base of its own for the local layers.
 
-Gemma 2's attention-logit softcapping is not computed by kvcache's attention: a checkpoint
-that sets it is refused by name (``attn_logit_softcapping``).
+Gemma 2's attention-logit softcapping (``attn_logit_softcapping``) travels to kvcache as
+each layer's ``LayerAttention.softcap``; every attention backend caps the scores.
 
 GGUF (``gemma3``): llama.cpp's converter stores the norms with the 1 already added, every
 6th layer global, the local layers' RoPE base 10000 and a query scale of head_dim**-0.5
@@ -53,6 +53,18 @@ def _rope_bases(keys: ConfigKeys, types: list[str]) -> tuple[float, float]:
     return theta, local_theta
 
 
+def _softcap(keys: ConfigKeys, key: str) -> float:
+    """A softcap from config.json (null: none); one that is not a finite positive number is
+    refused."""
+    value = keys.get(key)
+    if value is None:
+        return 0.0
+    cap = float(value)
+    if not math.isfinite(cap) or cap <= 0:
+        raise ModelLoadError(f"{keys.source}: {key}={value!r} is not a positive softcap")
+    return cap
+
+
 def _layer_types(keys: ConfigKeys, layers: int, gemma3: bool) -> list[str]:
     types = keys.get("layer_types")
     if types is None:
@@ -72,11 +84,6 @@ def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:
     hidden = int(keys.need("hidden_size"))
     heads = int(keys.need("num_attention_heads"))
     head_dim = int(keys.get("head_dim") or hidden // heads)
-    if keys.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError(
-            f"{keys.source}: attn_logit_softcapping={keys.get('attn_logit_softcapping')} "
-            "is not served (kvcache's attention has no logit softcap)"
-        )
     if keys.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{keys.source}: use_bidirectional_attention is not served")
     if keys.get("attention_bias"):
@@ -99,7 +106,8 @@ def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:
         activation=_activation(keys),
         query_scale=math.sqrt(head_dim / scalar),
         layer_rope_thetas=tuple(local_theta if t == _LOCAL else theta for t in types),
-        final_softcap=float(keys.get("final_logit_softcapping") or 0.0),
+        final_softcap=_softcap(keys, "final_logit_softcapping"),
+        attn_softcap=_softcap(keys, "attn_logit_softcapping"),
         norm_offset=1.0,
         tie_word_embeddings=bool(keys.get("tie_word_embeddings", True)),
     )

@@ -1,5 +1,8 @@
 """Llama (and SmolLM, TinyLlama, ...): q/k/v/o biases with ``attention_bias``, gate/up/down
-biases with ``mlp_bias``; RoPE default, ``llama3``, ``linear``, ``dynamic`` or ``yarn``."""
+biases with ``mlp_bias``; RoPE default, ``llama3``, ``linear``, ``dynamic`` or ``yarn``.
+
+GGUF ``llama`` is also what llama.cpp's converter writes for Mistral and Mixtral: a file with
+``llama.expert_count`` is Mixtral's mixture of experts (:func:`~service.model.families.moe.gguf_experts`)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from service.model.config import ModelConfig
 from service.model.families.base import Family, Tokens
 from service.model.families.common import gguf_decoder, hf_decoder
 from service.model.families.keys import ConfigKeys
+from service.model.families.moe import gguf_experts
 
 
 def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:
@@ -26,7 +30,7 @@ def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:
 def gguf_config(
     keys: ConfigKeys, shapes: Mapping[str, tuple[int, ...]], tokens: Tokens
 ) -> ModelConfig:
-    return gguf_decoder(keys, "llama", "llama", shapes, tokens)
+    return gguf_experts(keys, "llama", gguf_decoder(keys, "llama", "llama", shapes, tokens))
 
 
 FAMILY = Family(

@@ -41,4 +41,12 @@ MUTANTS = (
              "        if False:\n"),
         tests="tests/model/test_catalog.py::test_a_chunk_out_of_place_installs_nothing",
     ),
+    mutant(
+        "gguf-stacked-experts-misread",
+        "each expert of a llama.cpp MoE GGUF is its own entry of the stacked ffn_*_exps tensor",
+        edit("service/model/gguf_loader.py",
+             "        data = raw.data if expert < 0 else raw.data[expert]\n",
+             "        data = raw.data if expert < 0 else raw.data[0]\n"),
+        tests=f"{T_FAM}::test_a_llama_cpp_moe_gguf_matches_transformers_on_its_hf_checkpoint",
+    ),
 )

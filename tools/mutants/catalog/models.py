@@ -1,9 +1,10 @@
-"""Switch-offs of the model guarantees: strict loading and the sliding window."""
+"""Switch-offs of the model guarantees: strict loading, the sliding window, the logit softcap."""
 
 from tools.mutants.mutant import edit, mutant
 
 T_STRICT = "tests/model/test_strict_loading.py"
 T_WINDOW = "tests/kvcache/test_window.py"
+T_SOFTCAP = "tests/kvcache/test_softcap.py"
 
 MUTANTS = (
     mutant(
@@ -50,5 +51,24 @@ MUTANTS = (
              "            if window > 0:\n                mask &= keys > q_pos - window",
              "            if window < 0:\n                mask &= keys > q_pos - window"),
         tests=f"{T_WINDOW}::test_the_torch_backend_honours_each_layers_window",
+    ),
+    mutant(
+        "kernel-ignores-softcap",
+        "the C decode kernel softcaps a softcapped layer's scores before the softmax",
+        edit("kvcache/backends/cpu_decode.c",
+             "s[g][o] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;",
+             "s[g][o] = dot;"),
+        tests=(
+            f"{T_SOFTCAP}::test_the_c_kernel_caps_scores_and_refuses_a_cap_below_zero_or_not_finite",
+            f"{T_SOFTCAP}::test_native_model_code_gets_each_layers_softcap_through_the_step_context",
+        ),
+    ),
+    mutant(
+        "torch-sdpa-ignores-softcap",
+        "torch prefill chunks of a softcapped layer cap their scores (no plain SDPA)",
+        edit("kvcache/backends/torch_backend.py",
+             "        if softcap > 0:\n            out = softcapped_attention(qb, k, v, c.mask, c.causal, softcap)",
+             "        if softcap < 0:\n            out = softcapped_attention(qb, k, v, c.mask, c.causal, softcap)"),
+        tests=f"{T_SOFTCAP}::test_the_torch_backend_caps_each_layers_scores",
     ),
 )
