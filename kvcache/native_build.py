@@ -268,7 +268,7 @@ class _Build:
             return "missing"
         if isinstance(data, str) or isinstance(digest, str):
             return "untrusted"
-        if digest is None or data[:4] != b"\x7fELF" or _sidecar(data) != digest:
+        if digest is None or data[:4] != b"\x7fELF" or sidecar(data) != digest:
             log.warning("native_kernel_rebuilt", path=str(path), reason="damaged entry")
             _delete(path)
             return "damaged"
@@ -289,7 +289,7 @@ class _Build:
             compile_library(self.compiler, self.source, built, self.arch, self.extra)
             os.chmod(built, 0o700)
             data = built.read_bytes()
-            _write_synced(built.with_name(built.name + ".sha256"), _sidecar(data))
+            _write_synced(built.with_name(built.name + ".sha256"), sidecar(data))
             with open(built, "rb") as f:
                 os.fsync(f.fileno())
             kernel = wrap(ctypes.CDLL(str(built)))
@@ -302,7 +302,8 @@ class _Build:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _sidecar(data: bytes) -> bytes:
+def sidecar(data: bytes) -> bytes:
+    """The ``.sha256`` file written beside a built library: its digest and length."""
     return f"{hashlib.sha256(data).hexdigest()} {len(data)}\n".encode()
 
 

@@ -229,9 +229,21 @@ class ClusterLimiter:
             await asyncio.sleep(self._config.lease_ttl_s / 3)
             await self.renew_once()
 
+    @property
+    def store(self) -> RedisLimitStore:
+        """Where the cluster-wide counts live (read them with ``await store.active(t)``)."""
+        return self._store
+
     async def start(self) -> None:
         if self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+
+    def stop_renewing(self) -> None:
+        """Stop renewing this replica's leases and release nothing, as a replica that
+        crashed does: its streams stop counting once their TTL runs out."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
 
     async def close(self) -> None:
         if self._renewer is not None:

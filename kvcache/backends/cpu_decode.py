@@ -36,7 +36,7 @@ from kvcache.attention import NativeAttend
 from kvcache.errors import KernelRefused
 from kvcache.native_build import load_once
 
-_SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_decode.c")  # the kernel's C source
 _lock = threading.Lock()
 _loaded: dict[str, DecodeKernel | None] = {}
 
@@ -447,4 +447,4 @@ class LayerWriter:
 def kernel() -> DecodeKernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
-    return load_once(_loaded, _lock, _SOURCE, "cpu_decode", DecodeKernel)
+    return load_once(_loaded, _lock, SOURCE, "cpu_decode", DecodeKernel)

@@ -21,8 +21,12 @@ from service.model.invariance import invariant_packs
 from service.model.layers import Layer, dense, layers, normed, stack
 from service.model.lora_batch import LoraBatch, lora_qkv, lora_rest
 from service.model.moe import Activation, MoeRouting, moe_mlp
-from service.model.packed import PackedLinears
+from service.model.packed import Linear, PackedLinears
 from service.model.rope import attention_factor, cos_sin_table, inv_freq
+
+# The native decoder stack's call: (hidden rows, RoPE rows, the step's native attention)
+# -> hidden rows, updated in place.
+StackFn = Callable[[torch.Tensor, torch.Tensor, NativeAttend], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -133,7 +137,7 @@ class LlamaModel(torch.nn.Module):
         small_head = None if self.packed is None else self.packed.lm_head
         self._small_head = self._dense_head if small_head is None else small_head
         self._normed_small_head = normed(small_head, self.final_norm, config.rms_norm_eps)
-        self._stack = stack(self, self.packed)
+        self._stack: StackFn | None = stack(self, self.packed)
         if batch_invariant and self._stack is None:
             raise ValueError("batch invariance needs every layer on the native decoder stack")
 
@@ -153,6 +157,28 @@ class LlamaModel(torch.nn.Module):
         table *= attention_factor(config)  # yarn / longrope scale cos and sin alike
         # Stored in the compute dtype: the same values the step used to convert on every call.
         return table.to(device=like.device, dtype=like.dtype)
+
+    @property
+    def stack(self) -> StackFn | None:
+        """The native decoder stack that all-decode steps run through; None where the layer
+        loop runs every step."""
+        return self._stack
+
+    def use_stack(self, fn: StackFn | None) -> None:
+        """Run all-decode steps through ``fn`` instead (None: the layer loop). Tests compare
+        the two paths and wrap the stack to see which steps it ran."""
+        self._stack = fn
+
+    @property
+    def small_layers(self) -> tuple[Layer, ...]:
+        """Per layer, the projections that decode-sized batches run: the packed weights,
+        with what the native kernel fuses, where the model has them."""
+        return self._small_layers
+
+    @property
+    def normed_small_head(self) -> Linear | None:
+        """The final norm and the packed head in one native call, where the kernel fuses them."""
+        return self._normed_small_head
 
     @property
     def max_packed_rows(self) -> int:

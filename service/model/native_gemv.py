@@ -32,7 +32,7 @@ from kvcache.errors import KernelRefused
 from kvcache.native_build import load_once
 from service.model.quant import GROUP, Int4Codes
 
-_SOURCE = Path(__file__).with_name("q4_gemv.c")
+SOURCE = Path(__file__).with_name("q4_gemv.c")  # the kernel's C source
 PANEL = 16  # output rows per panel of the panel layout (PANEL in q4_gemv.c)
 _lock = threading.Lock()
 _loaded: dict[str, Q4Kernel | None] = {}
@@ -242,7 +242,7 @@ def _on_cpu(*tensors: torch.Tensor | None) -> bool:
 def kernel() -> Q4Kernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
-    return load_once(_loaded, _lock, _SOURCE, "q4_gemv", Q4Kernel)
+    return load_once(_loaded, _lock, SOURCE, "q4_gemv", Q4Kernel)
 
 
 def _rows(*parts: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ import asyncio
 import io
 import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Literal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Literal
 
 import grpc
 import pytest
@@ -18,6 +18,7 @@ from service.cluster_limits import ClusterLimiter, ClusterLimitsConfig, build_cl
 from service.errors import ServiceError
 from service.limits import LeaseLike
 from service.logging import make_logger
+from service.redis_limits import LeaseKey
 from service.tenants import Quotas
 from tests.cluster.conftest import RedisProcess
 
@@ -51,8 +52,8 @@ async def _try(admit: Callable[[], Awaitable[LeaseLike]]) -> LeaseLike | Service
         return err
 
 
-def _run(coro: Awaitable[None]) -> None:
-    asyncio.run(coro)  # type: ignore[arg-type]
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
 
 
 def test_token_bucket_is_atomic_across_replicas(redis_server: RedisProcess) -> None:
@@ -89,7 +90,7 @@ def test_stream_cap_holds_across_replicas_and_release_frees_it(
         )
         leases = [r for r in results if not isinstance(r, ServiceError)]
         assert len(leases) == 4
-        store = replicas[0]._store
+        store = replicas[0].store
         assert await store.active("acme") == 4
         assert sum(r.active("acme") for r in replicas) == 4
         for lease in leases:
@@ -98,7 +99,7 @@ def test_stream_cap_holds_across_replicas_and_release_frees_it(
         for r in replicas:
             await r.close()  # waits for the releases in flight
         check = _replica(redis_server.url, quotas)
-        assert await check._store.active("acme") == 0
+        assert await check.store.active("acme") == 0
         await check.close()
 
     _run(main())
@@ -120,8 +121,7 @@ def test_crashed_replicas_leases_expire_within_ttl_and_live_ones_are_renewed(
         assert isinstance(refused, ServiceError)
         assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Crash: renewal stops and nothing is released.
-        assert live._renewer is not None
-        live._renewer.cancel()
+        live.stop_renewing()
         crashed_at = time.monotonic()
         while isinstance(lease := await _try(lambda: other.admit("acme", 1)), ServiceError):
             assert time.monotonic() - crashed_at < ttl + 0.5, "leases outlived their TTL"
@@ -175,7 +175,7 @@ def test_redis_outage_follows_the_failure_mode_and_limits_resume(
         await asyncio.sleep(0.25)  # past retry_interval_s
         leases = [await _try(lambda: limiter.admit("acme", 10)) for _ in range(4)]
         assert [isinstance(x, ServiceError) for x in leases] == [False] * 3 + [True]
-        assert await limiter._store.active("acme") == 3  # counted in Redis again
+        assert await limiter.store.active("acme") == 3  # counted in Redis again
         assert limiter.redis_up
         assert _events(log).count("limits.redis_restored") == 1
         assert registry.get_sample_value("kvfence_limits_redis_outages_total") == 1
@@ -215,36 +215,36 @@ def test_live_leases_are_reasserted_when_redis_comes_back_empty(
         redis_server.stop()
         redis_server.start()  # empty: no save, no append-only file
         other = _replica(redis_server.url, quotas, ttl=ttl)
-        assert await other._store.active("acme") == 0
+        assert await other.store.active("acme") == 0
         await live.renew_once()
-        assert await other._store.active("acme") == 2
+        assert await other.store.active("acme") == 2
         refused = await _try(lambda: other.admit("acme", 1))
         assert isinstance(refused, ServiceError)
         assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         held[0].release()
         await live.close()  # waits for the release
-        assert await other._store.active("acme") == 1
+        assert await other.store.active("acme") == 1
         await other.close()
 
     _run(main())
 
 
 def test_a_lease_released_during_a_renewal_is_not_left_behind(
-    redis_server: RedisProcess,
+    redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def main() -> None:
         quotas = Quotas(max_concurrent_streams=4)
         live = _replica(redis_server.url, quotas, ttl=30.0)
         lease = await live.admit("acme", 1)
-        store = live._store
+        store = live.store
         renew = store.renew
 
-        async def slow_renew(leases: object, ttl: float) -> int:
+        async def slow_renew(leases: Sequence[LeaseKey], ttl: float) -> int:
             lease.release()  # the stream ends while the renewal is on its way
             await asyncio.sleep(0.1)  # its ZREM lands first, then the re-add
-            return await renew(leases, ttl)  # type: ignore[arg-type]
+            return await renew(leases, ttl)
 
-        store.renew = slow_renew  # type: ignore[method-assign]
+        monkeypatch.setattr(store, "renew", slow_renew)
         await live.renew_once()
         assert await store.active("acme") == 0
         await live.close()

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from service.engine.cost_model import StepCost
+from service.engine.cost_model import StepCost, StepCostModel
 from service.engine.grammar import GrammarMatcher
 from service.engine.sampler import Sampler, SampleRow
 from service.engine.tuning import SchedulerTuning
@@ -49,9 +49,7 @@ class _SlowGrammar:
         return GrammarMatcher(_SlowMask(MASK_S))  # type: ignore[arg-type]
 
 
-class _FixedCost:
-    packed_rows = 0
-
+class _FixedCost(StepCostModel):
     def fit(self) -> StepCost:
         return StepCost(0.005, 0.0, 0.0, 0.0, 0.001, 0.0)
 
@@ -95,7 +93,7 @@ def test_expensive_rows_of_one_tenant_do_not_join_every_step_of_anothers_decodes
         core.add(r, rec.sink(r.request_id))
     # A fixed step cost (5 ms a decode step, 1 ms a prefill token) instead of the fit, so
     # the rule is tested, not how loaded this machine is.
-    core.scheduler.budget.cost = _FixedCost()  # type: ignore[assignment]
+    core.scheduler.budget.cost = _FixedCost()
     for _ in range(4):  # prefills
         core.step()
     before_count = core.scheduler.counter["attacker"]

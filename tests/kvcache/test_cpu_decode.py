@@ -59,7 +59,7 @@ def _built_for(tmp_path: Path, march: str) -> cpu_decode.DecodeKernel:
     (``make sanitize``'s)."""
     target = tmp_path / f"{march}.so"
     native_build.compile_library(
-        str(shutil.which("cc")), cpu_decode._SOURCE, target, march, native_build.extra_flags()
+        str(shutil.which("cc")), cpu_decode.SOURCE, target, march, native_build.extra_flags()
     )
     return cpu_decode.DecodeKernel(ctypes.CDLL(str(target)))
 

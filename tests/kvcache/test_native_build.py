@@ -68,7 +68,7 @@ def _plant(tmp_path: Path, at: Path, marker: Path, digest: bool) -> None:
     if digest:
         sidecar = at.with_name(at.name + ".sha256")
         sidecar.unlink(missing_ok=True)
-        sidecar.write_bytes(native_build._sidecar(at.read_bytes()))
+        sidecar.write_bytes(native_build.sidecar(at.read_bytes()))
         sidecar.chmod(0o600)
     at.chmod(0o700)
 
@@ -85,7 +85,7 @@ def test_a_build_makes_owner_only_directories_and_files(env: Path, tmp_path: Pat
     assert _mode(entry) == 0o700 and entry.stat().st_uid == os.getuid()
     sidecar = entry.with_name(entry.name + ".sha256")
     assert _mode(sidecar) == 0o600
-    assert sidecar.read_bytes() == native_build._sidecar(entry.read_bytes())
+    assert sidecar.read_bytes() == native_build.sidecar(entry.read_bytes())
     leftovers = sorted(p.name for p in (env / "kernels").iterdir())
     assert leftovers == sorted([".lock", entry.name, sidecar.name])  # no temporary builds
     again = _load(tmp_path)  # a cache hit: the same entry, not rebuilt
@@ -110,7 +110,7 @@ def test_a_planted_library_is_never_loaded(
     _plant(tmp_path, target, marker, digest=True)
     if how == "symlink":
         entry.symlink_to(target)
-        entry.with_name(entry.name + ".sha256").write_bytes(native_build._sidecar(target.read_bytes()))
+        entry.with_name(entry.name + ".sha256").write_bytes(native_build.sidecar(target.read_bytes()))
     elif how == "other owner":
         os.chown(entry, 65534, 65534)
     elif how == "mode 0666":
@@ -182,7 +182,7 @@ def _replace(entry: Path, data: bytes) -> None:
 def _plant_digest(entry: Path) -> None:
     sidecar = entry.with_name(entry.name + ".sha256")
     sidecar.unlink()
-    sidecar.write_bytes(native_build._sidecar(entry.read_bytes()))
+    sidecar.write_bytes(native_build.sidecar(entry.read_bytes()))
     entry.chmod(0o700)
     sidecar.chmod(0o600)
 

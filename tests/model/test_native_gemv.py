@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvcache import native_build
+from kvcache.attention import NativeAttend
 from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
 from kvcache.errors import KernelRefused
@@ -50,7 +51,7 @@ def _kernel() -> native_gemv.Q4Kernel:
 def _portable(tmp_path: Path) -> native_gemv.Q4Kernel:
     """The plain C loops (no AVX2), as a CPU without them runs."""
     target = tmp_path / "portable.so"
-    native_build.compile_library(str(shutil.which("cc")), native_gemv._SOURCE, target, "x86-64")
+    native_build.compile_library(str(shutil.which("cc")), native_gemv.SOURCE, target, "x86-64")
     kernel = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
     assert not kernel.simd
     return kernel
@@ -212,7 +213,7 @@ def test_switched_off_or_no_compiler_keeps_torchs_kernel(
     off = load_model(default_model_path, dtype="float32", weights="int4", progress=False)
     assert off.model.packed is not None
     assert isinstance(off.model.packed.lm_head, Int4Linear)  # torch's int4 kernel
-    assert off.model._small_layers[0].normed_qkv is None  # nothing fused on that path
+    assert off.model.small_layers[0].normed_qkv is None  # nothing fused on that path
     monkeypatch.delenv("KVFENCE_CPU_KERNEL")
     monkeypatch.setattr(native_gemv, "_loaded", {})
     monkeypatch.setenv("CC", "/nonexistent/cc")
@@ -227,9 +228,9 @@ def test_float32_int4_decodes_through_the_kernel_like_the_dense_model(
     assert auto.weights == "int4" and auto.model.packed is not None
     assert isinstance(auto.model.packed.lm_head, native_gemv.Q4Linear)
     # the norms and the SiLU gate run inside the kernel calls on this path
-    layer = auto.model._small_layers[0]
+    layer = auto.model.small_layers[0]
     assert layer.normed_qkv is not None and layer.normed_gate_up is not None
-    assert layer.gated_down_into is not None and auto.model._normed_small_head is not None
+    assert layer.gated_down_into is not None and auto.model.normed_small_head is not None
     # ... and RoPE and the residual adds (the dense model does them in torch)
     assert layer.roped_qkv is not None and layer.o_into is not None
     assert isinstance(layer.mlp_into, native_gemv.MlpBlock)  # o to down in one call
@@ -416,13 +417,13 @@ def _spied_stack(
     (``batch_invariant="off"``): the layer loop it is compared with then attends prefill
     tokens as the stack does for decode-sized steps only."""
     lm = load_model(path, dtype="float32", weights="auto", progress=False, batch_invariant="off")
-    stack = lm.model._stack
+    stack = lm.model.stack
     assert isinstance(stack, native_gemv.DecoderStack)
     batches: list[int] = []
 
-    def spy(x: torch.Tensor, rope: torch.Tensor, attend: object) -> torch.Tensor:
+    def spy(x: torch.Tensor, rope: torch.Tensor, attend: NativeAttend) -> torch.Tensor:
         batches.append(x.shape[0])
-        return stack(x, rope, attend)  # type: ignore[arg-type]
+        return stack(x, rope, attend)
 
     return lm, stack, batches, spy
 
@@ -476,7 +477,7 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
     model = lm.model
 
     def run(use: bool) -> tuple[list[list[tuple[int, float, tuple[tuple[int, float], ...]]]], int]:
-        model._stack = spy if use else None  # type: ignore[assignment]
+        model.use_stack(spy if use else None)
         core = _small_core(lm)
         got: list[list[tuple[int, float, tuple[tuple[int, float], ...]]]] = [[], [], []]
         for i, (prompt, n) in enumerate(((20, 6), (33, 9), (47, 12))):
@@ -498,7 +499,7 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
         assert not batches
         got, _ = run(True)
     finally:
-        model._stack = stack
+        model.use_stack(stack)
     assert [len(g) for g in want] == [6, 9, 12]
     assert got == want
     # one prefill step for all three, then decode steps of 3, 2 and 1 rows
@@ -519,7 +520,7 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
     Out = list[tuple[int, float]]
 
     def run(use: bool) -> list[Out]:
-        model._stack = spy if use else None  # type: ignore[assignment]
+        model.use_stack(spy if use else None)
         core = _small_core(lm)
         got: list[Out] = [[], [], []]
 
@@ -545,7 +546,7 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
         assert not batches
         got = run(True)
     finally:
-        model._stack = stack
+        model.use_stack(stack)
     assert [len(g) for g in want] == [6, 5, 4]
     assert [[t for t, _ in g] for g in got] == [[t for t, _ in g] for g in want]
     for g, w in zip(got, want, strict=True):
@@ -565,7 +566,7 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
     from kvcache.metadata import kv_rows
 
     lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
-    stack = lm.model._stack
+    stack = lm.model.stack
     assert isinstance(stack, native_gemv.DecoderStack)
     c = lm.model.config
     decode = cpu_decode.kernel()
@@ -628,7 +629,7 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
     assert m.packed is not None and ref.packed is not None
     assert isinstance(m.packed.lm_head, native_gemv.Q4Linear) and m.packed.lm_head.tiles == kernel.amx
     assert isinstance(ref.packed.lm_head, native_gemv.Q4Linear) and not ref.packed.lm_head.tiles
-    assert m._stack is not None
+    assert m.stack is not None
     # the KV cache is stored in the dense weights' dtype: bf16 here, float32 for the oracle
     assert m.kv_dtype == torch.bfloat16 and ref.kv_dtype == torch.float32
 
@@ -669,7 +670,7 @@ def test_the_invariant_model_has_one_kernel_for_every_batch_size(
     lm = load_model(default_model_path, progress=False, batch_invariant="on")
     m = lm.model
     assert lm.batch_invariant and m.batch_invariant and m.max_packed_rows == 0
-    assert m.packed is not None and m._stack is not None
+    assert m.packed is not None and m.stack is not None
     packs = [*m.packed.qkv, *m.packed.o, *m.packed.gate_up, *m.packed.down, m.packed.lm_head]
     assert all(isinstance(p, native_gemv.Q4Linear) and not p.tiles for p in packs)
     # where the kernel runs the panel layout on SIMD, every projection and the head (their

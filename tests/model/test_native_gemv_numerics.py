@@ -31,7 +31,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, native_gemv.Q4
         if arch is not None:
             target = tmp_path_factory.mktemp("builds") / f"{build}.so"
             native_build.compile_library(
-                str(shutil.which("cc")), native_gemv._SOURCE, target, arch, native_build.extra_flags()
+                str(shutil.which("cc")), native_gemv.SOURCE, target, arch, native_build.extra_flags()
             )
             made[build] = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
     return made

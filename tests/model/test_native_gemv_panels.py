@@ -36,7 +36,7 @@ def _kernel(portable: bool, tmp_path: Path) -> native_gemv.Q4Kernel:
         assert kernel is not None, "a C compiler is here: the kernel must build"
         return kernel
     target = tmp_path / "portable.so"
-    native_build.compile_library(str(shutil.which("cc")), native_gemv._SOURCE, target, "x86-64")
+    native_build.compile_library(str(shutil.which("cc")), native_gemv.SOURCE, target, "x86-64")
     kernel = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
     assert not kernel.panel_simd
     return kernel

@@ -20,7 +20,7 @@ WINDOW = 16
 def _decode(lm: Any, windows: tuple[int, ...], stack: Any) -> list[list[tuple[int, float]]]:
     model = lm.model
     model.config = dataclasses.replace(model.config, layer_windows=windows)
-    model._stack = stack
+    model.use_stack(stack)
     core = _small_core(lm)  # its pool takes the config's windows
     got: list[list[tuple[int, float]]] = [[], []]
     from service.engine.types import Delta, EngineEvent
@@ -52,7 +52,7 @@ def test_the_decoder_stack_decodes_a_windowed_model_as_the_layer_loop(
         full = _decode(lm, (), stack)
     finally:
         lm.model.config = config
-        lm.model._stack = stack
+        lm.model.use_stack(stack)
     assert native == loop
     assert [len(g) for g in native] == [8, 8]
     # the long prompt's decode reads past the window: without windows it is different

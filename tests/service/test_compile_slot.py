@@ -8,25 +8,29 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
+from service.engine.grammar import CompiledGrammar, GrammarSpec
 from tests.serverutil import ServerHandle
 from tests.service.rpc import request
 
 
-def test_a_cancelled_compile_keeps_the_stream_slot_until_it_ends(srv: ServerHandle) -> None:
+def test_a_cancelled_compile_keeps_the_stream_slot_until_it_ends(
+    srv: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
     grammars = srv.stack.grammars
     assert grammars is not None
     release = threading.Event()
     started = threading.Event()
     compile_ = grammars.compile
 
-    def slow_compile(tenant: str, spec: object) -> object:  # a compile that takes a while
+    def slow_compile(tenant: str, spec: GrammarSpec) -> CompiledGrammar:  # takes a while
         started.set()
         release.wait(30)
-        return compile_(tenant, spec)  # type: ignore[arg-type]
+        return compile_(tenant, spec)
 
-    grammars.compile = slow_compile  # type: ignore[method-assign]
+    monkeypatch.setattr(grammars, "compile", slow_compile)
     stub = inference_pb2_grpc.InferenceStub(srv.channel())
     auth = srv.auth("one_stream")
     try:
@@ -44,7 +48,7 @@ def test_a_cancelled_compile_keeps_the_stream_slot_until_it_ends(srv: ServerHand
         assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         release.set()
-        del grammars.compile
+        monkeypatch.undo()
     deadline = time.monotonic() + 60
     while True:  # once the compile thread ends, the slot is free again
         try:

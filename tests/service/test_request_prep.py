@@ -10,6 +10,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from google.rpc import error_details_pb2
 
 from protos.kvfence.v1 import inference_pb2
 from service.engine.types import Request
@@ -94,4 +95,4 @@ def test_a_refused_request_stops_at_the_step_that_refused_it(
     entered, result = _walk(request_)
     assert entered == list(steps)
     assert isinstance(result, ServiceError)
-    assert result.details[0].field_violations[0].field == field  # type: ignore[attr-defined]
+    assert result.detail(error_details_pb2.BadRequest).field_violations[0].field == field

@@ -58,8 +58,9 @@ def test_one_http_request_is_one_span_tree(
 ) -> None:
     srv, exporter = traced
     exporter.clear()
+    assert srv.server.http is not None
     r = httpx.post(
-        f"http://127.0.0.1:{srv.server.http.port}/v1/chat/completions",  # type: ignore[union-attr]
+        f"http://127.0.0.1:{srv.server.http.port}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": SECRET}], "max_tokens": 5,
               "ignore_eos": True, "stream": True},
         headers={"Authorization": f"Bearer {srv.keys['acme']}"}, timeout=60,
