@@ -268,7 +268,7 @@ class EngineCore:
     def _execute(self, plan: SchedulerOutput) -> tuple[SampleResult | None, float]:
         """The forward over the fenced batch, then sampling of the rows that reached the end."""
         assert plan.attn is not None
-        inputs = build_inputs(plan.entries, self._runner.device)
+        inputs = build_inputs(plan.entries, self._runner.device, self._runner.lora_stacks)
         start = time.perf_counter()
         logits = self._runner.forward(inputs, plan.attn)
         forward_s = time.perf_counter() - start

@@ -20,6 +20,7 @@ from kvcache.step import StepAttention
 from service.engine.plan import ScheduledSeq
 from service.model.lora import LoraAdapter
 from service.model.lora_batch import LoraBatch
+from service.model.lora_stack import LoraStacks
 
 
 class ForwardModel(Protocol):
@@ -43,7 +44,10 @@ class BatchInputs:
     lora: LoraBatch | None = None  # the adapter rows; None = every row on the base
 
 
-def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> BatchInputs:
+def build_inputs(
+    entries: Sequence[ScheduledSeq], device: torch.device, stacks: LoraStacks | None = None
+) -> BatchInputs:
+    """The step's flattened inputs; ``stacks`` keeps mixed steps' stacked adapter weights."""
     ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -60,7 +64,7 @@ def build_inputs(entries: Sequence[ScheduledSeq], device: torch.device) -> Batch
         torch.tensor(ids, dtype=torch.long, device=device),
         torch.tensor(positions, dtype=torch.long, device=device),
         torch.tensor(logits_indices, dtype=torch.long, device=device),
-        LoraBatch.of_rows(adapters, device),
+        LoraBatch.of_rows(adapters, device, stacks),
     )
 
 
@@ -88,6 +92,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self._graphs = graphs
+        self.lora_stacks = LoraStacks()  # mixed adapter steps' stacked weights, across steps
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, attn: AttentionFn) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The adapters of one step's rows, applied as segmented deltas beside the base projections.
 
 A step may mix rows of several adapters and of the base. The base projection runs once over
-every row (the same call a base-only step makes); each adapter then adds
-``(x[rows] @ A.T) @ B.T`` to its own rows only. That is one pair of small matmuls per adapter
-present in the step and fused projection, never a forward per adapter.
+every row (the same call a base-only step makes); each row then gets its own adapter's
+``(x @ A.T) @ B.T`` and base rows nothing: one matmul pair per fused projection over the
+adapters' weights stacked along the rank axis (:mod:`service.model.lora_stack`), with a mask
+keeping each row's own adapter's ranks; or, without a stacked copy, one pair per adapter on
+its own rows. Never a forward per adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from service.model.layers import Layer
 from service.model.lora import GROUPS, LoraAdapter, LoraGroup
+from service.model.lora_stack import LoraStacks
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class _GroupPlan:
 
     rows: torch.Tensor | None  # [n] int64
     parts: tuple[tuple[LoraGroup, int, int], ...]  # (weights, start, end) into ``rows``
+    # Set instead of ``rows``: every row through ``stack``, ``mask`` [T, R] keeping its ranks.
+    stack: LoraGroup | None = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +40,14 @@ class LoraBatch:
     plans: dict[str, _GroupPlan]
 
     @staticmethod
-    def of_rows(adapters: Sequence[LoraAdapter | None], device: torch.device) -> LoraBatch | None:
-        """Group each token row's adapter (None = base); None where no row has one."""
+    def of_rows(
+        adapters: Sequence[LoraAdapter | None],
+        device: torch.device,
+        stacks: LoraStacks | None = None,
+    ) -> LoraBatch | None:
+        """Group each token row's adapter (None = base); None where no row has one. With
+        ``stacks``, rows of several adapters (or one adapter beside base rows) are planned
+        as one masked matmul pair per projection."""
         by_id: dict[str, tuple[LoraAdapter, list[int]]] = {}
         for row, adapter in enumerate(adapters):
             if adapter is not None:
@@ -44,12 +56,18 @@ class LoraBatch:
             return None
         plans: dict[str, _GroupPlan] = {}
         for key in GROUPS:
-            segments = [(a.groups[key], rows) for a, rows in by_id.values() if key in a.groups]
+            having = [(a, rows) for a, rows in by_id.values() if key in a.groups]
+            segments = [(a.groups[key], rows) for a, rows in having]
             if not segments:
                 continue
             if len(segments) == 1 and len(segments[0][1]) == len(adapters):
                 plans[key] = _GroupPlan(None, ((segments[0][0], 0, len(adapters)),))
                 continue
+            if stacks is not None:
+                plan = _stacked(key, having, len(adapters), device, stacks)
+                if plan is not None:
+                    plans[key] = plan
+                    continue
             order: list[int] = []
             parts = []
             for group, rows in segments:
@@ -65,6 +83,11 @@ class LoraBatch:
         plan = self.plans.get(group)
         if plan is None:
             return
+        if plan.stack is not None:
+            assert plan.mask is not None
+            u = (x @ plan.stack.a[layer].T).mul_(plan.mask)
+            out.addmm_(u, plan.stack.b[layer].T)
+            return
         if plan.rows is None:
             g = plan.parts[0][0]
             out.addmm_(x @ g.a[layer].T, g.b[layer].T)  # in place: no [T, out] temporary
@@ -74,6 +97,30 @@ class LoraBatch:
         xs = x.index_select(0, plan.rows)
         deltas = [(xs[s:e] @ g.a[layer].T) @ g.b[layer].T for g, s, e in plan.parts]
         out.index_add_(0, plan.rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas))
+
+
+def _stacked(
+    key: str,
+    having: list[tuple[LoraAdapter, list[int]]],
+    total: int,
+    device: torch.device,
+    stacks: LoraStacks,
+) -> _GroupPlan | None:
+    """The masked plan of ``having`` (each adapter with ``key`` and its rows); None when
+    the stacked copy does not fit its bound."""
+    if len(having) == 1:
+        stack: LoraGroup | None = having[0][0].groups[key]
+    else:
+        stack = stacks.stacked(tuple(a for a, _ in having), key)
+    if stack is None:
+        return None
+    mask = torch.zeros(total, stack.a.shape[1], dtype=stack.a.dtype)
+    start = 0
+    for adapter, rows in having:
+        rank = adapter.groups[key].a.shape[1]
+        mask[rows, start : start + rank] = 1
+        start += rank
+    return _GroupPlan(None, (), stack, mask.to(device))
 
 
 def lora_qkv(i: int, layer: Layer, x: torch.Tensor, lora: LoraBatch, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ from kvcache.dense import DenseAttention
 from service.model import LoadedModel
 from service.model.lora import LoraError, load_lora
 from service.model.lora_batch import LoraBatch
+from service.model.lora_stack import LoraStacks
 from tests.fixtures.tiny_lora import edit_adapter_config, greedy_with_adapter, write_random_lora
 from tools.parity.checks import greedy_ours, hf_agrees_with_greedy, logits_hf
 
@@ -128,16 +129,22 @@ def test_a_mixed_step_adds_each_rows_own_adapter_delta_and_none_to_base_rows(
     first = load_lora("x", _write(tiny_dir, tmp_path / "x", rank=8), config, torch.float32, 64)
     second = load_lora("y", _write(tiny_dir, tmp_path / "y", rank=4), config, torch.float32, 64)
     rows = [first, None, second, first, None, second, second]
-    batch = LoraBatch.of_rows(rows, torch.device("cpu"))
-    assert batch is not None
     x = torch.randn(len(rows), config.hidden_size, generator=torch.Generator().manual_seed(0))
     width = config.q_size + 2 * config.kv_size
-    out = torch.zeros(len(rows), width)
-    batch.add(1, "qkv", x, out)
-    for i, adapter in enumerate(rows):
-        if adapter is None:
-            assert torch.equal(out[i], torch.zeros(width))
-        else:
-            g = adapter.groups["qkv"]
-            assert torch.allclose(out[i], (x[i] @ g.a[1].T) @ g.b[1].T, atol=1e-6)
-    assert LoraBatch.of_rows([None, None], torch.device("cpu")) is None
+    cpu = torch.device("cpu")
+    # the segment loop, the stacked masked matmuls, and the segment loop again where the
+    # stacked copy does not fit its bound
+    choices = ((None, False), (LoraStacks(), True), (LoraStacks(max_bytes=first.nbytes), False))
+    for stacks, stacked in choices:
+        batch = LoraBatch.of_rows(rows, cpu, stacks)
+        assert batch is not None
+        assert (batch.plans["qkv"].stack is not None) == stacked
+        out = torch.zeros(len(rows), width)
+        batch.add(1, "qkv", x, out)
+        for i, adapter in enumerate(rows):
+            if adapter is None:
+                assert torch.equal(out[i], torch.zeros(width))
+            else:
+                g = adapter.groups["qkv"]
+                assert torch.allclose(out[i], (x[i] @ g.a[1].T) @ g.b[1].T, atol=1e-6)
+    assert LoraBatch.of_rows([None, None], cpu) is None
