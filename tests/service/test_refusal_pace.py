@@ -122,7 +122,9 @@ def _calls(
         Authenticator(registry), lambda: False, structlog.get_logger(), pace=pace
     )
 
-    async def generate(request: Any, context: Any, tenant: Any) -> Any:
+    async def generate(
+        request: Any, context: Any, tenant: Any, auth_ns: tuple[int, int] | None = None
+    ) -> Any:
         yield request
 
     inner = grpc.unary_stream_rpc_method_handler(generate)

@@ -53,7 +53,7 @@ EVERY_FLAG = [
     "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
     "--decode-stretch", "1.5", "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
-    "--otlp-endpoint", "http://o:4317",
+    "--otlp-endpoint", "http://o:4317", "--max-lora-rank", "16", "--max-loras-per-tenant", "2",
 ]
 
 
@@ -82,6 +82,8 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             kv_overcommit=True,
             http_port=8080,
             otlp_endpoint="http://o:4317",
+            max_lora_rank=16,
+            max_loras_per_tenant=2,
             cluster_limits=ClusterLimitsConfig("redis://r:6379/0", "closed", lease_ttl_s=4.0),
         ),
         sizing=EngineSizing(
