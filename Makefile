@@ -16,7 +16,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test test-fast sanitize serve parity verify mutants bench peers docs model clean gpu-wheels \
+.PHONY: install protos lint typecheck test test-slow test-fast sanitize serve parity verify mutants bench peers docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps
 
 $(STAMP): pyproject.toml Makefile
@@ -40,12 +40,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvcache clients service protos
 
+# Lint, types and every test not marked slow (about 5 minutes on 2 cores). CI runs this,
+# then test-slow: the tests that load transformers oracles, soak, or build many kernels.
 test: $(STAMP) model lint typecheck
 	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" --durations=10
+
+# The slow tier: every test marked slow (CI runs it after make test).
+test-slow: $(STAMP) model
+	@$(MAKE) --no-print-directory cluster-deps || echo "kvfence: tests/cluster skip what needs them"
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m slow --durations=10
 
-# The fast tier alone (every test but those marked slow), for the edit-test loop.
+# The fast tier alone (no lint or types), for the edit-test loop.
 test-fast: $(STAMP) model
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
 

@@ -73,7 +73,7 @@ def hf_oracle(default_model_path: Path) -> tuple[Any, Any]:
 
 
 #: A test that takes longer than this (setup + call + teardown, on 2 cores) belongs to the
-#: slow tier: ``make test`` runs ``-m "not slow"`` first, then ``-m slow``.
+#: slow tier: ``make test`` runs ``-m "not slow"``, ``make test-slow`` (and CI) ``-m slow``.
 SLOW_SECONDS = 20.0
 _unmarked_slow: dict[str, float] = {}
 

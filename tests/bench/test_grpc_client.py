@@ -13,6 +13,7 @@ from bench.kvfence_runner import Sizing, grpc_server, run_grpc, run_grpc_elsewhe
 from service.model.loader import LoadedModel
 
 
+@pytest.mark.slow
 def test_client_in_its_own_process_streams_what_an_in_process_client_gets(
     default_model: LoadedModel,
 ) -> None:

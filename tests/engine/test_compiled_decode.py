@@ -56,6 +56,7 @@ def _generate(loaded: LoadedModel, mode: str) -> tuple[dict[str, list[int]], int
     return tokens, 0 if graphs is None else graphs.replays
 
 
+@pytest.mark.slow
 def test_compiled_decode_matches_the_eager_engine(packed_bf16: LoadedModel) -> None:
     _skip_unless_compilable(packed_bf16)
     eager, no_replays = _generate(packed_bf16, "off")

@@ -48,6 +48,7 @@ print(before, loaded_at, served_at, tasks())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="OpenMP starts no workers on 1 CPU")
 def test_loading_warming_up_and_serving_leave_no_thread_pool_on_the_caller() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}

@@ -32,6 +32,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], P
     return json.loads((out / "gpu.json").read_text()), out
 
 
+@pytest.mark.slow
 def test_every_requirement_passes(dry_run: tuple[dict[str, Any], Path]) -> None:
     result, out = dry_run
     assert result["meta"]["dry_run"] is True and result["meta"]["device"] == "cpu"

@@ -17,6 +17,9 @@ from service.model import LoadedModel
 
 from .helpers import FakeClock, attn_of, grow
 
+# Loads transformers beside the default model (about 20 s on 2 cores): the slow tier.
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 32
 PROMPTS = {
     "a": "The capital of France is Paris. The capital of Germany is",

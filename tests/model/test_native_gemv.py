@@ -204,6 +204,7 @@ def test_kernel_refuses_what_it_does_not_take() -> None:
         kernel.matmul(torch.randn(1, 96), blocks)  # K does not match the blocks
 
 
+@pytest.mark.slow
 def test_switched_off_or_no_compiler_keeps_torchs_kernel(
     monkeypatch: pytest.MonkeyPatch, default_model_path: Path
 ) -> None:
@@ -220,6 +221,7 @@ def test_switched_off_or_no_compiler_keeps_torchs_kernel(
     assert native_gemv.kernel() is None
 
 
+@pytest.mark.slow
 def test_float32_int4_decodes_through_the_kernel_like_the_dense_model(
     default_model_path: Path,
 ) -> None:
@@ -465,6 +467,7 @@ def _add_greedy(
     )
 
 
+@pytest.mark.slow
 def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
     """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
     kvcache's ``NativeAttend`` for the K/V write and attention); steps with more tokens than
@@ -507,6 +510,7 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
     assert steps == 1 + len(batches)
 
 
+@pytest.mark.slow
 def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: Path) -> None:
     """Steps that carry prefill chunks small enough for the packs run through the stack too,
     each chunk token a row of kvcache's decode kernel over its own prefix: two prompts
@@ -558,6 +562,7 @@ def test_decoder_stack_runs_steps_with_short_prefill_chunks(default_model_path: 
     assert batches[:3] == [21, 2, 9]
 
 
+@pytest.mark.slow
 def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) -> None:
     """The stack checks the step's attention against its own shapes before the native call,
     and a KV row outside the pool is refused: by ``step_context`` when it is made, and by
@@ -601,6 +606,7 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
     assert stack(x, rope, good) is x and pool.any()
 
 
+@pytest.mark.slow
 def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense_bf16(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -649,6 +655,7 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
         assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
 
 
+@pytest.mark.slow
 def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -659,6 +666,7 @@ def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
     assert lm.dtype == torch.bfloat16 and lm.dense_dtype is None
 
 
+@pytest.mark.slow
 def test_the_invariant_model_has_one_kernel_for_every_batch_size(
     default_model_path: Path,
 ) -> None:

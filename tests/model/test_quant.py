@@ -123,6 +123,7 @@ def test_auto_resolves_to_the_files_blocks_only_where_a_fast_kernel_exists(
         resolve_weights("int3", torch.bfloat16, "cpu")
 
 
+@pytest.mark.slow
 def test_model_uses_packs_for_small_batches_and_dense_for_large(default_model_path: Path) -> None:
     # int8 per-row quantization is lossy, so its logits visibly differ from the dense ones:
     # a decode-sized batch must show the difference, a prefill-sized one must not.

@@ -112,6 +112,7 @@ async def _drain(proc: ServerProcess, key: str, flights: list[Flight]) -> dict[s
     return {"t_sig": t_sig, "refused_at": refused_at, "accepted_after": accepted_after_refusal}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(size(180, 300))
 def test_sigterm_drains_in_flight_streams_and_exits_zero(
     medium_dir: Path, tmp_path: Path, record: Recorder

@@ -174,6 +174,7 @@ def _rss_mb() -> float:
         return peak_kb / 1024.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(size(180, 900))
 def test_soak_streams_stay_whole_and_the_pool_returns_to_baseline(
     srv: ServerHandle, record: Recorder
