@@ -8,10 +8,12 @@ import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 import torch
 
 from kvcache import CacheConfig, KVCacheManager, PagePool, StepEntry
 from kvcache.attention import LayerAttention
+from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
 
 from .helpers import SECRET, FakeClock, attn_of, grow
@@ -82,3 +84,12 @@ def run_steps(
         for e in entries:
             done[e.seq_id] += e.num_new
     return worst, far
+
+
+def pick_decode_backend(monkeypatch: pytest.MonkeyPatch, kernel: bool) -> None:
+    """Run the torch backend's attention on the C decode kernel (skipped where it cannot be
+    built) or, with ``kernel`` False, on torch alone."""
+    if kernel and cpu_decode.kernel() is None:
+        pytest.skip("no C compiler for the decode kernel")
+    if not kernel:
+        monkeypatch.setattr(cpu_decode, "kernel", lambda: None)

@@ -23,7 +23,7 @@ from kvcache.dense import DenseAttention, causal_attention
 from kvcache.errors import KernelRefused
 
 from .fake_flashinfer import ReferenceWrapper
-from .layer_steps import HKV, HQ, PAGE, D, manager, run_steps
+from .layer_steps import HKV, HQ, PAGE, D, manager, pick_decode_backend, run_steps
 
 CAP, WINDOW = 2.0, 5
 WINDOWS, CAPS = (0, WINDOW), (CAP, CAP)
@@ -50,10 +50,7 @@ def _run(mgr: KVCacheManager, native: bool = False) -> tuple[float, float]:
 def test_the_torch_backend_caps_each_layers_scores(
     monkeypatch: pytest.MonkeyPatch, kernel: bool, dtype: torch.dtype
 ) -> None:
-    if kernel and cpu_decode.kernel() is None:
-        pytest.skip("no C compiler for the decode kernel")
-    if not kernel:
-        monkeypatch.setattr(cpu_decode, "kernel", lambda: None)
+    pick_decode_backend(monkeypatch, kernel)
     worst, far = _run(_manager(dtype))
     assert worst <= (1e-5 if dtype == torch.float32 else 3e-2)
     assert far > 0.1  # the uncapped oracle is far: the cap is what matched
