@@ -95,7 +95,8 @@ class LoraBatch:
                 return None
             if group.a.dtype != torch.float32 or not group.a.is_cpu:
                 return None
-            deltas[key] = StackDelta(group.a, group.b, mask)
+            # b is block-diagonal by module (lora._group): the kernel skips the zero blocks
+            deltas[key] = StackDelta(group.a, group.b, mask, len(GROUPS[key]))
         return deltas
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:

@@ -475,11 +475,16 @@ class StackDelta:
     x for qkv and gate_up, the attention output for o, ``silu(gate) * up`` for down).
     ``a`` ``[layers, R, k]`` and ``b`` ``[layers, n, R]`` are the step's adapters' weights
     stacked along the rank axis; ``mask`` ``[rows, R]`` keeps each row's own adapter's
-    ranks (1, or the scale; 0 elsewhere, and everywhere on a base row)."""
+    ranks (1, or the scale; 0 elsewhere, and everywhere on a base row). With ``parts`` > 1
+    (3 for qkv's q|k|v, 2 for gate_up's gate|up) ``b`` is block-diagonal by module, as
+    :mod:`service.model.lora` builds it: within each adapter's rank block, module ``j``'s
+    output rows are nonzero only in the ``j``-th of ``parts`` equal rank slices, and the
+    kernel reads only that slice for them."""
 
     a: torch.Tensor
     b: torch.Tensor
     mask: torch.Tensor
+    parts: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -590,8 +595,8 @@ class DecoderStack:
         return x
 
     def _lora_table(self, lora: Mapping[str, StackDelta], m: int) -> torch.Tensor:
-        """The C call's LoRA table ``[layers, 4, 4]`` int64 (per layer and projection: a, b,
-        mask, R; R = 0 for none) after checking every delta's shapes against this stack's.
+        """The C call's LoRA table ``[layers, 4, 5]`` int64 (per layer and projection: a, b,
+        mask, R, parts; R = 0 for none) after checking every delta's shapes against this stack's.
         The table points into ``lora``'s tensors: the caller holds them for the call."""
         layers, hidden, hq, hkv, dim, inter = self._shape
         n_qkv = (hq + 2 * hkv) * dim
@@ -601,7 +606,8 @@ class DecoderStack:
         }  # fmt: skip
         if not set(lora) <= set(LORA_GROUPS):
             raise ValueError("LoRA deltas for projections the native decoder stack does not have")
-        table = torch.zeros(layers, len(LORA_GROUPS), 4, dtype=torch.int64)
+        most = {"qkv": 3, "gate_up": 2}
+        table = torch.zeros(layers, len(LORA_GROUPS), 5, dtype=torch.int64)
         at = torch.arange(layers, dtype=torch.int64)
         for g, name in enumerate(LORA_GROUPS):
             d = lora.get(name)
@@ -618,12 +624,14 @@ class DecoderStack:
                 and d.a.shape == (layers, r, k)
                 and d.b.shape == (layers, n, r)
                 and d.mask.shape == (m, r)
+                and d.parts in (1, most.get(name, 1))
             ):
                 raise ValueError("a LoRA delta the native decoder stack does not take")
             table[:, g, 0] = d.a.data_ptr() + at * (r * k * 4)
             table[:, g, 1] = d.b.data_ptr() + at * (n * r * 4)
             table[:, g, 2] = d.mask.data_ptr()
             table[:, g, 3] = r
+            table[:, g, 4] = d.parts
         if table.shape[1] * table.shape[2] != self._lora_columns:
             raise ValueError("the native decoder stack's LoRA table does not match its kernel")
         return table

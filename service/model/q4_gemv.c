@@ -1242,6 +1242,39 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return s;
 }
 
+#ifdef KVF_SIMD
+/* The sums of 8 vectors' lanes, in order: [sum(v[0]), ..., sum(v[7])]. */
+static inline __m256 hsum8x8(const __m256 *v) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* out[0..8] += dot(u, b + q * stride) for q < 8, each over len values: the LoRA B product
+ * of 8 output rows at once, their 8 sums reduced together.
+ * NOTE: a delta's dots are only a rank long (8-64 values), so one horizontal sum per output
+ * cost as much as its multiply-adds. */
+static inline void dots8_add(const float *u, const float *b, size_t stride, int len, float *out) {
+    __m256 acc[8];
+    for (int q = 0; q < 8; ++q) acc[q] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256 uj = _mm256_loadu_ps(u + j);
+        for (int q = 0; q < 8; ++q)
+            acc[q] = _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + q * stride + j), acc[q]);
+    }
+    if (j < len) {
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(len - j),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 uj = _mm256_maskload_ps(u + j, live);
+        for (int q = 0; q < 8; ++q)
+            acc[q] = _mm256_fmadd_ps(uj, _mm256_maskload_ps(b + q * stride + j, live), acc[q]);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), hsum8x8(acc)));
+}
+#endif
+
 /* below this many multiply-adds a LoRA product runs on one thread */
 #define LORA_PARALLEL 32768
 
@@ -1250,9 +1283,15 @@ static inline float dot_f32(const float *a, const float *b, int n) {
  * mask [rows, ranks] each row's own adapter's ranks (its scale, or 1) and 0 elsewhere.
  * Rank columns a row's mask zeroes are never computed, and a row with no nonzero mask
  * (a base row) gets nothing added: its values stay bit for bit the base projection's.
+ * With parts > 1, b is block-diagonal by module, as a fused projection's adapters are built
+ * (service/model/lora.py): the outputs stack parts modules, module j's rows ending at
+ * ends[j] (ends[parts - 1] = n), each adapter's rank block stacks one rank slice per module in the same
+ * order, and module j's outputs have nonzero b only in the j-th slice; a row whose mask span
+ * divides into parts slices then reads only its module's slice (the other products are 0).
  * u [rows, ranks] and span [rows, 2] are scratch. */
 static void lora_delta(const float *in, int rows, int k, const float *a, const float *b,
-                       const float *mask, int ranks, int n, float *out, float *u, int *span) {
+                       const float *mask, int ranks, int n, int parts, const int *ends, float *out,
+                       float *u, int *span) {
     for (int r = 0; r < rows; ++r) {
         const float *mr = mask + (size_t)r * ranks;
         int lo = 0, hi = ranks;
@@ -1270,12 +1309,31 @@ static void lora_delta(const float *in, int rows, int k, const float *a, const f
             u[(size_t)r * ranks + j] = m == 0.0f ? 0.0f : dot_f32(in + (size_t)r * k, aj, k) * m;
         }
     }
+    const int octets = (n + 7) / 8;
 #pragma omp parallel for schedule(static) if (work_b >= LORA_PARALLEL)
-    for (int i = 0; i < n; ++i) {
-        const float *bi = b + (size_t)i * ranks;
+    for (int o = 0; o < octets; ++o) {
+        const int i0 = 8 * o, count = n - i0 < 8 ? n - i0 : 8;
+        int module = 0;
+        while (module + 1 < parts && i0 >= ends[module]) ++module;
+        /* the octet lies in one module (else each row reads its whole span) */
+        const int one = parts > 1 && i0 + count <= ends[module];
         for (int r = 0; r < rows; ++r) {
-            const int lo = span[2 * r], hi = span[2 * r + 1];
-            if (lo < hi) out[(size_t)r * n + i] += dot_f32(u + (size_t)r * ranks + lo, bi + lo, hi - lo);
+            int lo = span[2 * r], hi = span[2 * r + 1];
+            if (lo >= hi) continue;
+            if (one && (hi - lo) % parts == 0) {
+                const int slice = (hi - lo) / parts;
+                lo += module * slice;
+                hi = lo + slice;
+            }
+            const float *ur = u + (size_t)r * ranks + lo, *bi = b + (size_t)i0 * ranks + lo;
+            float *dst = out + (size_t)r * n + i0;
+#ifdef KVF_SIMD
+            if (count == 8) {
+                dots8_add(ur, bi, (size_t)ranks, hi - lo, dst);
+                continue;
+            }
+#endif
+            for (int q = 0; q < count; ++q) dst[q] += dot_f32(ur, bi + (size_t)q * ranks, hi - lo);
         }
     }
 }
@@ -1284,7 +1342,7 @@ static void lora_delta(const float *in, int rows, int k, const float *a, const f
  * kvf_decoder_stack's LoRA table (int64 each): a [R, k] and b [n, R] float32 pointers (the
  * layer's slice of the step's stacked adapter weights), mask [rows, R] float32 and R; R = 0
  * is no delta for that projection in that layer. */
-enum { L_A, L_B, L_MASK, L_RANKS, L_COLUMNS };
+enum { L_A, L_B, L_MASK, L_RANKS, L_PARTS, L_COLUMNS };
 enum { G_QKV, G_O, G_GATE_UP, G_DOWN, G_COUNT };
 #define LORA_MAX_RANKS 65536
 
@@ -1297,11 +1355,13 @@ static inline const int64_t *lora_entry(const int64_t *lora, int l, int g) {
     return e[L_RANKS] > 0 ? e : NULL;
 }
 
-/* lora_delta for a table entry e (k inputs, n outputs). */
-static inline void lora_add(const int64_t *e, const float *in, int rows, int k, int n, float *out,
-                            float *u, int *span) {
+/* lora_delta for a table entry e (k inputs, n outputs); ends: its modules' row ends when
+ * e has parts > 1 (checked against them on entry to kvf_decoder_stack). */
+static inline void lora_add(const int64_t *e, const float *in, int rows, int k, int n,
+                            const int *ends, float *out, float *u, int *span) {
     lora_delta(in, rows, k, (const float *)(intptr_t)e[L_A], (const float *)(intptr_t)e[L_B],
-               (const float *)(intptr_t)e[L_MASK], (int)e[L_RANKS], n, out, u, span);
+               (const float *)(intptr_t)e[L_MASK], (int)e[L_RANKS], n, (int)e[L_PARTS], ends,
+               out, u, span);
 }
 
 /* kvf_mlp with the LoRA deltas of entries o, gu, down (each NULL: none) added after their
@@ -1315,14 +1375,15 @@ static int lora_mlp(float *x, const float *attn, float *h, int rows, int hidden,
     if (kvf_gemv(attn, rows, q_size, (const uint8_t *)(intptr_t)t[T_O], hidden, x, (int)t[T_O_Q8], 0,
                  NULL, 0.0f, 1, NULL, 0, 0) != 0)
         return -1;
-    if (o != NULL) lora_add(o, attn, rows, q_size, hidden, x, u, span);
+    if (o != NULL) lora_add(o, attn, rows, q_size, hidden, NULL, x, u, span);
     if (kvf_gemv(x, rows, hidden, (const uint8_t *)(intptr_t)t[T_GATE_UP], 2 * inter, h,
                  (int)t[T_GATE_UP_Q8], 0, gamma, eps, 0, NULL, 0, 0) != 0)
         return -1;
     if (gu != NULL) {
         for (int r = 0; r < rows; ++r)
             input_row(x + (size_t)r * hidden, hidden, 0, gamma, eps, v + (size_t)r * hidden);
-        lora_add(gu, v, rows, hidden, 2 * inter, h, u, span);
+        const int halves[2] = {inter, 2 * inter};
+        lora_add(gu, v, rows, hidden, 2 * inter, halves, h, u, span);
     }
     if (down == NULL)
         return kvf_gemv(h, rows, inter, (const uint8_t *)(intptr_t)t[T_DOWN], hidden, x,
@@ -1331,7 +1392,7 @@ static int lora_mlp(float *x, const float *attn, float *h, int rows, int hidden,
     if (kvf_gemv(v, rows, inter, (const uint8_t *)(intptr_t)t[T_DOWN], hidden, x, (int)t[T_DOWN_Q8],
                  0, NULL, 0.0f, 1, NULL, 0, 0) != 0)
         return -1;
-    lora_add(down, v, rows, inter, hidden, x, u, span);
+    lora_add(down, v, rows, inter, hidden, NULL, x, u, span);
     return 0;
 }
 
@@ -1360,11 +1421,15 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         dim % 2 != 0 || inter < 1 || rope == NULL || attend == NULL || table == NULL)
         return -1;
     const size_t r = (size_t)rows;
+    const int qkv_ends[3] = {q_size, q_size + kv_size, n_qkv};
     int64_t max_ranks = 0;
     for (size_t e = 0; lora != NULL && e < (size_t)layers * G_COUNT; ++e) {
         const int64_t *g = lora + e * L_COLUMNS;
         if (g[L_RANKS] < 0 || g[L_RANKS] > LORA_MAX_RANKS) return -1;
         if (g[L_RANKS] > 0 && (g[L_A] == 0 || g[L_B] == 0 || g[L_MASK] == 0)) return -1;
+        /* only qkv (q|k|v) and gate_up (gate|up) are block-diagonal by module */
+        const int most = e % G_COUNT == G_QKV ? 3 : e % G_COUNT == G_GATE_UP ? 2 : 1;
+        if (g[L_PARTS] != 1 && g[L_PARTS] != most) return -1;
         if (g[L_RANKS] > max_ranks) max_ranks = g[L_RANKS];
     }
     /* qkv, then q, k, v (contiguous per head block), attention output, and gate/up */
@@ -1400,7 +1465,7 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         if (dq != NULL) {
             for (size_t i = 0; i < r; ++i)
                 input_row(x + i * hidden, hidden, 0, attn_norm, eps, lv + i * hidden);
-            lora_add(dq, lv, rows, hidden, n_qkv, qkv, lu, span);
+            lora_add(dq, lv, rows, hidden, n_qkv, qkv_ends, qkv, lu, span);
             rope_rows(qkv, rows, n_qkv, q_heads + kv_heads, dim, rope);
         }
         for (size_t i = 0; i < r; ++i) {
