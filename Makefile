@@ -63,7 +63,7 @@ test-fast: $(STAMP) model
 # finding: that bit-for-bit test runs on the other builds only.)
 KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_boundary.py \
 	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py \
-	tests/model/test_native_gemv_panels.py \
+	tests/model/test_native_gemv_panels.py tests/model/test_lora_stack.py \
 	-k "not auto_on_a_bf16_cpu"
 SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
 sanitize: $(STAMP) model

@@ -9,8 +9,9 @@ Attention never happens here: every layer hands its RoPE'd q, k, v to the ``attn
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +22,23 @@ from service.model.invariance import invariant_packs
 from service.model.layers import Layer, dense, layers, normed, stack
 from service.model.lora_batch import LoraBatch, lora_qkv, lora_rest
 from service.model.moe import Activation, MoeRouting, moe_mlp
+from service.model.native_gemv import StackDelta
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import attention_factor, cos_sin_table, inv_freq
 
-# The native decoder stack's call: (hidden rows, RoPE rows, the step's native attention)
-# -> hidden rows, updated in place.
-StackFn = Callable[[torch.Tensor, torch.Tensor, NativeAttend], torch.Tensor]
+
+class StackFn(Protocol):
+    """Every decoder layer of an all-decode step in one call
+    (:class:`~service.model.native_gemv.DecoderStack`): ``x`` updated in place and returned,
+    with ``lora`` the step's adapter deltas by fused projection (None: base rows only)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        attend: NativeAttend,
+        lora: Mapping[str, StackDelta] | None = None,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -247,15 +259,20 @@ class LlamaModel(torch.nn.Module):
         # An all-decode float32 step whose attention kvcache offers to native code runs every
         # layer in one native call (the same calls as the loop below, without Python between).
         native: Callable[..., NativeAttend | None] | None = getattr(attn, "native_attend", None)
-        # NOTE: a step with adapter rows runs the layer loop: the native stack and the fused
-        # calls below have no point between a projection and its use to add a delta at.
-        stack = self._stack if small and lora is None else None
+        # A step with adapter rows runs the stack with each projection's stacked, masked
+        # delta (added inside the native call); where they cannot be had in that form, the
+        # layer loop below adds them (the fused calls have no point to add a delta at).
+        deltas = None if lora is None else lora.stack_deltas(t)
+        stack = self._stack if small and (lora is None or deltas is not None) else None
         # Batch-invariant: every token, prefill or decode, a decode-kernel row of the native
         # stack (kvcache's steps on CPU always offer it). An attention without a native path
         # (DenseAttention: parity, tests) runs per layer below, on the same projections.
         plan = None if stack is None or native is None else native(hq, self.batch_invariant)
         if stack is not None and plan is not None:
-            stack(x, rope, plan)
+            if deltas is None:
+                stack(x, rope, plan)
+            else:
+                stack(x, rope, plan, deltas)
         for i, layer in enumerate(() if plan is not None else layers):
             if layer.roped_qkv is not None and lora is None:
                 # norm, projection and RoPE of the q and k heads in one native call

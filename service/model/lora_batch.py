@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from service.model.layers import Layer
 from service.model.lora import GROUPS, LoraAdapter, LoraGroup
 from service.model.lora_stack import LoraStacks
+from service.model.native_gemv import StackDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,27 @@ class LoraBatch:
             rows_t = torch.tensor(order, dtype=torch.long, device=device)
             plans[key] = _GroupPlan(rows_t, tuple(parts))
         return LoraBatch(plans)
+
+    def stack_deltas(self, rows: int) -> dict[str, StackDelta] | None:
+        """Every planned projection as one stacked, masked delta for the native decoder stack
+        (:class:`~service.model.native_gemv.StackDelta`), for a step of ``rows`` rows; None
+        where a plan is a per-adapter segment loop (its mix's stacked copy did not fit its
+        bound) or the weights are not float32 on the CPU: that step runs the layer loop."""
+        deltas: dict[str, StackDelta] = {}
+        for key, plan in self.plans.items():
+            if plan.stack is not None:
+                assert plan.mask is not None
+                group, mask = plan.stack, plan.mask
+            elif plan.rows is None:
+                group = plan.parts[0][0]
+                mask = torch.ones(rows, group.a.shape[1], dtype=group.a.dtype)
+            else:
+                return None
+            if group.a.dtype != torch.float32 or not group.a.is_cpu:
+                return None
+            # b is block-diagonal by module (lora._group): the kernel skips the zero blocks
+            deltas[key] = StackDelta(group.a, group.b, mask, len(GROUPS[key]))
+        return deltas
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[rows] += (x[rows] @ A[layer].T) @ B[layer].T`` for each adapter of the step

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,9 +85,10 @@ class Q4Kernel:
         self.stack.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ]
         self.stack_columns = int(lib.kvf_stack_columns())
+        self.stack_lora_columns = int(lib.kvf_stack_lora_columns())
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
         self.simd = bool(lib.kvf_q4_simd())
@@ -462,6 +463,30 @@ class Q4Linear:
         return self.blocks.nbytes
 
 
+# The fused projections a step's LoRA deltas attach to, in the C table's order.
+LORA_GROUPS = ("qkv", "o", "gate_up", "down")
+MAX_LORA_RANKS = 65536  # LORA_MAX_RANKS in q4_gemv.c
+
+
+@dataclass(frozen=True, slots=True)
+class StackDelta:
+    """One fused projection's LoRA delta in every layer of a :class:`DecoderStack` step:
+    ``out += ((v @ a[l].T) * mask) @ b[l].T``, with ``v`` the projection's input (the normed
+    x for qkv and gate_up, the attention output for o, ``silu(gate) * up`` for down).
+    ``a`` ``[layers, R, k]`` and ``b`` ``[layers, n, R]`` are the step's adapters' weights
+    stacked along the rank axis; ``mask`` ``[rows, R]`` keeps each row's own adapter's
+    ranks (1, or the scale; 0 elsewhere, and everywhere on a base row). With ``parts`` > 1
+    (3 for qkv's q|k|v, 2 for gate_up's gate|up) ``b`` is block-diagonal by module, as
+    :mod:`service.model.lora` builds it: within each adapter's rank block, module ``j``'s
+    output rows are nonzero only in the ``j``-th of ``parts`` equal rank slices, and the
+    kernel reads only that slice for them."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    mask: torch.Tensor
+    parts: int = 1
+
+
 @dataclass(frozen=True, slots=True)
 class StackLayer:
     """One decoder layer's packed projections and norm weights for :class:`DecoderStack`."""
@@ -507,6 +532,7 @@ class DecoderStack:
             ):
                 raise ValueError("layers the native decoder stack does not take")
         self._fn = kernel.stack
+        self._lora_columns = kernel.stack_lora_columns
         self._max_rows = kernel.max_rows
         self._shape = (len(layers), hidden, q_heads, kv_heads, head_dim, inter)
         self._eps = eps
@@ -526,10 +552,18 @@ class DecoderStack:
         if self._table.shape[1] != kernel.stack_columns:
             raise ValueError("the native decoder stack's table does not match its kernel")
 
-    def __call__(self, x: torch.Tensor, rope: torch.Tensor, attend: NativeAttend) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        attend: NativeAttend,
+        lora: Mapping[str, StackDelta] | None = None,
+    ) -> torch.Tensor:
         """``x`` ``[M, hidden]`` float32 (the embeddings), run through every layer in place
         and returned; ``rope`` ``[M, 2, head_dim]`` float32 (cos, signed sin) at each row's
-        position; ``attend`` this step's, for ``M`` sequences of one token each."""
+        position; ``attend`` this step's, for ``M`` sequences of one token each. ``lora``:
+        the step's adapter deltas by fused projection (:data:`LORA_GROUPS`); a projection
+        absent from it gets none."""
         layers, hidden, hq, hkv, dim, inter = self._shape
         m = x.shape[0]
         if not (
@@ -547,9 +581,10 @@ class DecoderStack:
             and attend.num_layers == layers
         ):
             raise ValueError("shape or dtype the native decoder stack does not take")
+        table = None if lora is None else self._lora_table(lora, m)
         status = self._fn(
             x.data_ptr(), m, hidden, layers, self._table.data_ptr(), hq, hkv, dim, inter,
-            self._eps, rope.data_ptr(), attend.fn, attend.ctx,
+            self._eps, rope.data_ptr(), attend.fn, attend.ctx, _pointer(table),
         )
         if status == -2:
             raise KernelRefused(
@@ -558,3 +593,45 @@ class DecoderStack:
         if status != 0:
             raise ValueError("the native decoder stack refused its shapes")
         return x
+
+    def _lora_table(self, lora: Mapping[str, StackDelta], m: int) -> torch.Tensor:
+        """The C call's LoRA table ``[layers, 4, 5]`` int64 (per layer and projection: a, b,
+        mask, R, parts; R = 0 for none) after checking every delta's shapes against this stack's.
+        The table points into ``lora``'s tensors: the caller holds them for the call."""
+        layers, hidden, hq, hkv, dim, inter = self._shape
+        n_qkv = (hq + 2 * hkv) * dim
+        sizes = {
+            "qkv": (hidden, n_qkv), "o": (hq * dim, hidden),
+            "gate_up": (hidden, 2 * inter), "down": (inter, hidden),
+        }  # fmt: skip
+        if not set(lora) <= set(LORA_GROUPS):
+            raise ValueError("LoRA deltas for projections the native decoder stack does not have")
+        most = {"qkv": 3, "gate_up": 2}
+        table = torch.zeros(layers, len(LORA_GROUPS), 5, dtype=torch.int64)
+        at = torch.arange(layers, dtype=torch.int64)
+        for g, name in enumerate(LORA_GROUPS):
+            d = lora.get(name)
+            if d is None:
+                continue
+            k, n = sizes[name]
+            r = d.a.shape[1] if d.a.dim() == 3 else -1
+            if not (
+                0 < r <= MAX_LORA_RANKS
+                and all(
+                    t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+                    for t in (d.a, d.b, d.mask)
+                )
+                and d.a.shape == (layers, r, k)
+                and d.b.shape == (layers, n, r)
+                and d.mask.shape == (m, r)
+                and d.parts in (1, most.get(name, 1))
+            ):
+                raise ValueError("a LoRA delta the native decoder stack does not take")
+            table[:, g, 0] = d.a.data_ptr() + at * (r * k * 4)
+            table[:, g, 1] = d.b.data_ptr() + at * (n * r * 4)
+            table[:, g, 2] = d.mask.data_ptr()
+            table[:, g, 3] = r
+            table[:, g, 4] = d.parts
+        if table.shape[1] * table.shape[2] != self._lora_columns:
+            raise ValueError("the native decoder stack's LoRA table does not match its kernel")
+        return table

@@ -1224,20 +1224,195 @@ enum { T_QKV, T_QKV_Q8, T_ATTN_NORM, T_O, T_O_Q8, T_MLP_NORM, T_GATE_UP, T_GATE_
 
 int kvf_stack_columns(void) { return T_COLUMNS; }
 
+/* One float32 dot product of length n. */
+static inline float dot_f32(const float *a, const float *b, int n) {
+    int j = 0;
+    float s = 0.0f;
+#ifdef KVF_SIMD
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+    }
+    for (; j + 8 <= n; j += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    s = hsum8(_mm256_add_ps(s0, s1));
+#endif
+    for (; j < n; ++j) s += a[j] * b[j];
+    return s;
+}
+
+#ifdef KVF_SIMD
+/* The sums of 8 vectors' lanes, in order: [sum(v[0]), ..., sum(v[7])]. */
+static inline __m256 hsum8x8(const __m256 *v) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* out[0..8] += dot(u, b + q * stride) for q < 8, each over len values: the LoRA B product
+ * of 8 output rows at once, their 8 sums reduced together.
+ * NOTE: a delta's dots are only a rank long (8-64 values), so one horizontal sum per output
+ * cost as much as its multiply-adds. */
+static inline void dots8_add(const float *u, const float *b, size_t stride, int len, float *out) {
+    __m256 acc[8];
+    for (int q = 0; q < 8; ++q) acc[q] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256 uj = _mm256_loadu_ps(u + j);
+        for (int q = 0; q < 8; ++q)
+            acc[q] = _mm256_fmadd_ps(uj, _mm256_loadu_ps(b + q * stride + j), acc[q]);
+    }
+    if (j < len) {
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(len - j),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 uj = _mm256_maskload_ps(u + j, live);
+        for (int q = 0; q < 8; ++q)
+            acc[q] = _mm256_fmadd_ps(uj, _mm256_maskload_ps(b + q * stride + j, live), acc[q]);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), hsum8x8(acc)));
+}
+#endif
+
+/* below this many multiply-adds a LoRA product runs on one thread */
+#define LORA_PARALLEL 32768
+
+/* out [rows, n] += ((in [rows, k] @ a.T) * mask) @ b.T: one LoRA delta of a step's rows,
+ * a [ranks, k] and b [n, ranks] the step's adapters' weights stacked along the rank axis,
+ * mask [rows, ranks] each row's own adapter's ranks (its scale, or 1) and 0 elsewhere.
+ * Rank columns a row's mask zeroes are never computed, and a row with no nonzero mask
+ * (a base row) gets nothing added: its values stay bit for bit the base projection's.
+ * With parts > 1, b is block-diagonal by module, as a fused projection's adapters are built
+ * (service/model/lora.py): the outputs stack parts modules, module j's rows ending at
+ * ends[j] (ends[parts - 1] = n), each adapter's rank block stacks one rank slice per module in the same
+ * order, and module j's outputs have nonzero b only in the j-th slice; a row whose mask span
+ * divides into parts slices then reads only its module's slice (the other products are 0).
+ * u [rows, ranks] and span [rows, 2] are scratch. */
+static void lora_delta(const float *in, int rows, int k, const float *a, const float *b,
+                       const float *mask, int ranks, int n, int parts, const int *ends, float *out,
+                       float *u, int *span) {
+    for (int r = 0; r < rows; ++r) {
+        const float *mr = mask + (size_t)r * ranks;
+        int lo = 0, hi = ranks;
+        while (lo < ranks && mr[lo] == 0.0f) ++lo;
+        while (hi > lo && mr[hi - 1] == 0.0f) --hi;
+        span[2 * r] = lo;
+        span[2 * r + 1] = hi;
+    }
+    const size_t work_a = (size_t)rows * ranks * k, work_b = (size_t)rows * ranks * n;
+#pragma omp parallel for schedule(static) if (work_a >= LORA_PARALLEL)
+    for (int j = 0; j < ranks; ++j) {
+        const float *aj = a + (size_t)j * k;
+        for (int r = 0; r < rows; ++r) {
+            const float m = mask[(size_t)r * ranks + j];
+            u[(size_t)r * ranks + j] = m == 0.0f ? 0.0f : dot_f32(in + (size_t)r * k, aj, k) * m;
+        }
+    }
+    const int octets = (n + 7) / 8;
+#pragma omp parallel for schedule(static) if (work_b >= LORA_PARALLEL)
+    for (int o = 0; o < octets; ++o) {
+        const int i0 = 8 * o, count = n - i0 < 8 ? n - i0 : 8;
+        int module = 0;
+        while (module + 1 < parts && i0 >= ends[module]) ++module;
+        /* the octet lies in one module (else each row reads its whole span) */
+        const int one = parts > 1 && i0 + count <= ends[module];
+        for (int r = 0; r < rows; ++r) {
+            int lo = span[2 * r], hi = span[2 * r + 1];
+            if (lo >= hi) continue;
+            if (one && (hi - lo) % parts == 0) {
+                const int slice = (hi - lo) / parts;
+                lo += module * slice;
+                hi = lo + slice;
+            }
+            const float *ur = u + (size_t)r * ranks + lo, *bi = b + (size_t)i0 * ranks + lo;
+            float *dst = out + (size_t)r * n + i0;
+#ifdef KVF_SIMD
+            if (count == 8) {
+                dots8_add(ur, bi, (size_t)ranks, hi - lo, dst);
+                continue;
+            }
+#endif
+            for (int q = 0; q < count; ++q) dst[q] += dot_f32(ur, bi + (size_t)q * ranks, hi - lo);
+        }
+    }
+}
+
+/* Per layer and fused projection (qkv, o, gate_up, down, in that order), the columns of
+ * kvf_decoder_stack's LoRA table (int64 each): a [R, k] and b [n, R] float32 pointers (the
+ * layer's slice of the step's stacked adapter weights), mask [rows, R] float32 and R; R = 0
+ * is no delta for that projection in that layer. */
+enum { L_A, L_B, L_MASK, L_RANKS, L_PARTS, L_COLUMNS };
+enum { G_QKV, G_O, G_GATE_UP, G_DOWN, G_COUNT };
+#define LORA_MAX_RANKS 65536
+
+int kvf_stack_lora_columns(void) { return G_COUNT * L_COLUMNS; }
+
+/* The LoRA table's entry of projection g in layer l when it has a delta, else NULL. */
+static inline const int64_t *lora_entry(const int64_t *lora, int l, int g) {
+    if (lora == NULL) return NULL;
+    const int64_t *e = lora + ((size_t)l * G_COUNT + g) * L_COLUMNS;
+    return e[L_RANKS] > 0 ? e : NULL;
+}
+
+/* lora_delta for a table entry e (k inputs, n outputs); ends: its modules' row ends when
+ * e has parts > 1 (checked against them on entry to kvf_decoder_stack). */
+static inline void lora_add(const int64_t *e, const float *in, int rows, int k, int n,
+                            const int *ends, float *out, float *u, int *span) {
+    lora_delta(in, rows, k, (const float *)(intptr_t)e[L_A], (const float *)(intptr_t)e[L_B],
+               (const float *)(intptr_t)e[L_MASK], (int)e[L_RANKS], n, (int)e[L_PARTS], ends,
+               out, u, span);
+}
+
+/* kvf_mlp with the LoRA deltas of entries o, gu, down (each NULL: none) added after their
+ * base products: o's on attn, gate_up's on the normed x, down's on m = silu(gate) * up (made
+ * here, where kvf_mlp's down call makes it inside). v [rows, max(hidden, inter)], u and span
+ * scratch. */
+static int lora_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
+                    int inter, const int64_t *t, float eps, const int64_t *o, const int64_t *gu,
+                    const int64_t *down, float *v, float *u, int *span) {
+    const float *gamma = (const float *)(intptr_t)t[T_MLP_NORM];
+    if (kvf_gemv(attn, rows, q_size, (const uint8_t *)(intptr_t)t[T_O], hidden, x, (int)t[T_O_Q8], 0,
+                 NULL, 0.0f, 1, NULL, 0, 0) != 0)
+        return -1;
+    if (o != NULL) lora_add(o, attn, rows, q_size, hidden, NULL, x, u, span);
+    if (kvf_gemv(x, rows, hidden, (const uint8_t *)(intptr_t)t[T_GATE_UP], 2 * inter, h,
+                 (int)t[T_GATE_UP_Q8], 0, gamma, eps, 0, NULL, 0, 0) != 0)
+        return -1;
+    if (gu != NULL) {
+        for (int r = 0; r < rows; ++r)
+            input_row(x + (size_t)r * hidden, hidden, 0, gamma, eps, v + (size_t)r * hidden);
+        const int halves[2] = {inter, 2 * inter};
+        lora_add(gu, v, rows, hidden, 2 * inter, halves, h, u, span);
+    }
+    if (down == NULL)
+        return kvf_gemv(h, rows, inter, (const uint8_t *)(intptr_t)t[T_DOWN], hidden, x,
+                        (int)t[T_DOWN_Q8], 1, NULL, 0.0f, 1, NULL, 0, 0);
+    for (int r = 0; r < rows; ++r) silu_gate(h + (size_t)r * 2 * inter, inter, v + (size_t)r * inter);
+    if (kvf_gemv(v, rows, inter, (const uint8_t *)(intptr_t)t[T_DOWN], hidden, x, (int)t[T_DOWN_Q8],
+                 0, NULL, 0.0f, 1, NULL, 0, 0) != 0)
+        return -1;
+    lora_add(down, v, rows, inter, hidden, NULL, x, u, span);
+    return 0;
+}
+
 /* A whole decode forward's decoder layers in one call, for rows tokens of rows sequences:
  * per layer l, the same calls the layer-by-layer path makes,
  *   qkv = rms_norm(x, attn_norm) @ qkv.T with RoPE (rope [rows, 2, dim]) on the q and k heads;
  *   out = attend(ctx, l, q, k, v)        kvcache's write and attention;
  *   kvf_mlp(x, out, ...)                 o, residual, norm, gate/up, SiLU, down, residual.
- * x [rows, hidden] float32, updated in place; table [layers, T_COLUMNS]. Returns 0; -1 when a
- * shape is outside what the kernel takes (found before anything is written: every layer
- * has the same shapes) or scratch memory cannot be had; -2 when attend refused a layer
- * (it wrote nothing for it, and x holds that layer's input).
+ * x [rows, hidden] float32, updated in place; table [layers, T_COLUMNS]. With lora
+ * [layers, G_COUNT, L_COLUMNS] (else NULL) each projection with an entry also adds its rows'
+ * LoRA delta (lora_delta) where the layer loop adds it: qkv's on the normed x before RoPE,
+ * o's on the attention output, gate_up's on the normed x, down's on silu(gate) * up.
+ * Returns 0; -1 when a shape is outside what the kernel takes (found before anything is
+ * written: every layer has the same shapes) or scratch memory cannot be had; -2 when attend
+ * refused a layer (it wrote nothing for it, and x holds that layer's input).
  * NOTE: measured on a 2-core AVX2 EPYC, SmolLM2-135M at B=1: the Python layer loop around
  * the same three calls a layer (views, copies, checks) cost ~2 ms a step. */
 int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t *table,
                       int q_heads, int kv_heads, int dim, int inter, float eps,
-                      const float *rope, attend_fn attend, const void *ctx) {
+                      const float *rope, attend_fn attend, const void *ctx, const int64_t *lora) {
     const int q_size = q_heads * dim, kv_size = kv_heads * dim, n_qkv = q_size + 2 * kv_size;
     const int ks[3] = {hidden, q_size, inter};
     for (int i = 0; i < 3; ++i)
@@ -1246,19 +1421,52 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         dim % 2 != 0 || inter < 1 || rope == NULL || attend == NULL || table == NULL)
         return -1;
     const size_t r = (size_t)rows;
+    const int qkv_ends[3] = {q_size, q_size + kv_size, n_qkv};
+    int64_t max_ranks = 0;
+    for (size_t e = 0; lora != NULL && e < (size_t)layers * G_COUNT; ++e) {
+        const int64_t *g = lora + e * L_COLUMNS;
+        if (g[L_RANKS] < 0 || g[L_RANKS] > LORA_MAX_RANKS) return -1;
+        if (g[L_RANKS] > 0 && (g[L_A] == 0 || g[L_B] == 0 || g[L_MASK] == 0)) return -1;
+        /* only qkv (q|k|v) and gate_up (gate|up) are block-diagonal by module */
+        const int most = e % G_COUNT == G_QKV ? 3 : e % G_COUNT == G_GATE_UP ? 2 : 1;
+        if (g[L_PARTS] != 1 && g[L_PARTS] != most) return -1;
+        if (g[L_RANKS] > max_ranks) max_ranks = g[L_RANKS];
+    }
     /* qkv, then q, k, v (contiguous per head block), attention output, and gate/up */
     float *buf = malloc(sizeof(float) * r * ((size_t)n_qkv * 2 + q_size + 2 * (size_t)inter));
     if (buf == NULL) return -1;
+    /* with deltas: a product's normed or gated input [rows, max(hidden, inter)], u, span */
+    const size_t wide = (size_t)(hidden > inter ? hidden : inter);
+    float *lbuf = NULL;
+    if (max_ranks > 0) {
+        lbuf = malloc(sizeof(float) * r * (wide + (size_t)max_ranks) + sizeof(int) * 2 * r);
+        if (lbuf == NULL) {
+            free(buf);
+            return -1;
+        }
+    }
+    float *lv = lbuf, *lu = lbuf == NULL ? NULL : lbuf + r * wide;
+    int *span = lbuf == NULL ? NULL : (int *)(lu + r * (size_t)max_ranks);
     float *qkv = buf, *q = qkv + r * n_qkv, *k = q + r * q_size, *v = k + r * kv_size;
     float *out = v + r * kv_size, *h = out + r * q_size;
     int status = 0;
     for (int l = 0; l < layers && status == 0; ++l) {
         const int64_t *t = table + (size_t)l * T_COLUMNS;
+        const float *attn_norm = (const float *)(intptr_t)t[T_ATTN_NORM];
+        const int64_t *dq = lora_entry(lora, l, G_QKV), *dout = lora_entry(lora, l, G_O);
+        const int64_t *dgu = lora_entry(lora, l, G_GATE_UP), *ddown = lora_entry(lora, l, G_DOWN);
+        /* the delta goes in before RoPE: the product without it, then the delta, then RoPE */
         if (kvf_gemv(x, rows, hidden, (const uint8_t *)(intptr_t)t[T_QKV], n_qkv, qkv,
-                     (int)t[T_QKV_Q8], 0, (const float *)(intptr_t)t[T_ATTN_NORM], eps, 0, rope,
-                     q_heads + kv_heads, dim) != 0) {
+                     (int)t[T_QKV_Q8], 0, attn_norm, eps, 0, dq == NULL ? rope : NULL,
+                     dq == NULL ? q_heads + kv_heads : 0, dq == NULL ? dim : 0) != 0) {
             status = -1;
             break;
+        }
+        if (dq != NULL) {
+            for (size_t i = 0; i < r; ++i)
+                input_row(x + i * hidden, hidden, 0, attn_norm, eps, lv + i * hidden);
+            lora_add(dq, lv, rows, hidden, n_qkv, qkv_ends, qkv, lu, span);
+            rope_rows(qkv, rows, n_qkv, q_heads + kv_heads, dim, rope);
         }
         for (size_t i = 0; i < r; ++i) {
             const float *src = qkv + i * n_qkv;
@@ -1270,12 +1478,17 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
             status = -2;
             break;
         }
-        status = kvf_mlp(x, out, h, rows, hidden, q_size, inter,
-                         (const uint8_t *)(intptr_t)t[T_O], (int)t[T_O_Q8],
-                         (const float *)(intptr_t)t[T_MLP_NORM], eps,
-                         (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
-                         (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8]);
+        if (dout == NULL && dgu == NULL && ddown == NULL)
+            status = kvf_mlp(x, out, h, rows, hidden, q_size, inter,
+                             (const uint8_t *)(intptr_t)t[T_O], (int)t[T_O_Q8],
+                             (const float *)(intptr_t)t[T_MLP_NORM], eps,
+                             (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
+                             (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8]);
+        else
+            status = lora_mlp(x, out, h, rows, hidden, q_size, inter, t, eps, dout, dgu, ddown,
+                              lv, lu, span);
     }
+    free(lbuf);
     free(buf);
     return status;
 }

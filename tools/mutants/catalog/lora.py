@@ -1,8 +1,10 @@
-"""Switch-offs of what per-tenant LoRA adapters guarantee: visibility and KV separation."""
+"""Switch-offs of what per-tenant LoRA adapters guarantee: visibility, KV separation, and
+the deltas the native decoder stack adds."""
 
 from tools.mutants.mutant import edit, mutant
 
 T_SERVE = "tests/service/test_lora_serving.py"
+T_STACK = "tests/model/test_lora_stack.py"
 
 MUTANTS = (
     mutant(
@@ -22,5 +24,21 @@ MUTANTS = (
              "        return Namespace(self.tenant, adapter=self.adapter, salt=self.salt)",
              "        return Namespace(self.tenant, salt=self.salt)"),
         tests=f"{T_SERVE}::test_adapters_and_the_base_never_share_cached_prefix_pages",
+    ),
+    mutant(
+        "stack-skips-gate-up-delta",
+        "an adapter row's decode step in the native stack adds every projection's delta",
+        edit("service/model/q4_gemv.c",
+             "        lora_add(gu, v, rows, hidden, 2 * inter, halves, h, u, span);",
+             "        (void)halves;"),
+        tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
+    ),
+    mutant(
+        "stack-lora-wrong-module-slice",
+        "the stack reads each module's own rank slice of a block-diagonal B",
+        edit("service/model/q4_gemv.c",
+             "                lo += module * slice;",
+             "                lo += (parts - 1 - module) * slice;"),
+        tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
 )
