@@ -269,10 +269,7 @@ class LlamaModel(torch.nn.Module):
         # (DenseAttention: parity, tests) runs per layer below, on the same projections.
         plan = None if stack is None or native is None else native(hq, self.batch_invariant)
         if stack is not None and plan is not None:
-            if deltas is None:
-                stack(x, rope, plan)
-            else:
-                stack(x, rope, plan, deltas)
+            stack(x, rope, plan, deltas)
         for i, layer in enumerate(() if plan is not None else layers):
             if layer.roped_qkv is not None and lora is None:
                 # norm, projection and RoPE of the q and k heads in one native call

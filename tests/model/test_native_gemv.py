@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -423,9 +423,14 @@ def _spied_stack(
     assert isinstance(stack, native_gemv.DecoderStack)
     batches: list[int] = []
 
-    def spy(x: torch.Tensor, rope: torch.Tensor, attend: NativeAttend) -> torch.Tensor:
+    def spy(
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        attend: NativeAttend,
+        lora: Mapping[str, native_gemv.StackDelta] | None = None,
+    ) -> torch.Tensor:
         batches.append(x.shape[0])
-        return stack(x, rope, attend)
+        return stack(x, rope, attend, lora)
 
     return lm, stack, batches, spy
 
