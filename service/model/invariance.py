@@ -4,32 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from service.model.native_gemv import PANEL, Q4Linear
+from service.model.native_gemv import Q4Linear
 from service.model.packed import Linear, PackedLinears
-from service.model.quant import GROUP
-
-
-def to_panels(blocks: torch.Tensor, k: int, q8: bool = False) -> torch.Tensor:
-    """``blocks`` (:func:`service.model.native_gemv.to_blocks`, or with ``q8``
-    :func:`~service.model.native_gemv.q8_blocks`; ``[N, row bytes]``, N a multiple of 16) in
-    the kernel's panel layout (:func:`~service.model.native_gemv.panel_row_bytes` a row): per
-    panel of 16 output rows and block g, the 16 rows' codes (byte ``[i][n][j]`` is byte
-    ``4i + j`` of row n's block), then their 16 fp16 scales, then their 16 fp16 minimums
-    (zeros for 8-bit blocks)."""
-    n = blocks.shape[0]
-    groups = k // GROUP
-    padded = groups + (-groups % 8)
-    panels = n // PANEL
-    width = 32 if q8 else 16  # code bytes of a block
-    codes = blocks[:, : groups * width].reshape(panels, PANEL, groups, width // 4, 4)
-    codes = codes.permute(0, 2, 3, 1, 4).reshape(panels, groups, 16 * width)
-    halves = blocks[:, groups * width :].reshape(panels, PANEL, -1, padded, 2)[:, :, :, :groups]
-    halves = halves.permute(0, 3, 2, 1, 4).reshape(panels, groups, -1)
-    if q8:  # minimums 0
-        halves = torch.cat([halves, torch.zeros_like(halves)], 2)
-    return torch.cat([codes, halves], 2).reshape(n, -1).contiguous()
 
 
 def invariant_linear(lin: Q4Linear) -> Q4Linear:
@@ -38,16 +14,7 @@ def invariant_linear(lin: Q4Linear) -> Q4Linear:
     chain per output in block order, the same bits for any row count); the others on the
     int16 GEMV with the tile unit off (its one-row loop and 4-row tiles do the same
     arithmetic)."""
-    if (
-        lin.kernel.panel_simd
-        and not lin.panels
-        and lin.repeat == 1
-        and lin.blocks.shape[0] % PANEL == 0
-    ):
-        return dataclasses.replace(
-            lin, blocks=to_panels(lin.blocks, lin.k, lin.q8), tiles=False, panels=True
-        )
-    return dataclasses.replace(lin, tiles=False)
+    return dataclasses.replace(lin.in_panels(), tiles=False)
 
 
 def invariant_packs(packed: PackedLinears | None) -> PackedLinears:

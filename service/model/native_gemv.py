@@ -21,7 +21,7 @@ import ctypes
 import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ class Q4Kernel:
         # unit (AMX-BF16 CPUs): x and the weights are rounded to bf16 there, float32 sums.
         self.amx = bool(lib.kvf_amx())
         self.amx_min_rows = int(lib.kvf_amx_min_rows())
-        # Weights in the panel layout (:func:`service.model.invariance.to_panels`) run on
+        # Weights in the panel layout (:func:`to_panels`) run on
         # AVX512-VNNI here; elsewhere on plain C loops (the same bits, far slower).
         self.panel_simd = bool(lib.kvf_panel_simd())
         self.scratch_threads = lib.kvf_q4_scratch_threads  # threads holding scratch (tests)
@@ -127,7 +127,7 @@ class Q4Kernel:
         by ``table`` (:class:`Rope`). With ``tiles`` a batch of :attr:`amx_min_rows` or more
         rows may run on the tile unit (:attr:`amx`), in the dense bf16 matmul's arithmetic.
         With ``panels`` ``blocks`` are in the panel layout
-        (:func:`service.model.invariance.to_panels`, N a multiple of 16)."""
+        (:func:`to_panels`, N a multiple of 16)."""
         m, width = x.shape
         k = width // 2 if gated else width
         n, row_bytes_ = blocks.shape
@@ -274,7 +274,7 @@ def row_bytes(k: int, q8: bool) -> int:
 
 
 def panel_row_bytes(k: int, q8: bool) -> int:
-    """Bytes per output row of the panel layout (:func:`service.model.invariance.to_panels`)."""
+    """Bytes per output row of the panel layout (:func:`to_panels`)."""
     return k // GROUP * (36 if q8 else 20)
 
 
@@ -314,6 +314,27 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
     return _rows(q.to(torch.int8), _padded(d16))
 
 
+def to_panels(blocks: torch.Tensor, k: int, q8: bool = False) -> torch.Tensor:
+    """``blocks`` (:func:`service.model.native_gemv.to_blocks`, or with ``q8``
+    :func:`~service.model.native_gemv.q8_blocks`; ``[N, row bytes]``, N a multiple of 16) in
+    the kernel's panel layout (:func:`~service.model.native_gemv.panel_row_bytes` a row): per
+    panel of 16 output rows and block g, the 16 rows' codes (byte ``[i][n][j]`` is byte
+    ``4i + j`` of row n's block), then their 16 fp16 scales, then their 16 fp16 minimums
+    (zeros for 8-bit blocks)."""
+    n = blocks.shape[0]
+    groups = k // GROUP
+    padded = groups + (-groups % 8)
+    panels = n // PANEL
+    width = 32 if q8 else 16  # code bytes of a block
+    codes = blocks[:, : groups * width].reshape(panels, PANEL, groups, width // 4, 4)
+    codes = codes.permute(0, 2, 3, 1, 4).reshape(panels, groups, 16 * width)
+    halves = blocks[:, groups * width :].reshape(panels, PANEL, -1, padded, 2)[:, :, :, :groups]
+    halves = halves.permute(0, 3, 2, 1, 4).reshape(panels, groups, -1)
+    if q8:  # minimums 0
+        halves = torch.cat([halves, torch.zeros_like(halves)], 2)
+    return torch.cat([codes, halves], 2).reshape(n, -1).contiguous()
+
+
 @dataclass(frozen=True, slots=True)
 class Q4Linear:
     """``x @ w.T`` for float32 ``x`` of at most ``kernel.max_rows`` rows, from 4-bit blocks
@@ -327,7 +348,7 @@ class Q4Linear:
     # Batches of kernel.amx_min_rows or more may run on the tile unit (bf16 arithmetic):
     # set where the model's larger batches run dense bf16 weights anyway.
     tiles: bool = False
-    # blocks in the panel layout (service.model.invariance.to_panels): batch-invariant steps
+    # blocks in the panel layout (to_panels, :meth:`in_panels`)
     panels: bool = False
     # (C function, blocks pointer, k, flags) for the per-call fast path, set in __post_init__
     _fast: tuple[Any, int, int, int] = field(init=False, repr=False, compare=False)
@@ -338,6 +359,21 @@ class Q4Linear:
         if q8 is not None:
             return cls(q8, 1, kernel, q8=True, k=w.codes.shape[1] // 2, tiles=tiles)
         return cls(to_blocks(w), w.repeat, kernel, k=w.codes.shape[1], tiles=tiles)
+
+    def in_panels(self) -> Q4Linear:
+        """This weight in the panel layout where the kernel runs it on SIMD and its rows
+        fill panels of 16 (one exact integer a block and one float chain per output in
+        block order, the same bits at any row count); else this weight unchanged."""
+        if (
+            not self.kernel.panel_simd
+            or self.panels
+            or self.repeat != 1
+            or self.blocks.shape[0] % PANEL != 0
+        ):
+            return self
+        return replace(
+            self, blocks=to_panels(self.blocks, self.k, self.q8), tiles=False, panels=True
+        )
 
     def __post_init__(self) -> None:
         # The blocks are checked once here, so a call checks only its input (below).

@@ -1,4 +1,4 @@
-"""The 4-bit GEMV's panel layout (``q4_gemv.c``'s panels, :func:`invariance.to_panels`),
+"""The 4-bit GEMV's panel layout (``q4_gemv.c``'s panels, :func:`native_gemv.to_panels`),
 which batch-invariant steps run: one exact integer per (row, output, block), then one float
 chain per output in block order, so a row's output is the same bits in a batch of any size
 and at any place in it, on the SIMD loops and on the plain C ones alike."""
@@ -17,7 +17,7 @@ import torch
 
 from kvcache import native_build
 from service.model import native_gemv
-from service.model.invariance import invariant_linear, to_panels
+from service.model.invariance import invariant_linear
 from service.model.quant import Int4Codes
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -51,7 +51,7 @@ def _codes(n: int, k: int, seed: int) -> Int4Codes:
 
 
 def _panels(w: Int4Codes) -> torch.Tensor:
-    return to_panels(native_gemv.to_blocks(w), w.codes.shape[1])
+    return native_gemv.to_panels(native_gemv.to_blocks(w), w.codes.shape[1])
 
 
 def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,7 +64,7 @@ def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def _weights(q8: bool, n: int, k: int, seed: int) -> torch.Tensor:
     """Random weights in the panel layout, 4-bit or 8-bit."""
-    return to_panels(_q8(n, k, seed)[0], k, True) if q8 else _panels(_codes(n, k, seed))
+    return native_gemv.to_panels(_q8(n, k, seed)[0], k, True) if q8 else _panels(_codes(n, k, seed))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ def test_panels_compute_the_defined_sums_in_block_order(
     x = torch.randint(-4000, 4000, (18, k), generator=gen).float() / 1024
     x[1] /= 1024  # rows of different sizes (dyadic: the block sums are exact)
     want = torch.from_numpy(_reference(x.numpy(), codes_np, d, m))
-    panels = to_panels(blocks, k, q8)
+    panels = native_gemv.to_panels(blocks, k, q8)
     for rows in (5, 18):
         got = kernel.matmul(x[:rows], panels, q8, panels=True)
         assert torch.equal(_bits(got), _bits(want[:rows])), rows
