@@ -3,6 +3,8 @@ merged model in float32, the base is unchanged, and what cannot be served is ref
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +150,33 @@ def test_a_mixed_step_adds_each_rows_own_adapter_delta_and_none_to_base_rows(
                 g = adapter.groups["qkv"]
                 assert torch.allclose(out[i], (x[i] @ g.a[1].T) @ g.b[1].T, atol=1e-6)
     assert LoraBatch.of_rows([None, None], cpu) is None
+
+
+_POOL_PROBE = """
+import os, sys, torch
+from pathlib import Path
+from service.model import load_model
+from service.model.lora import load_lora
+torch.set_num_threads(2)
+model = load_model(sys.argv[1], progress=False).model
+before = len(os.listdir("/proc/self/task"))
+load_lora("a", Path(sys.argv[2]), model.config, model.dtype, max_rank=64)
+print(before, len(os.listdir("/proc/self/task")))
+"""
+
+
+def test_loading_an_adapter_leaves_no_openmp_pool_behind(
+    default_model_path: Path, served_model: LoadedModel, tmp_path: Path
+) -> None:
+    """The engine thread is the process's only long-lived thread with an OpenMP pool
+    (service.model.threads): an adapter read on the caller's thread (a server's event loop or
+    executor) would leave one there, and libgomp then cuts every worker's spin-wait."""
+    from bench.lora import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path / "a", served_model.model.config, 16, 0)
+    out = subprocess.run(
+        [sys.executable, "-c", _POOL_PROBE, str(default_model_path), str(adapter)],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
+    ).stdout.split()
+    before, after = int(out[-2]), int(out[-1])
+    assert after == before
