@@ -632,14 +632,17 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
     assert lm.dtype == torch.float32 and lm.dense_dtype == torch.bfloat16
     assert m.embed.dtype == torch.float32 and m.attn_norm.dtype == torch.float32
     assert {m.qkv.dtype, m.o.dtype, m.gate_up.dtype, m.down.dtype} == {torch.bfloat16}
-    # beside bf16 dense weights the packs take up to 4 rows, or 64 where the kernel runs
-    # batches on the tile unit (AMX); float32 dense weights take 32 (float32 throughout)
+    # beside bf16 dense weights the packs take up to 16 rows where the kernel runs the panel
+    # layout on SIMD (the packs are panels then), else 64 where it runs batches on the tile
+    # unit (AMX), else 4; float32 dense weights take 32 (float32 throughout)
     kernel = _kernel()
-    assert m.max_packed_rows == (64 if kernel.amx else 4)
+    assert m.max_packed_rows == (16 if kernel.panel_simd else 64 if kernel.amx else 4)
     assert ref.max_packed_rows == 32
     assert m.packed is not None and ref.packed is not None
-    assert isinstance(m.packed.lm_head, native_gemv.Q4Linear) and m.packed.lm_head.tiles == kernel.amx
-    assert isinstance(ref.packed.lm_head, native_gemv.Q4Linear) and not ref.packed.lm_head.tiles
+    head, ref_head = m.packed.lm_head, ref.packed.lm_head
+    assert isinstance(head, native_gemv.Q4Linear) and isinstance(ref_head, native_gemv.Q4Linear)
+    assert head.panels == ref_head.panels == kernel.panel_simd
+    assert head.tiles == (kernel.amx and not kernel.panel_simd) and not ref_head.tiles
     assert m.stack is not None
     # the KV cache is stored in the dense weights' dtype: bf16 here, float32 for the oracle
     assert m.kv_dtype == torch.bfloat16 and ref.kv_dtype == torch.float32
@@ -651,9 +654,9 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
 
     # decode-sized: the same float32 kernel calls as the float32 model, bit for bit
     assert torch.equal(logits(m, 4), logits(ref, 4))
-    # larger batches compute in bf16 (the tile unit from the blocks, or past 64 rows the
-    # dense bf16 weights): close to float32, not equal to it
-    for n in (12, 70):
+    # larger batches compute in bf16 (the dense bf16 weights, or the tile unit from the
+    # blocks where the packs are not panels): close to float32, not equal to it
+    for n in (20, 70):
         a, b = logits(m, n), logits(ref, n)
         assert a.dtype == torch.float32
         assert not torch.equal(a, b)
