@@ -41,7 +41,7 @@ AMX_MAX_PACKED_ROWS = 64
 # Measured on a 2-core AMX Xeon, SmolLM2-135M's 30 layers' projections plus the head, same
 # process: 1 row 3.4-4.5 against 6.4-7.4 ms (row layout), 4 rows 6.9-10.2 against 13.7-16.2,
 # 16 rows 17.2-17.5 against 19.1-19.7 (row layout on the tile unit), 32 rows 28-35 against
-# 21 (tile unit) and 22 (dense bf16); engine single-stream decode 229 against 160 tok/s.
+# 21 (tile unit) and 22 (dense bf16); engine single-stream decode 248 against 160 tok/s.
 # So the packs are panels on such CPUs and take batches up to 16 rows.
 PANEL_MAX_PACKED_ROWS = 16
 # Packs run in these dtypes at speed; fp32 works (parity uses it) but is several times slower.
