@@ -153,7 +153,7 @@ def test_a_mixed_step_adds_each_rows_own_adapter_delta_and_none_to_base_rows(
 
 
 _POOL_PROBE = """
-import os, sys, torch
+import os, sys, time, torch
 from pathlib import Path
 from service.model import load_model
 from service.model.lora import load_lora
@@ -161,6 +161,10 @@ torch.set_num_threads(2)
 model = load_model(sys.argv[1], progress=False).model
 before = len(os.listdir("/proc/self/task"))
 load_lora("a", Path(sys.argv[2]), model.config, model.dtype, max_rank=64)
+# a finished pool's workers leave asynchronously: wait for the count to settle
+deadline = time.monotonic() + 10.0
+while len(os.listdir("/proc/self/task")) > before and time.monotonic() < deadline:
+    time.sleep(0.05)
 print(before, len(os.listdir("/proc/self/task")))
 """
 
