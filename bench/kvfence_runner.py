@@ -93,8 +93,8 @@ class Sizing:
         )
 
 
-def load_kvfence(path: object) -> LoadedModel:
-    return load_model(str(path), progress=False)
+def load_kvfence(path: object, batch_invariant: str = "auto") -> LoadedModel:
+    return load_model(str(path), progress=False, batch_invariant=batch_invariant)
 
 
 @contextmanager

@@ -59,6 +59,7 @@ ENGINE = "kvfence engine"
 FAIR = "kvfence engine, served step budget"
 FAIR2 = "kvfence engine, served step budget, 2 tenants"
 HTTP = "kvfence HTTP"
+VARIANT = "kvfence engine, --batch-invariant off"
 SAMPLED = 4  # requests per system rerun alone as its greedy reference (greedy_check)
 SERVED = EngineSizing()  # the server's defaults: --max-step-ms and --decode-stretch
 TENANT = "bench"
@@ -113,6 +114,7 @@ Outputs = dict[str, list[list[int]]]  # system -> every request's ids from its l
 
 def _kvfence_runs(
     loaded: Any,
+    variant: Any,
     work: list[Work],
     warm: list[Work],
     runs: list[Throughput],
@@ -133,9 +135,12 @@ def _kvfence_runs(
 
     # NOTE: every run bypasses the prefix cache, so repeats of the same prompts stay cold.
     def in_process(
-        sizing: Sizing | None = None, name: str = ENGINE, tenants: tuple[str, ...] = (TENANT,)
+        sizing: Sizing | None = None,
+        name: str = ENGINE,
+        tenants: tuple[str, ...] = (TENANT,),
+        model: Any = loaded,
     ) -> Throughput:
-        with started_engine(loaded, sizing or Sizing()) as engine:
+        with started_engine(model, sizing or Sizing()) as engine:
             asyncio.run(run_engine(engine, warm, tenants, bypass_prefix_cache=True))
             wall, traces = asyncio.run(
                 run_engine(engine, work, tenants, bypass_prefix_cache=True)
@@ -174,7 +179,10 @@ def _kvfence_runs(
             (FAIR2, lambda: in_process(fair, FAIR2, (TENANT, TENANT + "-2"))),
             ("kvfence gRPC", lambda: asyncio.run(over_grpc())),
             (HTTP, lambda: asyncio.run(over_http())),
-        ],
+        ]
+        # what batch invariance (the default where it runs) costs: the fast paths' engine
+        + ([(VARIANT, lambda: in_process(name=VARIANT, model=variant))]
+           if loaded.batch_invariant else []),
         runs,
         errors,
     )
@@ -333,12 +341,13 @@ def run(quick: bool = False) -> dict[str, Any]:
 
         sizing = asdict(Sizing())
         loaded = load_kvfence(gguf)
+        variant = load_kvfence(gguf, batch_invariant="off")
         dtype = loaded.dtype
         # transformers computes in the dtype of kvfence's dense weights: bf16 where the CPU
         # has it, also where kvfence decodes in float32 (--dtype auto beside bf16 weights)
         peer_dtype = loaded.dense_weights_dtype
-        _kvfence_runs(loaded, work, warm, runs, errors, outputs, checks)
-        del loaded
+        _kvfence_runs(loaded, variant, work, warm, runs, errors, outputs, checks)
+        del loaded, variant
     except ImportError as err:
         errors["kvfence"] = f"ImportError: {err}"
     _transformers_runs(peer_dtype, gguf, work, warm, runs, errors, outputs, checks)
@@ -413,6 +422,16 @@ def report(
                     f"kvfence HTTP / {server} output tok/s, same client (worst run vs best run)",
                     min(http) / max(_rates(runs, server)),
                     1.0,
+                )
+            )
+        fast = _rates(runs, VARIANT)
+        if fast:
+            targets.append(
+                Target(
+                    "batch invariance (default) / --batch-invariant off output tok/s "
+                    "(medians; goal: invariance costs at most 10%)",
+                    statistics.median(kv) / statistics.median(fast),
+                    0.90,
                 )
             )
         if grpc:

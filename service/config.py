@@ -91,7 +91,7 @@ class EngineSizing:
     device: str = "cpu"
     weights: str = "auto"  # --weights: auto | bf16 | int4 | int8 (service/model/packed.py)
     # --batch-invariant: auto | on | off (service/model/loader.py, docs/batch-invariance.md)
-    batch_invariant: str = "off"
+    batch_invariant: str = "auto"
     compile: str = "off"  # --compile: auto | on | off (service/engine/compiled.py)
     scrub_policy: Literal["reassign", "always", "off"] = "reassign"
     prefix_ttl_s: float = 600.0

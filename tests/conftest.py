@@ -40,7 +40,7 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def served_model(default_model_path: Path) -> LoadedModel:
     """The default model loaded as ``kvfence serve`` loads it (every flag at its default:
-    the fast, batch-variant paths)."""
+    batch-invariant on CPU)."""
     from service.model import load_model
 
     return load_model(default_model_path, progress=False)

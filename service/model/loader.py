@@ -137,7 +137,7 @@ def load_model(
     progress: bool = True,
     weights: str = "auto",
     chat_template: str | None = None,
-    batch_invariant: str = "off",
+    batch_invariant: str = "auto",
 ) -> LoadedModel:
     """Load a .gguf file or an HF directory. Raises :class:`ModelLoadError` with one readable line.
 

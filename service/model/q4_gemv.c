@@ -284,6 +284,8 @@ static int prepare(const float *x, int rows, int k, int gated, const float *gamm
     p->scale = (float *)((char *)scratch + fx + fs);
     p->q = (int16_t *)((char *)scratch + fx + 2 * fs);
     memset(p->sum, 0, 2 * fs); /* the padding reads as 0 */
+    /* rows are independent: any thread computes a row the same way */
+#pragma omp parallel for schedule(static) if (rows >= 8)
     for (int r = 0; r < rows; ++r) {
         input_row(x + (size_t)r * k * (gated ? 2 : 1), k, gated, gamma, eps,
                   p->x + (size_t)r * k);
@@ -815,17 +817,22 @@ static __attribute__((unused)) void panel_plain(const prepared_x *p, int r_begin
  * [rows, groups] (vpdpbusd multiplies unsigned by signed bytes: 8-bit codes c take
  * (c + 128) . hi - 128 * sum(hi)). */
 static void panel_split(const prepared_x *p, int rows, int k, uint8_t *xb, size_t plane) {
+    const int groups = k / BLOCK;
     const size_t total = (size_t)rows * k;
     int32_t *hsum = (int32_t *)(xb + 2 * plane);
-    for (size_t e = 0; e < total; ++e) {
-        const int q = p->q[e];
-        xb[plane + e] = (uint8_t)(q & 0xff);
-        xb[e] = (uint8_t)(int8_t)((q - (q & 0xff)) / 256);
-    }
-    for (size_t b = 0; b < total / BLOCK; ++b) {
-        int32_t h = 0;
-        for (int j = 0; j < BLOCK; ++j) h += (int8_t)xb[b * BLOCK + j];
-        hsum[b] = h;
+#pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; ++r) {
+        const int16_t *q = p->q + (size_t)r * k;
+        uint8_t *hi = xb + (size_t)r * k, *lo = xb + plane + (size_t)r * k;
+        for (int e = 0; e < k; ++e) {
+            lo[e] = (uint8_t)(q[e] & 0xff);
+            hi[e] = (uint8_t)(int8_t)(q[e] >> 8); /* (q - lo) / 256, exact */
+        }
+        for (int g = 0; g < groups; ++g) {
+            int32_t h = 0;
+            for (int j = 0; j < BLOCK; ++j) h += (int8_t)hi[g * BLOCK + j];
+            hsum[(size_t)r * groups + g] = h;
+        }
     }
     memset(xb + total, 0, plane - total);
     memset(xb + plane + total, 0, plane - total);
@@ -928,58 +935,83 @@ static void panel_amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* A 4-bit panel's codes as bytes in the tile layout, 512 bytes a block, at wb (8-bit
- * panels hold them so already). */
-static void panel_unpack(const uint8_t *panel, int groups, uint8_t *wb) {
+/* A panel's codes in the tile layout, 512 bytes a block, at wb (4-bit codes unpacked to
+ * bytes; 8-bit panels hold them so already and leave wb alone), and its scales d and
+ * minimums m as floats at dm, 32 a block (d of the 16 outputs, then m). */
+static void panel_unpack(const uint8_t *panel, int groups, int q8, uint8_t *wb, float *dm) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    for (int g = 0; g < groups; ++g)
+    const size_t step_bytes = panel_bytes(q8), d_at = q8 ? 512 : 256;
+    for (int g = 0; g < groups; ++g) {
+        const uint8_t *b = panel + (size_t)g * step_bytes;
+        _mm512_store_ps(dm + 32 * (size_t)g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at))));
+        _mm512_store_ps(dm + 32 * (size_t)g + 16,
+                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at + 32))));
+        if (q8) continue;
         for (int i = 0; i < 4; ++i) {
-            const __m512i c = _mm512_loadu_si512((const void *)(panel + (size_t)g * 320 + 64 * i));
+            const __m512i c = _mm512_loadu_si512((const void *)(b + 64 * i));
             _mm512_storeu_si512((void *)(wb + (size_t)g * 512 + 64 * i), _mm512_and_si512(c, nibble));
             _mm512_storeu_si512((void *)(wb + (size_t)g * 512 + 256 + 64 * i),
                                 _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble));
         }
+    }
 }
 
 /* Rows r0 .. r0 + live - 1 (live <= 16; xb's planes hold whole tiles) against one panel,
- * its codes in the tile layout at codes, block g at codes + g * stride. */
+ * its codes in the tile layout at codes (block g at codes + g * stride) and its scales at dm
+ * (panel_unpack). Software-pipelined: block g's tile products run while the vector units
+ * take block g - 1's sums into acc (double-buffered), and mac, which needs no products, is
+ * a second pass over the blocks, four rows' chains at a time. Both chains keep block order. */
 static void panel_amx_rows(const prepared_x *p, const uint8_t *xb, size_t plane, int r0, int live,
-                           int k, int groups, const uint8_t *panel, const uint8_t *codes,
-                           size_t stride, float *out, int n0, int n_total, int q8) {
-    const size_t step_bytes = panel_bytes(q8), d_at = q8 ? 512 : 256;
+                           int k, int groups, const float *dm, const uint8_t *codes,
+                           size_t stride, float *out, int n0, int n_total) {
     const int padded = (groups + 7) & ~7;
     _Alignas(64) int32_t sums[2][2][16 * 16]; /* [block parity][hi, lo][row x output] */
-    __m512 acc[16], mac[16];
-    for (int r = 0; r < live; ++r) acc[r] = mac[r] = _mm512_setzero_ps();
-    for (int g = 0; g < groups; ++g) {
-        int32_t (*s)[16 * 16] = sums[g & 1];
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_loadd(0, xb + (size_t)r0 * k + (size_t)g * BLOCK, k);
-        _tile_loadd(1, xb + plane + (size_t)r0 * k + (size_t)g * BLOCK, k);
-        _tile_loadd(2, codes + (size_t)g * stride, 64);
-        _tile_dpbssd(3, 0, 2);
-        _tile_dpbusd(4, 1, 2);
-        _tile_stored(3, s[0], 64);
-        _tile_stored(4, s[1], 64);
-        const uint8_t *b = panel + (size_t)g * step_bytes;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + d_at + 32)));
+    _Alignas(64) float acc[16][16];
+    for (int r = 0; r < live; ++r) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    for (int g = 0; g <= groups; ++g) {
+        if (g < groups) {
+            int32_t (*s)[16 * 16] = sums[g & 1];
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_loadd(0, xb + (size_t)r0 * k + (size_t)g * BLOCK, k);
+            _tile_loadd(1, xb + plane + (size_t)r0 * k + (size_t)g * BLOCK, k);
+            _tile_loadd(2, codes + (size_t)g * stride, 64);
+            _tile_dpbssd(3, 0, 2);
+            _tile_dpbusd(4, 1, 2);
+            _tile_stored(3, s[0], 64);
+            _tile_stored(4, s[1], 64);
+        }
+        if (g == 0) continue;
+        const int h = g - 1;
+        int32_t (*s)[16 * 16] = sums[h & 1];
+        const __m512 d = _mm512_load_ps(dm + 32 * (size_t)h);
+        const float *xs = p->scale + (size_t)r0 * padded + h;
         for (int r = 0; r < live; ++r) {
             const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(s[0] + 16 * r), 8),
                                                _mm512_load_si512(s[1] + 16 * r));
-            const float *xs = p->scale + (size_t)(r0 + r) * padded;
-            const float *xsum = p->sum + (size_t)(r0 + r) * padded;
-            const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(xs[g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), step, acc[r]);
-            mac[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g]), mac[r]);
+            const __m512 step = _mm512_mul_ps(d, _mm512_set1_ps(xs[(size_t)r * padded]));
+            _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), step, _mm512_load_ps(acc[r])));
         }
     }
-    for (int r = 0; r < live; ++r) {
-        float *dst = out + (size_t)(r0 + r) * n_total + n0;
-        __m512 v = _mm512_add_ps(acc[r], mac[r]);
-        if (p->accumulate) v = _mm512_add_ps(_mm512_loadu_ps(dst), v);
-        _mm512_storeu_ps(dst, v);
+    for (int r = 0; r < live; r += 4) {
+        const float *t[4]; /* rows past live repeat row r; their results are dropped */
+        for (int i = 0; i < 4; ++i)
+            t[i] = p->sum + (size_t)(r0 + r + (r + i < live ? i : 0)) * padded;
+        __m512 mac0 = _mm512_setzero_ps(), mac1 = mac0, mac2 = mac0, mac3 = mac0;
+        for (int g = 0; g < groups; ++g) {
+            const __m512 m = _mm512_load_ps(dm + 32 * (size_t)g + 16);
+            mac0 = _mm512_fmadd_ps(m, _mm512_set1_ps(t[0][g]), mac0);
+            mac1 = _mm512_fmadd_ps(m, _mm512_set1_ps(t[1][g]), mac1);
+            mac2 = _mm512_fmadd_ps(m, _mm512_set1_ps(t[2][g]), mac2);
+            mac3 = _mm512_fmadd_ps(m, _mm512_set1_ps(t[3][g]), mac3);
+        }
+        const __m512 mac[4] = {mac0, mac1, mac2, mac3};
+        for (int i = 0; i < 4 && r + i < live; ++i) {
+            float *dst = out + (size_t)(r0 + r + i) * n_total + n0;
+            __m512 v = _mm512_add_ps(_mm512_load_ps(acc[r + i]), mac[i]);
+            if (p->accumulate) v = _mm512_add_ps(_mm512_loadu_ps(dst), v);
+            _mm512_storeu_ps(dst, v);
+        }
     }
 }
 #endif
@@ -1045,19 +1077,20 @@ static int panel_gemv(const prepared_x *p, int rows, int k, const uint8_t *w, in
         int no_memory = 0;
 #pragma omp parallel if ((size_t)n_total * groups >= 2048) reduction(| : no_memory)
         {
-            uint8_t *wb = q8 ? NULL
-                             : (uint8_t *)thread_buffer(SCRATCH_PANEL_CODES, (size_t)groups * 512);
-            no_memory = !q8 && wb == NULL;
+            /* dm (floats, 64-byte aligned) first, then the unpacked 4-bit codes */
+            float *dm = (float *)thread_buffer(SCRATCH_PANEL_CODES,
+                                               (size_t)groups * (128 + (q8 ? 0 : 512)));
+            uint8_t *wb = (uint8_t *)(dm + 32 * (size_t)groups);
+            no_memory = dm == NULL;
             panel_amx_configure();
 #pragma omp for schedule(static)
             for (int q = 0; q < panels; ++q) {
                 if (no_memory) continue;
                 const uint8_t *panel = w + (size_t)q * groups * bytes;
-                if (!q8) panel_unpack(panel, groups, wb);
+                panel_unpack(panel, groups, q8, wb, dm);
                 for (int r0 = 0; r0 < rows; r0 += 16)
                     panel_amx_rows(p, xb, plane, r0, rows - r0 < 16 ? rows - r0 : 16, k, groups,
-                                   panel, q8 ? panel : wb, q8 ? bytes : 512, out, q * PANEL,
-                                   n_total, q8);
+                                   dm, q8 ? panel : wb, q8 ? bytes : 512, out, q * PANEL, n_total);
             }
             _tile_release();
         }

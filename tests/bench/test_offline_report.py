@@ -94,3 +94,16 @@ def test_served_budget_rows_are_judged_against_the_untimed_engine_and_per_round(
     # the worst two-tenant run over the worst one-tenant run, 1.0).
     two = "served step budget, two tenants / one tenant output tok/s (worst round)"
     assert targets[two] == pytest.approx(0.6)
+
+
+def test_invariance_cost_is_the_default_engines_median_against_the_fast_paths(tmp_path: Path, quiet_report: None) -> None:
+    runs = [
+        *(_run(offline.ENGINE, w) for w in (0.5, 0.4, 1.0)),  # 200, 250, 100 tok/s
+        *(_run(offline.VARIANT, w) for w in (0.4, 0.25, 0.5)),  # 250, 400, 200
+    ]
+    data = offline.report(runs, {}, True, 2, torch.bfloat16, [Work((1,), 100)], {})
+    target = next(t for t in data["targets"] if t.name.startswith("batch invariance"))
+    assert target.value == pytest.approx(200 / 250) and target.threshold == 0.90
+    # without the batch-variant row (auto fell back to it) no cost is claimed
+    data = offline.report(runs[:3], {}, True, 2, torch.bfloat16, [Work((1,), 100)], {})
+    assert not any(t.name.startswith("batch invariance") for t in data["targets"])

@@ -125,8 +125,8 @@ def test_batch_invariance_is_auto_by_default_for_serve_and_the_library() -> None
     from service import cli
     from service.model import load_model
 
-    assert EngineSizing().batch_invariant == "off"
-    assert serve_config(cli.parse_args(["serve"])).sizing.batch_invariant == "off"
+    assert EngineSizing().batch_invariant == "auto"
+    assert serve_config(cli.parse_args(["serve"])).sizing.batch_invariant == "auto"
     default = inspect.signature(load_model).parameters["batch_invariant"].default
     assert default == EngineSizing().batch_invariant
 
