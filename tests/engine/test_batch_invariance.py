@@ -1,7 +1,7 @@
 """Batch invariance on the served model: a request's tokens do not depend on the batch.
 
-The default model, loaded as ``kvfence serve`` loads it (``--dtype auto``, ``--weights
-auto``, ``--batch-invariant on``), runs greedy and seeded (temperature 0.8)
+The default model, loaded as ``kvfence serve`` loads it with every flag at its default
+(``--batch-invariant auto``: invariant on a CPU where kvfence's 4-bit GEMV builds), runs greedy and seeded (temperature 0.8)
 requests of two tenants each alone, then inside batches of random size and composition
 (``tests/verify/invariance.py``): random arrival steps (prefill chunks beside other
 requests' decode rows), random token budgets and sequence limits (chunks of different
@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import random
 
-from service.model import LoadedModel
+from service.model import LoadedModel, native_gemv
 from tests.verify.invariance import alone, mixed_requests, trial
 
 N = 10
 
 
-def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(invariant_model: LoadedModel) -> None:
+def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(served_model: LoadedModel) -> None:
+    assert served_model.batch_invariant == (native_gemv.kernel() is not None)
+    invariant_model = served_model
     requests = mixed_requests(N, invariant_model.model.config.vocab_size)
     want = alone(invariant_model, requests)
     assert all(len(want[r.request_id]) == r.stopping.max_tokens for r in requests)

@@ -701,7 +701,9 @@ def test_the_invariant_model_has_one_kernel_for_every_batch_size(
         for n in (3, 4, 5, 8, 70, 130):
             for start in (0, rows.shape[0] - n):
                 assert torch.equal(lin(rows[start : start + n]), alone[start : start + n]), n
-    off = load_model(default_model_path, progress=False)  # the default: batch-variant
+    default = load_model(default_model_path, progress=False)  # --batch-invariant auto
+    assert default.batch_invariant and default.model.max_packed_rows == 0
+    off = load_model(default_model_path, progress=False, batch_invariant="off")
     assert not off.batch_invariant and off.model.max_packed_rows > 0
     with pytest.raises(ModelLoadError, match="--batch-invariant on"):
         load_model(default_model_path, weights="bf16", progress=False, batch_invariant="on")
