@@ -114,7 +114,7 @@ Outputs = dict[str, list[list[int]]]  # system -> every request's ids from its l
 
 def _kvfence_runs(
     loaded: Any,
-    variant: Any,
+    variant: Any | None,
     work: list[Work],
     warm: list[Work],
     runs: list[Throughput],
@@ -179,10 +179,9 @@ def _kvfence_runs(
             (FAIR2, lambda: in_process(fair, FAIR2, (TENANT, TENANT + "-2"))),
             ("kvfence gRPC", lambda: asyncio.run(over_grpc())),
             (HTTP, lambda: asyncio.run(over_http())),
-        ]
-        # what batch invariance (the default where it runs) costs: the fast paths' engine
-        + ([(VARIANT, lambda: in_process(name=VARIANT, model=variant))]
-           if loaded.batch_invariant else []),
+            # what batch invariance (the default where it runs) costs: the fast paths' engine
+            *([(VARIANT, lambda: in_process(name=VARIANT, model=variant))] if variant else []),
+        ],
         runs,
         errors,
     )
@@ -341,7 +340,8 @@ def run(quick: bool = False) -> dict[str, Any]:
 
         sizing = asdict(Sizing())
         loaded = load_kvfence(gguf)
-        variant = load_kvfence(gguf, batch_invariant="off")
+        # the batch-variant engine, only where the default is invariant (else they are one)
+        variant = load_kvfence(gguf, batch_invariant="off") if loaded.batch_invariant else None
         dtype = loaded.dtype
         # transformers computes in the dtype of kvfence's dense weights: bf16 where the CPU
         # has it, also where kvfence decodes in float32 (--dtype auto beside bf16 weights)

@@ -47,10 +47,14 @@ def served_model(default_model_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def invariant_model(default_model_path: Path) -> LoadedModel:
-    """The default model as ``kvfence serve --batch-invariant on`` loads it."""
+def invariant_model(default_model_path: Path, served_model: LoadedModel) -> LoadedModel:
+    """The default model as ``kvfence serve --batch-invariant on`` loads it: the served model
+    itself where the default (auto) made it invariant, else a load with ``on``, which
+    refuses in one line naming what is missing."""
     from service.model import load_model
 
+    if served_model.batch_invariant:
+        return served_model
     return load_model(default_model_path, progress=False, batch_invariant="on")
 
 
