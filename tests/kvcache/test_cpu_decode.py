@@ -354,3 +354,60 @@ def test_a_nan_in_q_k_or_v_reaches_the_output_as_in_torch(
     want = _reference(q, layer, pages, lens)
     assert torch.equal(got.float().isnan(), want.isnan()) and got.isnan().any()
     assert torch.equal(got[~got.isnan()], clean[~got.isnan()])
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16-pool"])
+@pytest.mark.parametrize(("hkv", "group", "dim"), [(3, 3, 64), (2, 4, 128), (1, 8, 80)])
+def test_a_chunks_tokens_together_get_the_bits_each_gets_alone(
+    hkv: int,
+    group: int,
+    dim: int,
+    pool_dtype: torch.dtype,
+    build: str,
+    built_for: Callable[[str], cpu_decode.DecodeKernel],
+) -> None:
+    """A prefill chunk's tokens are rows on the same pages, which the float32 kernel runs
+    several to a job (each K and V row read once for all of them): every token's output is
+    bit for bit what it gets as the only row of a step, so a token's attention does not
+    depend on the chunk around it (batch invariance). A NaN key reaches exactly the tokens
+    whose prefix holds it, as a job of its own would have it."""
+    if build == "native":
+        kernel = cpu_decode.kernel()
+        assert kernel is not None
+    elif platform.machine() != "x86_64" or (build == "avx2" and not _has_avx2()):
+        pytest.skip("the other builds are checked on x86-64 with AVX2")
+    else:
+        kernel = built_for("x86-64-v3" if build == "avx2" else "x86-64-v2")
+    torch.manual_seed(7)
+    layer = torch.randn(24, 2, PAGE, hkv, dim).to(pool_dtype)
+    a, b, c = [9, 2, 17, 5, 11], [3], [20, 0]  # three sequences' pages, out of order
+    # A: a 37-token chunk after 33 cached keys; B: one decode row; C: a 21-token chunk from 0
+    pages = [a] * 37 + [b] + [c] * 21
+    lens = list(range(34, 71)) + [13] + list(range(1, 22))
+    q = torch.randn(len(lens), hkv * group, dim)
+
+    def alone(layer: torch.Tensor) -> torch.Tensor:
+        return torch.cat(
+            [kernel.run(q[i : i + 1], layer, *_metadata([pages[i]], [lens[i]])) for i in range(len(lens))]
+        )
+
+    together = kernel.run(q, layer, *_metadata(pages, lens))
+    assert torch.equal(together, alone(layer))
+    for i, (own, n) in enumerate(zip(pages, lens, strict=True)):
+        idx = torch.tensor(own)
+        k = layer[idx, 0].reshape(-1, hkv, dim)[:n].float()
+        v = layer[idx, 1].reshape(-1, hkv, dim)[:n].float()
+        qq = q[i].view(hkv, group, dim)
+        p = (torch.einsum("hgd,nhd->hgn", qq, k) * dim**-0.5).softmax(-1)
+        want = torch.einsum("hgn,nhd->hgd", p, v).reshape(hkv * group, dim)
+        torch.testing.assert_close(together[i], want, atol=1e-5, rtol=1e-5)
+    # A's key 60 (page 5, slot 12) holds NaNs in K and V: A's tokens with more than 60 keys
+    # read them, the others share the block but not the key.
+    layer[5, :, 12, 0, 5] = float("nan")
+    poisoned = kernel.run(q, layer, *_metadata(pages, lens))
+    torch.testing.assert_close(poisoned, alone(layer), rtol=0, atol=0, equal_nan=True)
+    reads = torch.tensor([own is a and n > 60 for own, n in zip(pages, lens, strict=True)])
+    assert poisoned[reads, :group].isnan().all() and not poisoned[~reads].isnan().any()
+    assert torch.equal(poisoned[~reads], together[~reads])

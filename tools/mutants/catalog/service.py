@@ -221,4 +221,20 @@ MUTANTS = (
              "per_token = self._token_rows(_NATIVE_CHUNK_KEYS)"),
         tests="tests/kvcache/test_attention.py",
     ),
+    mutant(
+        "attention-run-reads-past-a-tokens-keys",
+        "a chunk's token in a shared attention job scores only its own prefix's keys",
+        edit("kvcache/backends/cpu_decode.c",
+             "const int own = ns[t] - start < page_size ? ns[t] - start : page_size;",
+             "const int own = count;"),
+        tests="tests/kvcache/test_cpu_decode.py::test_a_chunks_tokens_together_get_the_bits_each_gets_alone",
+    ),
+    mutant(
+        "attention-run-sums-past-a-tokens-values",
+        "a chunk's token in a shared attention job sums only its own prefix's values",
+        edit("kvcache/backends/cpu_decode.c",
+             "                    for (int o = 0; o < nt; ++o) {",
+             "                    for (int o = 0; o < nb; ++o) {"),
+        tests="tests/kvcache/test_cpu_decode.py::test_a_chunks_tokens_together_get_the_bits_each_gets_alone",
+    ),
 )
