@@ -385,7 +385,7 @@ def test_a_chunks_tokens_together_get_the_bits_each_gets_alone(
     a, b, c = [9, 2, 17, 5, 11], [3], [20, 0]  # three sequences' pages, out of order
     # A: a 37-token chunk after 33 cached keys; B: one decode row; C: a 21-token chunk from 0
     pages = [a] * 37 + [b] + [c] * 21
-    lens = list(range(34, 71)) + [13] + list(range(1, 22))
+    lens = [*range(34, 71), 13, *range(1, 22)]
     q = torch.randn(len(lens), hkv * group, dim)
 
     def alone(layer: torch.Tensor) -> torch.Tensor:
