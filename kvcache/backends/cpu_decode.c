@@ -132,6 +132,23 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* One block of a head's online softmax: sv its 16 scaled scores (keys past live at -1e30),
+ * *m and *l the running maximum and sum. Leaves the block's weights in w and answers what
+ * the head's earlier accumulators are scaled by (0 on the first block). Every AVX-512 job
+ * runs a block through this one function, so a query's softmax is the same arithmetic in
+ * any of them. */
+static inline __attribute__((always_inline)) float softmax_block(__m512 sv, __mmask16 live,
+                                                                 float *m, float *l, float *w) {
+    const float block_top = _mm512_reduce_max_ps(sv);
+    const float top = block_top > *m ? block_top : *m;
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+    const float rescale = expf(*m - top);
+    *l = *l * rescale + _mm512_reduce_add_ps(e);
+    *m = top;
+    _mm512_storeu_ps(w, e);
+    return rescale;
+}
+
 /* One (sequence, KV head) job with AVX512-BF16: scores by bf16 dot products (exact
  * products, float32 sums, as a bf16 matmul computes them), then softmax and the weighted
  * sum of V in float32, 16 keys at a time. dim is a multiple of 32. */
@@ -174,13 +191,7 @@ static void job_avx512(const uint16_t *q, const uint16_t *kv, int first, int las
                 const __m512 sv = _mm512_mul_ps(
                     _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), live, s[g]),
                     _mm512_set1_ps(scale));
-                const float block_top = _mm512_reduce_max_ps(sv);
-                const float top = block_top > m[g] ? block_top : m[g];
-                const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-                const float rescale = expf(m[g] - top); /* 0 on the first block */
-                l[g] = l[g] * rescale + _mm512_reduce_add_ps(e);
-                m[g] = top;
-                _mm512_storeu_ps(s[g], e);
+                const float rescale = softmax_block(sv, live, &m[g], &l[g], s[g]);
                 const __m512 r = _mm512_set1_ps(rescale);
                 for (int c = 0; c < lanes; ++c) {
                     __m512 a = _mm512_mul_ps(acc[g][c], r);
@@ -283,13 +294,7 @@ static inline __attribute__((always_inline)) void job_avx512_f32q(
             }
             for (int g = 0; g < group; ++g) {
                 const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sums16(dots[g]));
-                const float block_top = _mm512_reduce_max_ps(sv);
-                const float top = block_top > m[g] ? block_top : m[g];
-                const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-                const float rescale = expf(m[g] - top); /* 0 on the first block */
-                l[g] = l[g] * rescale + _mm512_reduce_add_ps(e);
-                m[g] = top;
-                _mm512_storeu_ps(s[g], e);
+                const float rescale = softmax_block(sv, live, &m[g], &l[g], s[g]);
                 for (int c = 0; c < lanes; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(rescale));
             }
             for (int o = 0; o < nb; ++o) {
@@ -384,14 +389,8 @@ static inline __attribute__((always_inline)) void run_avx512_f32q(
                         dots[o] = d;
                     }
                     const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sums16(dots));
-                    const float block_top = _mm512_reduce_max_ps(sv);
-                    const float top = block_top > m[j] ? block_top : m[j];
-                    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-                    const float rescale = expf(m[j] - top); /* 0 on the first block */
-                    l[j] = l[j] * rescale + _mm512_reduce_add_ps(e);
-                    m[j] = top;
                     float w[16];
-                    _mm512_storeu_ps(w, e);
+                    const float rescale = softmax_block(sv, live, &m[j], &l[j], w);
                     __m512 a[MAX_DIM / 16];
                     for (int c = 0; c < lanes; ++c) a[c] = _mm512_mul_ps(acc[j][c], _mm512_set1_ps(rescale));
                     for (int o = 0; o < nt; ++o) {

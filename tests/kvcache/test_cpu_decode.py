@@ -84,6 +84,20 @@ def _has_avx2() -> bool:
         return False
 
 
+def _build(
+    build: str, built_for: Callable[[str], cpu_decode.DecodeKernel]
+) -> cpu_decode.DecodeKernel:
+    """This CPU's kernel (``native``), or the ``avx2`` or ``portable`` build (checked on
+    x86-64 with AVX2 only)."""
+    if build == "native":
+        kernel = cpu_decode.kernel()
+        assert kernel is not None
+        return kernel
+    if platform.machine() != "x86_64" or (build == "avx2" and not _has_avx2()):
+        pytest.skip("the other builds are checked on x86-64 with AVX2")
+    return built_for("x86-64-v3" if build == "avx2" else "x86-64-v2")
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 @pytest.mark.parametrize("build", ["native", "avx2", "portable"])
 @pytest.mark.parametrize(
@@ -334,13 +348,7 @@ def test_a_nan_in_q_k_or_v_reaches_the_output_as_in_torch(
     """A NaN in one query head, or in one key's or value's head, makes exactly the outputs
     that float attention makes NaN (the SIMD exp once clamped NaN to a finite -87), and no
     other output changes."""
-    if build == "native":
-        kernel = cpu_decode.kernel()
-        assert kernel is not None
-    elif platform.machine() != "x86_64" or (build == "avx2" and not _has_avx2()):
-        pytest.skip("the other builds are checked on x86-64 with AVX2")
-    else:
-        kernel = built_for("x86-64-v3" if build == "avx2" else "x86-64-v2")
+    kernel = _build(build, built_for)
     torch.manual_seed(4)
     layer = torch.randn(8, 2, PAGE, HKV, DIM).to(pool_dtype)
     pages, lens = [[3, 5], [1]], [20, 9]
@@ -373,13 +381,7 @@ def test_a_chunks_tokens_together_get_the_bits_each_gets_alone(
     bit for bit what it gets as the only row of a step, so a token's attention does not
     depend on the chunk around it (batch invariance). A NaN key reaches exactly the tokens
     whose prefix holds it, as a job of its own would have it."""
-    if build == "native":
-        kernel = cpu_decode.kernel()
-        assert kernel is not None
-    elif platform.machine() != "x86_64" or (build == "avx2" and not _has_avx2()):
-        pytest.skip("the other builds are checked on x86-64 with AVX2")
-    else:
-        kernel = built_for("x86-64-v3" if build == "avx2" else "x86-64-v2")
+    kernel = _build(build, built_for)
     torch.manual_seed(7)
     layer = torch.randn(24, 2, PAGE, hkv, dim).to(pool_dtype)
     a, b, c = [9, 2, 17, 5, 11], [3], [20, 0]  # three sequences' pages, out of order
