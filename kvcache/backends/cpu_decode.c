@@ -328,15 +328,15 @@ static void job_avx512_bf16kv(const float *q, const void *kv, int first, int las
 
 /* One job for float32 q and out with AVX-512, over float32 KV or (kv16) bf16 KV widened as
  * it is read, 16 keys at a time: queries 0 .. runs - 1 of one KV head that attend over the
- * same pages (a prefill chunk's consecutive tokens; one query for a decode row), query t
+ * same pages (a prefill chunk's consecutive tokens), query t
  * over its first ns[t] keys, its group of heads at q + t * q_stride (out alike). A block's K
  * and V rows are read and widened once for the whole job; each head's 16 dot products are
  * summed together (sums16). A query's arithmetic is that of a job of its own: the same
  * products and sums in the same order, its block's keys past ns[t] masked out, blocks past
  * its keys never touched, so a token's result does not depend on the run it is in.
  * dim = 16 * lanes (a constant where inlined for one head size: q and the accumulators
- * then live in registers); runs * group <= MAX_JOB_HEADS; runs > 1 only without a window
- * (off 0, first the sequence's first page).
+ * then live in registers); runs * group <= MAX_JOB_HEADS; called for runs of two or more
+ * and only without a window (first: the sequence's first page).
  * NOTE: measured on a 2-core AMX Xeon, SmolLM2-135M's shapes (3 KV heads of 3 query heads,
  * dim 64, bf16 KV), one layer of a 512-token prefill step, every token a job of its own
  * (job_avx512_f32q) against runs of MAX_RUN: 4 chunks of 128 tokens 1.3-1.7 against
