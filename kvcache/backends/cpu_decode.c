@@ -340,7 +340,8 @@ static void job_avx512_bf16kv(const float *q, const void *kv, int first, int las
  * NOTE: measured on a 2-core AMX Xeon, SmolLM2-135M's shapes (3 KV heads of 3 query heads,
  * dim 64, bf16 KV), one layer of a 512-token prefill step, every token a job of its own
  * (job_avx512_f32q) against runs of MAX_RUN: 4 chunks of 128 tokens 1.3-1.7 against
- * 1.2-1.3 ms, 2 of 256 3.8-4.3 against 2.2-2.3 ms, 8 of 64 0.9-1.4 against 0.7 ms. A decode
+ * 0.85-0.94 ms, 2 of 256 3.8-4.3 against 1.7 ms (with each head's softmax step right after
+ * its scores, rather than the group's side by side: 1.1 and 2.0 ms). A decode
  * row (a run of one) stays on job_avx512_f32q: this job's staging of the block cost it
  * 30% there (64 rows of 300 keys: 1.5 against 1.15 ms). */
 static inline __attribute__((always_inline)) void run_avx512_f32q(
@@ -376,8 +377,10 @@ static inline __attribute__((always_inline)) void run_avx512_f32q(
                 const int nt = own - b0 <= 0 ? 0 : own - b0 < 16 ? own - b0 : 16;
                 if (nt == 0) continue;
                 const __mmask16 live = (__mmask16)((1u << nt) - 1u);
+                /* the group's scores, then their softmax steps side by side (independent
+                 * chains of horizontal reductions and exps, which overlap), then values */
+                __m512 sv[MAX_GROUP];
                 for (int g = 0; g < group; ++g) {
-                    const int j = t * group + g;
                     const float *qh = q + t * q_stride + g * dim;
                     __m512 qr[MAX_DIM / 16];
                     for (int c = 0; c < lanes; ++c)
@@ -388,13 +391,17 @@ static inline __attribute__((always_inline)) void run_avx512_f32q(
                             for (int c = 0; c < lanes; ++c) d = _mm512_fmadd_ps(qr[c], kw[o][c], d);
                         dots[o] = d;
                     }
-                    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sums16(dots));
-                    float w[16];
-                    const float rescale = softmax_block(sv, live, &m[j], &l[j], w);
+                    sv[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sums16(dots));
+                }
+                float w[MAX_GROUP][16], rescale[MAX_GROUP];
+                for (int g = 0; g < group; ++g)
+                    rescale[g] = softmax_block(sv[g], live, &m[t * group + g], &l[t * group + g], w[g]);
+                for (int g = 0; g < group; ++g) {
+                    const int j = t * group + g;
                     __m512 a[MAX_DIM / 16];
-                    for (int c = 0; c < lanes; ++c) a[c] = _mm512_mul_ps(acc[j][c], _mm512_set1_ps(rescale));
+                    for (int c = 0; c < lanes; ++c) a[c] = _mm512_mul_ps(acc[j][c], _mm512_set1_ps(rescale[g]));
                     for (int o = 0; o < nt; ++o) {
-                        const __m512 wo = _mm512_set1_ps(w[o]);
+                        const __m512 wo = _mm512_set1_ps(w[g][o]);
                         for (int c = 0; c < lanes; ++c) a[c] = _mm512_fmadd_ps(wo, vw[o][c], a[c]);
                     }
                     for (int c = 0; c < lanes; ++c) acc[j][c] = a[c];
