@@ -85,7 +85,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--batch-invariant", EngineSizing().batch_invariant,
          "a request's tokens never depend on what else is in the batch: on (refuse where it "
          "cannot), auto (on where kvfence's 4-bit GEMV serves the model on CPU), off (the "
-         "batch-variant kernels, faster for long prefills: invariance costs 12-16 percent of "
+         "batch-variant kernels, faster for long prefills: invariance costs 12-21 percent of "
          "offline throughput on CPU, docs/batch-invariance.md)",
          choices=["auto", "on", "off"])
     _add(p, "--compile", "off",
