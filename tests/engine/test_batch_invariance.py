@@ -2,12 +2,12 @@
 
 The default model, loaded as ``kvfence serve`` loads it with every flag at its default
 (``--batch-invariant auto``: invariant on a CPU where kvfence's 4-bit GEMV builds), runs
-greedy and seeded (temperature 0.8) requests of two tenants each alone, then inside batches of random size and composition
-(``tests/verify/invariance.py``): random arrival steps (prefill chunks beside other
-requests' decode rows), random token budgets and sequence limits (chunks of different
-shapes), a shared prefix (prefix-cache hits), and a pool so small that requests are
-preempted and re-admitted (their KV recomputed as prefill). Every token must equal the
-request's own run alone: no near-tie allowance.
+greedy and seeded (temperature 0.8) requests of two tenants each alone, then inside batches
+of random size and composition (``tests/verify/invariance.py``): random arrival steps
+(prefill chunks beside other requests' decode rows), random token budgets and sequence
+limits (chunks of different shapes), a shared prefix (prefix-cache hits), and a pool so
+small that requests are preempted and re-admitted (their KV recomputed as prefill). Every
+token must equal the request's own run alone: no near-tie allowance.
 """
 
 from __future__ import annotations
