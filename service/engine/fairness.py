@@ -110,6 +110,14 @@ class FairShare:
         mine = self.served(tenant)
         return all(mine <= self.served(t) for t in decoding if t != tenant)
 
+    def level(self, tenant: str, among: Iterable[str], tokens: int) -> bool:
+        """Whether ``tenant``'s count is within ``tokens`` (one step's, counted at the
+        lighter weight of the two) of the least-served tenant ``among``: a tenant further
+        ahead has had more than a step's share beyond it."""
+        least = min(among, key=self.served, default=tenant)
+        lighter = min(self._weight(tenant), self._weight(least))
+        return self.served(tenant) - self.served(least) <= tokens / lighter
+
     def decode_order(self, rows: Sequence[RowT]) -> tuple[list[RowT], list[RowT]]:
         """``rows`` split into the least-served tenants' (always run) and the others in the
         order they may join: least-served tenant first, each tenant's rows after the last
@@ -151,9 +159,9 @@ class Presence:
         for tenant in [t for t, at in self._seen.items() if now - at > self._grace_s]:
             del self._seen[tenant]
 
-    def others(self, tenant: str) -> bool:
-        """Whether a tenant other than ``tenant`` has work."""
-        return any(t != tenant for t in self._seen)
+    def tenants(self) -> frozenset[str]:
+        """The tenants with work."""
+        return frozenset(self._seen)
 
 
 class TenantQueues(Generic[T]):

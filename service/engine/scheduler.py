@@ -109,7 +109,9 @@ class Scheduler:
                 entries.append(ScheduledSeq(seq, 1))
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         alone = len(self.running) + len(self.waiting) <= 1
-        room = self.budget.room([e.seq for e in entries], cost, guard_s, alone)
+        room = self.budget.room(
+            [e.seq for e in entries], cost, guard_s, alone, self._presence.tenants()
+        )
         decoding_tenants = {e.seq.tenant for e in entries}
         admitted: list[SeqState] = []
         blocked: set[str] = set()  # tenants whose next request does not fit this step
@@ -158,8 +160,8 @@ class Scheduler:
             self.fair.spend(seq.tenant, num_new)
 
     def _terms(self, seq: SeqState, left: int, decoding: set[str]) -> ChunkTerms:
-        others = self._presence.others(seq.tenant)
-        return self.budget.terms(self.fair, seq.tenant, left, decoding, others)
+        present = self._presence.tenants()
+        return self.budget.terms(self.fair, seq.tenant, left, decoding, present)
 
     def _extend(self, entries: list[ScheduledSeq], room: StepRoom, decoding: set[str]) -> None:
         """Room nobody else could use goes to the step's prefill chunks, fairest first, so

@@ -10,9 +10,10 @@ prefill floor. It is kept by three bounds, each from the cost model:
   (the guard, ``decode_rows``);
 - a prefill chunk of a tenant served more than some decoding tenant fits in what the decode
   rows leave of the guard (``ChunkTerms.stretched``);
-- every chunk beside another tenant's work adds at most ``max_step_ms`` to the step
-  (``ChunkTerms.timed``); a tenant alone is held to the token budget only, since a timed
-  step on CPU is mostly fixed cost (docs/scheduling.md has the measurement).
+- the chunks of other tenants add at most ``max_step_ms`` to a step that a tenant with
+  work is in (``ChunkTerms.timed``): each tenant's own chunks are its own work and count
+  only against the others' bound; a tenant alone is held to the token budget only, since a
+  timed step on CPU is mostly fixed cost (docs/scheduling.md has the measurement).
 
 The step's first ``min_prefill_tokens`` prefill tokens are granted whatever the clock says,
 so a long prompt still advances under a tight bound; beside another tenant's decodes only a
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from service.engine.cost_model import Regime, StepCost, StepCostModel, StepShape
@@ -54,35 +55,53 @@ R = TypeVar("R", bound=DecodeRow)
 
 @dataclass(frozen=True, slots=True)
 class ChunkTerms:
-    """What one prefill chunk is held to, decided per chunk from the fair share.
+    """What one prefill chunk of ``tenant`` is held to, decided per chunk from the fair share.
 
     ``timed``: another tenant has work, so the chunk is held to ``max_step_ms``;
-    ``stretched``: its tenant is served more than a tenant decoding in the step, so it is
-    also held to the guard; ``full_floor``: it may take all of the step's prefill floor
-    (else one token of it, which spends the rest)."""
+    ``level``: its tenant is within a step's tokens of the least-served tenant with work, so
+    only the others' chunks count against the bound that guards it (else every chunk in
+    the step does); ``stretched``: its tenant is served more than a tenant decoding in the
+    step, so it is also held to the guard; ``full_floor``: it may take all of the step's
+    prefill floor (else one token of it, which spends the rest)."""
 
+    tenant: str
     timed: bool
     stretched: bool
     full_floor: bool
-
-
-UNTIMED = ChunkTerms(timed=False, stretched=False, full_floor=True)
+    level: bool = False
 
 
 @dataclass(slots=True)
 class StepRoom:
-    """What is left of one step while prefill chunks fill it. ``seconds`` is what is left
-    of ``max_step_ms`` for timed chunks, ``stretch_s`` of the guard for stretched ones;
-    ``cap_tokens``/``cap_s`` bound one request's chunk while others have work."""
+    """What is left of one step while prefill chunks fill it. ``bound_s`` is
+    ``max_step_ms``: what the chunks of tenants other than one of ``present`` (the tenants
+    with work) may add to the step; ``stretch_s`` is what is left of the guard for
+    stretched chunks; ``cap_tokens``/``cap_s`` bound one request's chunk while others have
+    work."""
 
     tokens: int
     step_tokens: int  # tokens the step carries so far (its regime depends on them)
     cost: StepCost | None = None
-    seconds: float = math.inf
+    bound_s: float = math.inf
     stretch_s: float = math.inf
     floor: int = 0
     cap_tokens: int = 1 << 30
     cap_s: float = math.inf
+    present: frozenset[str] = frozenset()
+    chunks_s: float = 0.0  # the step's chunks so far, every tenant's
+    own_s: dict[str, float] = field(default_factory=dict)  # ... per tenant
+
+    def others_s(self, terms: ChunkTerms) -> float:
+        """What the step's chunks already add against the bound ``terms``' chunk is held
+        to: for a level tenant, the most that chunks not of one other present tenant add
+        (a present tenant with no chunk in the step sees every chunk as another's); for any
+        other, every chunk in the step."""
+        if not terms.level:
+            return self.chunks_s
+        return max(
+            (self.chunks_s - self.own_s.get(t, 0.0) for t in self.present if t != terms.tenant),
+            default=self.chunks_s,
+        )
 
     def chunk(self, context: int, want: int, terms: ChunkTerms, capped: bool = True) -> int:
         """Tokens (at most ``want``) for one chunk after ``context`` computed tokens."""
@@ -92,7 +111,9 @@ class StepRoom:
             if self.cost is None:  # unmeasured: the floor alone; the first steps teach it
                 n = min(n, floor)
             else:
-                left = min(self.seconds, self.cap_s) if capped else self.seconds
+                left = self.bound_s - self.others_s(terms)
+                if capped:
+                    left = min(left, self.cap_s)
                 if terms.stretched:
                     left = min(left, self.stretch_s)
                 fits = self.cost.chunk_tokens(left, context, self.step_tokens)
@@ -100,15 +121,17 @@ class StepRoom:
         return max(n, 0)
 
     def take(self, context: int, tokens: int, terms: ChunkTerms) -> None:
-        """Spend a chunk's tokens and time. Every chunk spends the time, timed or not, so
-        a later timed chunk is held to what is really left of the step."""
+        """Spend a chunk's tokens and time. Every chunk, timed or not, counts toward the
+        others' bound of each other present tenant and spends the guard, so a later chunk
+        is held to what is really left of the step."""
         self.tokens -= tokens
         if terms.timed:
             # A chunk held to one token of the floor spends all of it.
             self.floor = max(0, self.floor - tokens) if terms.full_floor else 0
         if self.cost is not None:
             spent = self.cost.chunk_seconds(context, tokens, self.step_tokens)
-            self.seconds -= spent
+            self.chunks_s += spent
+            self.own_s[terms.tenant] = self.own_s.get(terms.tenant, 0.0) + spent
             self.stretch_s -= spent
         self.step_tokens += tokens
 
@@ -168,10 +191,16 @@ class StepBudget:
         return [s for s in decoding if id(s) in chosen], guard
 
     def room(
-        self, decodes: Sequence[DecodeRow], cost: StepCost | None, guard_s: float, alone: bool
+        self,
+        decodes: Sequence[DecodeRow],
+        cost: StepCost | None,
+        guard_s: float,
+        alone: bool,
+        present: frozenset[str] = frozenset(),
     ) -> StepRoom:
         """What the step's prefill chunks may take once ``decodes`` are in; ``alone``: one
-        request has work, so no per-request cap applies."""
+        request has work, so no per-request cap applies; ``present``: the tenants with work,
+        each guarded against the others' chunks."""
         t = self.tuning
         tokens = max(t.max_num_batched_tokens - len(decodes), 0)
         cap_tokens = t.prefill_chunk or (1 << 30 if alone else t.chunk_cap())
@@ -188,20 +217,26 @@ class StepBudget:
         cap_s = seconds * t.request_share if not alone and not t.prefill_chunk else math.inf
         return StepRoom(
             tokens, len(decodes), cost, seconds, stretch_s, t.min_prefill_tokens,
-            cap_tokens, cap_s,
+            cap_tokens, cap_s, present,
         )
 
     def terms(
-        self, fair: FairShare, tenant: str, remaining: int, decoding: set[str], others: bool
+        self,
+        fair: FairShare,
+        tenant: str,
+        remaining: int,
+        decoding: set[str],
+        present: frozenset[str],
     ) -> ChunkTerms:
         """The terms of a chunk of ``tenant`` with ``remaining`` prompt tokens to go, in a
-        step whose decode rows belong to ``decoding``; ``others``: another tenant has work.
+        step whose decode rows belong to ``decoding``; ``present``: the tenants with work.
         NOTE: with a floor of one token for everyone beside decodes, a victim's short prompt
         advanced a token a step while an attacker's streams decoded (TTFT 0.09 -> 0.5 s);
         with the full floor for everyone, an attacker's long prompts added 16 tokens to
         every one of the victim's steps (inter-token gap 0.018 -> 0.10 s)."""
-        if not self.tuning.timed or not others:
-            return UNTIMED
+        if not self.tuning.timed or not any(t != tenant for t in present):
+            return ChunkTerms(tenant, timed=False, stretched=False, full_floor=True)
         owed = fair.owed(tenant, decoding)
         full = owed or remaining <= self.tuning.min_prefill_tokens
-        return ChunkTerms(timed=True, stretched=not owed, full_floor=full)
+        level = fair.level(tenant, present, self.tuning.max_num_batched_tokens)
+        return ChunkTerms(tenant, timed=True, stretched=not owed, full_floor=full, level=level)

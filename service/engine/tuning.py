@@ -19,10 +19,12 @@ class SchedulerTuning:
     #: tokens. The most tokens (decode rows plus prefill chunks) one step computes: bounds the
     #: step's activation memory and, untimed, its length.
     max_num_batched_tokens: int = 512
-    #: milliseconds. The most time prefill chunks may add to a step that carries another
-    #: tenant's decode rows (0 = steps are sized in tokens alone). With ``decode_stretch`` it
-    #: is the inter-token gap guarantee: no other tenant's work makes a tenant's gap longer
-    #: than ``decode_stretch`` times what its own rows cost plus ``max_step_ms``.
+    #: milliseconds. The most time other tenants' prefill chunks may add to a step while a
+    #: tenant has work (0 = steps are sized in tokens alone); a tenant's own chunks count
+    #: only against the others' bound while it is within a step's tokens of the least served.
+    #: With ``decode_stretch`` it is the inter-token gap guarantee: no other tenant's work
+    #: makes a tenant's gap longer than ``decode_stretch`` times what its own rows cost plus
+    #: ``max_step_ms``.
     max_step_ms: float = 100.0
     #: multiple of a tenant's own decode rows' cost. A step the least-served decoding tenant's
     #: streams are in lasts at most this many times what their rows alone cost, counting the

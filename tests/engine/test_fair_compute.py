@@ -286,3 +286,44 @@ def test_cpu_time_charged_to_a_tenant_counts_as_tokens_it_had_processed(
     # A fraction of a token is carried: four charges of a quarter token make one.
     quarter = fit.per_token_s / 4
     assert [core.charge_cpu("c", quarter) for _ in range(4)] == [0, 0, 0, 1]
+
+
+def _two_prefills_in_one_step(
+    tiny: LoadedModel, with_decoder: bool, a_ahead_by: int = 0
+) -> tuple[int, int]:
+    """The prompt tokens tenants a and b (400-token prompts each, 100 ms of prefill a step
+    beside another tenant's work, no stretch) get in one step on a machine taught to take
+    20 ms a decode and 1 ms a token; ``with_decoder``: tenant c's stream decodes in it;
+    ``a_ahead_by``: tokens a has had beyond its lift."""
+    tuning = _tuning(0.0, 100.0)
+    core = make_core(tiny, config=EngineConfig(warmup=False, tuning=tuning), clock=FakeClock())
+    rec = Recorder()
+    if with_decoder:
+        core.add(req("c", prompt_ids(9, 10, V), tenant="c", max_tokens=20, ignore_eos=True),
+                 rec.sink("c"))
+        core.step()  # c is prefilled; it decodes from now on
+    for tenant in ("a", "b"):
+        core.add(req(tenant, prompt_ids(ord(tenant), 400, V), tenant=tenant, max_tokens=2),
+                 rec.sink(tenant))
+    core.scheduler.counter.charge("a", a_ahead_by)
+    _teach_cost(core, decode_s=0.020, per_token_s=0.001)
+    core.step()
+    return _computed(core, "a"), _computed(core, "b")
+
+
+def test_a_tenants_own_chunks_count_only_against_the_others_bound(tiny: LoadedModel) -> None:
+    # Each tenant is guarded against the other's chunks, not its own: a's chunks add
+    # max_step_ms to b's step and b's add max_step_ms to a's, so the step carries both
+    # (one request gets request_share of it first, the rest goes to the step's chunks).
+    a, b = _two_prefills_in_one_step(tiny, with_decoder=False)
+    assert a == b == 100
+    # A tenant whose streams only decode in the step has no chunk of its own: every chunk is
+    # another's, and together they add max_step_ms.
+    a, b = _two_prefills_in_one_step(tiny, with_decoder=True)
+    assert a + b == 100
+    # A tenant more than a step's tokens ahead of another with work has had more than its
+    # share: every chunk in the step counts against its chunks. b, the least served, goes
+    # first (50 ms, its request's share); a gets what is left of the 100 ms; b's own chunks
+    # still count only against a's bound, so b takes the rest of its own.
+    a, b = _two_prefills_in_one_step(tiny, with_decoder=False, a_ahead_by=1000)
+    assert (a, b) == (50, 100)

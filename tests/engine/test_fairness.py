@@ -56,6 +56,20 @@ def test_processed_tokens_are_charged_by_weight_and_the_step_counts_what_it_gave
     assert fair.served("light") == 100.0
 
 
+def test_a_tenant_is_level_within_a_steps_tokens_at_the_lighter_weight() -> None:
+    weights = {"a": 1.0, "b": 2.0, "c": 1.0}
+    fair = FairShare(weights.__getitem__)
+    fair.counter.charge("a", 100)
+    fair.counter.charge("b", 300)  # 150 counted
+    fair.counter.charge("c", 164)
+    assert fair.level("a", {"a", "b", "c"}, 64)  # the least served
+    assert fair.level("c", {"a", "c"}, 64) and not fair.level("c", {"a", "c"}, 63)
+    # b is 50 ahead of a; the lighter weight of the two (1) counts a step at 64 tokens.
+    assert fair.level("b", {"a", "b"}, 50) and not fair.level("b", {"a", "b"}, 49)
+    fair.spend("b", 2)  # what the step being planned gave counts
+    assert not fair.level("b", {"a", "b"}, 50)
+
+
 def test_decode_rows_least_served_first_and_the_others_take_turns() -> None:
     fair = FairShare(lambda t: 1.0)
     fair.counter.charge("a", 1000)
@@ -75,10 +89,10 @@ def test_a_tenant_between_requests_counts_as_present_for_the_grace_period() -> N
     presence.update(["a", "b"])
     now[0] = 1.5
     presence.update(["a"])
-    assert presence.others("a")  # b ended 1.5 s ago
+    assert presence.tenants() == {"a", "b"}  # b ended 1.5 s ago
     now[0] = 2.5
     presence.update(["a"])
-    assert not presence.others("a") and presence.others("b")
+    assert presence.tenants() == {"a"}
 
 
 def test_a_returning_tenant_gets_no_credit_for_idle_time() -> None:

@@ -5,10 +5,12 @@ fake clock and a fake machine the cost model was taught (tests/engine/scheduler_
   weighted processed tokens run ahead of the other's by more than two steps' tokens of the
   lighter weight (``2 * max_num_batched_tokens / min(weight)``). (With one prompt left, a
   tenant's chunk is capped at ``request_share`` of the step while others have work.)
-- Inter-token gap: in a step the least-served decoding tenant's streams are in, the step
-  lasts at most ``max(1, decode_stretch)`` times what those rows alone cost plus
-  ``max_step_ms``; the rows and chunks of tenants served more than it stay within the
-  first part alone. The prefill floor may add its ``min_prefill_tokens``' cost.
+- Inter-token gap: in a step the least-served decoding tenant's streams are in, the other
+  tenants' work makes the step last at most ``max(1, decode_stretch)`` times what those
+  rows alone cost plus ``max_step_ms``; the rows and chunks of tenants served more than it
+  stay within the first part alone; and for every tenant with work, the other tenants'
+  chunks add at most ``max_step_ms``. The prefill floor may add its
+  ``min_prefill_tokens``' cost.
 """
 
 from __future__ import annotations
@@ -124,7 +126,15 @@ def test_a_tenants_gap_stays_within_the_stated_bound_of_its_own_rows_cost(
         # The floor's tokens are granted whatever the clock says.
         slack = floor * fake.per_chunk_s + chunk_line(fake, max(contexts), floor)
         slack += fake.chunk_dense_s
-        assert step.seconds <= guard + max_step_ms / 1000 + slack + 1e-9, step
+        # The level tenants' own chunks are their own work, not the others'.
+        level = {t for t in step.served if step.served[t] <= least}
+        mine = sum(chunk_line(fake, c, n) for t, c, n in step.chunks if t in level)
+        assert step.seconds - mine <= guard + max_step_ms / 1000 + slack + 1e-9, step
+        # Every tenant with work in the step, decoding, prefilling or waiting: the other
+        # tenants' chunks add at most max_step_ms.
+        for tenant in set(step.rows) | set(step.waiting) | {t for t, _, _ in step.chunks}:
+            others = sum(chunk_line(fake, c, n) for t, c, n in step.chunks if t != tenant)
+            assert others <= max_step_ms / 1000 + slack + 1e-9, (tenant, step)
         # Tenants more than a step ahead of it keep within the guard alone.
         ahead = {t for t in step.served
                  if step.served[t] > least + tuning.max_num_batched_tokens / min(weights)}
