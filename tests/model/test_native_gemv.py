@@ -707,3 +707,27 @@ def test_the_invariant_model_has_one_kernel_for_every_batch_size(
     assert not off.batch_invariant and off.model.max_packed_rows > 0
     with pytest.raises(ModelLoadError, match="--batch-invariant on"):
         load_model(default_model_path, weights="bf16", progress=False, batch_invariant="on")
+
+
+@pytest.mark.slow
+def test_the_invariant_model_turns_the_tile_unit_off_for_weights_left_out_of_panels(
+    default_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight whose rows do not fill panels of 16 keeps the row layout, where the default
+    packs take the tile unit (bf16) on an AMX CPU; the invariant model turns it off. Here
+    every weight of the default model is left out of panels."""
+    monkeypatch.setattr(native_gemv.Q4Linear, "in_panels", lambda self: self)
+
+    def packs(batch_invariant: str) -> list[native_gemv.Q4Linear]:
+        m = load_model(default_model_path, progress=False, batch_invariant=batch_invariant).model
+        assert m.packed is not None
+        got = [*m.packed.qkv, *m.packed.o, *m.packed.gate_up, *m.packed.down, m.packed.lm_head]
+        q4 = [p for p in got if isinstance(p, native_gemv.Q4Linear)]
+        assert len(q4) == len(got)
+        return q4
+
+    variant = packs("off")
+    if not variant[0].kernel.amx:
+        pytest.skip("no tile unit on this CPU: every pack is off it already")
+    assert all(p.tiles for p in variant)
+    assert not any(p.tiles for p in packs("on"))

@@ -203,14 +203,17 @@ MUTANTS = (
         edit("service/model/llama.py",
              "self.packed = invariant_packs(weights.packed) if batch_invariant else weights.packed",
              "self.packed = weights.packed"),
-        tests="tests/model/test_native_gemv.py::test_the_invariant_model_has_one_kernel_for_every_batch_size",
+        tests="tests/model/test_native_gemv.py::test_the_invariant_model_turns_the_tile_unit_off_for_weights_left_out_of_panels",
     ),
     mutant(
         "batch-invariant-panel-unfused-combine",
         "the panel GEMV's few-row loop rounds each block's step like its tile-unit batches (one FMA)",
         edit("service/model/q4_gemv.c",
              "            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), step, acc[r]);",
-             "            acc[r] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), step), acc[r]);"),
+             # the product rounded on its own (a mul then an add would be contracted back
+             # into one FMA by the compiler)
+             "            acc[r] = _mm512_add_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(s), step, "
+             "_mm512_setzero_ps()), acc[r]);"),
         tests="tests/model/test_native_gemv_panels.py",
     ),
     mutant(
