@@ -11,9 +11,11 @@ prefill floor. It is kept by three bounds, each from the cost model:
 - a prefill chunk of a tenant served more than some decoding tenant fits in what the decode
   rows leave of the guard (``ChunkTerms.stretched``);
 - the chunks of other tenants add at most ``max_step_ms`` to a step that a tenant with
-  work is in (``ChunkTerms.timed``): each tenant's own chunks are its own work and count
-  only against the others' bound; a tenant alone is held to the token budget only, since a
-  timed step on CPU is mostly fixed cost (docs/scheduling.md has the measurement).
+  work is in (``ChunkTerms.timed``): a level tenant's own chunks are its own work and count
+  only against the others' bound, while a tenant more than a step's tokens ahead of the
+  least served has every chunk in the step count against its own (``ChunkTerms.level``); a
+  tenant alone is held to the token budget only, since a timed step on CPU is mostly fixed
+  cost (docs/scheduling.md has the measurement).
 
 The step's first ``min_prefill_tokens`` prefill tokens are granted whatever the clock says,
 so a long prompt still advances under a tight bound; beside another tenant's decodes only a
