@@ -152,16 +152,17 @@ class Scheduler:
     ) -> None:
         """The running prefill ``seq``'s next chunk, as its terms allow."""
         left = seq.num_tokens - seq.num_computed
-        terms = self._terms(seq, left, decoding)
+        terms = self._terms(seq, left, decoding, room)
         num_new = room.chunk(seq.num_computed, left, terms)
         if num_new > 0 and self._allocate_running(seq, num_new, entries, preempted, rejected):
             entries.append(ScheduledSeq(seq, num_new))
             room.take(seq.num_computed, num_new, terms)
             self.fair.spend(seq.tenant, num_new)
 
-    def _terms(self, seq: SeqState, left: int, decoding: set[str]) -> ChunkTerms:
-        present = self._presence.tenants()
-        return self.budget.terms(self.fair, seq.tenant, left, decoding, present)
+    def _terms(
+        self, seq: SeqState, left: int, decoding: set[str], room: StepRoom
+    ) -> ChunkTerms:
+        return self.budget.terms(self.fair, seq.tenant, left, decoding, room.present)
 
     def _extend(self, entries: list[ScheduledSeq], room: StepRoom, decoding: set[str]) -> None:
         """Room nobody else could use goes to the step's prefill chunks, fairest first, so
@@ -172,7 +173,7 @@ class Scheduler:
                 return
             e = entries[i]
             context = e.seq.num_computed + e.num_new
-            terms = self._terms(e.seq, e.seq.num_tokens - context, decoding)
+            terms = self._terms(e.seq, e.seq.num_tokens - context, decoding, room)
             extra = room.chunk(context, e.seq.num_tokens - context, terms, capped=False)
             if extra <= 0:
                 continue
@@ -339,7 +340,7 @@ class Scheduler:
             seq.status = SeqStatus.FINISHED  # the engine sends its Finished(error)
             rejected.append((seq, too_large))
             return None
-        terms = self._terms(seq, seq.num_tokens, decoding)
+        terms = self._terms(seq, seq.num_tokens, decoding, room)
         if room.chunk(0, 1, terms, capped=False) == 0:
             blocked.add(seq.tenant)  # held to its terms, with none of them left
             return None

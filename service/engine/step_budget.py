@@ -207,7 +207,7 @@ class StepBudget:
         tokens = max(t.max_num_batched_tokens - len(decodes), 0)
         cap_tokens = t.prefill_chunk or (1 << 30 if alone else t.chunk_cap())
         if not t.timed:
-            return StepRoom(tokens, len(decodes), cap_tokens=cap_tokens)
+            return StepRoom(tokens, len(decodes), cap_tokens=cap_tokens, present=present)
         seconds = t.max_step_ms / 1000.0
         stretch_s = math.inf
         if cost is not None and decodes and math.isfinite(guard_s):
