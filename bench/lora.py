@@ -8,7 +8,10 @@ Two figures, each a ratio judged on its worst run (RUNS interleaved runs after a
   >= 0.8x.
 
 The adapters are random PEFT LoRA directories (rank 16, all seven projections) written for
-the default model. The engine runs in process (``--weights auto``), each request greedy with
+the default model, saved in bfloat16 (as a model trained in bfloat16 saves them; held in
+bfloat16 and widened exactly where read). The same adapters saved in float32 (held in
+float32, twice the bytes a token reads) are measured beside them and reported, without a
+target. The engine runs in process (``--weights auto``), each request greedy with
 ignore_eos and the prefix cache bypassed, so every system computes the same tokens' work.
 """
 
@@ -55,8 +58,11 @@ STREAMS = 16
 PROMPT_TOKENS = 32
 
 
-def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> Path:
-    """A PEFT LoRA directory with random A and B for every target projection."""
+def write_random_adapter(
+    directory: Path, config: ModelConfig, rank: int, seed: int, dtype: torch.dtype = torch.float32
+) -> Path:
+    """A PEFT LoRA directory with random A and B for every target projection, saved in
+    ``dtype``."""
     h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
               "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
@@ -67,8 +73,8 @@ def write_random_adapter(directory: Path, config: ModelConfig, rank: int, seed: 
             out, inp = shapes[module]
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.02
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=gen) * 0.02).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=gen) * 0.02).to(dtype)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
@@ -122,12 +128,19 @@ async def _measure(quick: bool) -> dict[str, list[float]]:
     vocab = gguf_vocab_size(path)
     loaded = load_model(str(path), weights="auto", progress=False)
     cfg = loaded.model.config
+    held = {"adapters": torch.bfloat16, "float32 adapters": torch.float32}
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [
-            load_lora(f"a{k}", write_random_adapter(Path(tmp) / f"a{k}", cfg, RANK, k),
-                      cfg, loaded.model.dtype, max_rank=64)
-            for k in range(ADAPTERS)
-        ]
+        sets = {
+            name: [
+                load_lora(f"a{k}", write_random_adapter(Path(tmp) / f"{name}{k}", cfg, RANK, k, dtype),
+                          cfg, loaded.model.dtype, max_rank=64)
+                for k in range(ADAPTERS)
+            ]
+            for name, dtype in held.items()
+        }
+    for name, dtype in held.items():
+        if any(g.a.dtype != dtype for a in sets[name] for g in a.groups.values()):
+            raise RuntimeError(f"{name}: not held in {dtype}")
     tokens = 16 if quick else 128
     sizing = Sizing(max_num_seqs=32, max_model_len=512, kv_bytes=256 << 20)
     figures: dict[str, list[float]] = {}
@@ -135,8 +148,9 @@ async def _measure(quick: bool) -> dict[str, list[float]]:
         for r in range(RUNS + 1):  # run 0 warms up
             many = random_work(200 + r, STREAMS, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
             one = random_work(300 + r, 1, (PROMPT_TOKENS,) * 2, (tokens,) * 2, vocab)
-            order = [("base", [None]), ("adapters", list(adapters))]
-            for name, chosen in order if r % 2 else order[::-1]:
+            order: list[tuple[str, list[LoraAdapter | None]]] = [("base", [None])]
+            order += [(name, list(adapters)) for name, adapters in sets.items()]
+            for name, chosen in order[r % len(order):] + order[:r % len(order)]:
                 wall, traces = await _generate(engine, many, chosen)
                 many_tok_s = _tokens_per_s(wall, traces, many)
                 _, single = await _generate(engine, one, chosen[:1])
@@ -162,10 +176,16 @@ def run(quick: bool = False) -> dict[str, Any]:
                min(many), 0.7),
         Target("1 stream with an adapter / base decode (worst run)", min(single), 0.8),
     ]
+    for name in (f"{STREAMS} streams", "1 stream"):
+        ratios = [a / b for a, b in zip(figures[f"{name}, float32 adapters"],
+                                        figures[f"{name}, base"], strict=True)]
+        print(f"[{SUITE}] {name}, float32 adapters / base: "
+              + ", ".join(f"{v:.3f}" for v in ratios), flush=True)
     rows = [(name, " / ".join(f"{v:.1f}" for v in runs)) for name, runs in figures.items()]
     md = "\n\n".join([
         f"# LoRA adapters{' (quick)' if quick else ''}",
-        f"Rank-{RANK} random adapters on all seven projections of the default model, "
+        f"Rank-{RANK} random adapters on all seven projections of the default model, saved in "
+        f"bfloat16 (the targets) and in float32, "
         f"{PROMPT_TOKENS}-token prompts, greedy, prefix cache bypassed; {threads} threads; "
         f"{RUNS} interleaved runs after a warm-up. Figures: tokens/s per run.",
         md_table(("system", "tok/s per run"), rows),

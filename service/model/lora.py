@@ -8,9 +8,15 @@ configured maximum, or a tensor this reader does not know.
 
 Each layer's deltas are fused the way the decoder's projections are (``q|k|v`` and
 ``gate|up``): the A matrices of a fused projection are stacked along the rank axis and the
-B matrices placed block-diagonally, so one fused projection's delta is two matmuls. The
-scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` under ``use_rslora``) is folded
-into B at load.
+B matrices, transposed to rank-major, placed block-diagonally, so one fused projection's
+delta is two matmuls. The scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` under
+``use_rslora``) is kept beside them and applied to ``x @ A.T``, so the weights are held as
+the file gives them.
+
+On a float32 base an adapter whose every value is a bfloat16 (a bfloat16 file, or any file
+whose values all are) is held in bfloat16 and widened to float32 where it is read: the same
+float32 arithmetic on the same values, at half the bytes a token reads. Any other adapter
+is held in float32.
 """
 
 from __future__ import annotations
@@ -67,10 +73,12 @@ class LoraError(Exception):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LoraGroup:
-    """One fused projection's delta for every layer: ``out += (x @ a[i].T) @ b[i].T``."""
+    """One fused projection's delta for every layer: ``out += ((x @ a[i].T) * scale) @ b[i]``,
+    in the compute dtype (float32 also from bfloat16-held weights)."""
 
     a: torch.Tensor  # [L, R, in]
-    b: torch.Tensor  # [L, out, R], scaling folded in
+    b: torch.Tensor  # [L, R, out], rank-major (each rank's outputs contiguous)
+    scale: float  # lora_alpha / r (or / sqrt(r))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -196,24 +204,34 @@ def _group(
     scaling: float,
     dtype: torch.dtype,
 ) -> LoraGroup | None:
-    """Stack A along the rank axis and place B block-diagonally, layer by layer."""
+    """Stack A along the rank axis and place B block-diagonally, layer by layer, held in
+    ``dtype``."""
     if not any(m == mod for _, m, _ in tensors for mod in modules):
         return None
     shapes = _shapes(config)
     n, rank = config.num_layers, r * len(modules)
     a = torch.zeros(n, rank, shapes[modules[0]][1], dtype=torch.float32)
-    b = torch.zeros(n, sum(shapes[m][0] for m in modules), rank, dtype=torch.float32)
+    b = torch.zeros(n, rank, sum(shapes[m][0] for m in modules), dtype=torch.float32)
     for layer in range(n):
         row = 0
         for j, module in enumerate(modules):
             rows = shapes[module][0]
             if (layer, module, "A") in tensors:
                 a[layer, j * r : (j + 1) * r] = tensors[(layer, module, "A")].float()
-                b[layer, row : row + rows, j * r : (j + 1) * r] = (
-                    tensors[(layer, module, "B")].float() * scaling
-                )
+                b[layer, j * r : (j + 1) * r, row : row + rows] = tensors[(layer, module, "B")].T
             row += rows
-    return LoraGroup(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+    return LoraGroup(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scaling)
+
+
+def held_dtype(tensors: Mapping[tuple[int, str, str], torch.Tensor], dtype: torch.dtype) -> torch.dtype:
+    """What an adapter's weights are held in on a base computing in ``dtype``: bfloat16 on a
+    float32 base when every value is one (widening them back is exact), else ``dtype``."""
+    if dtype != torch.float32:
+        return dtype
+    for t in tensors.values():
+        if t.dtype != torch.bfloat16 and not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):
+            return dtype
+    return torch.bfloat16
 
 
 def load_lora(
@@ -240,10 +258,11 @@ def _load_lora(
     digest = file_digest(path)
     r, scaling = read_config(path, max_rank)
     tensors = _read_tensors(path, config, r)
+    held = held_dtype(tensors, dtype)
     groups = {
         key: g
         for key, modules in GROUPS.items()
-        if (g := _group(config, tensors, modules, r, scaling, dtype)) is not None
+        if (g := _group(config, tensors, modules, r, scaling, held)) is not None
     }
     nbytes = sum(g.a.numel() * g.a.element_size() + g.b.numel() * g.b.element_size()
                  for g in groups.values())

@@ -11,7 +11,7 @@ its own rows. Never a forward per adapter.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ class LoraBatch:
     """The adapters of one step's rows, planned once per step for every fused projection."""
 
     plans: dict[str, _GroupPlan]
+    # stack_deltas by step rows, made once: a kept plan's next steps reuse them
+    _deltas: dict[int, dict[str, StackDelta] | None] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of_rows(
@@ -55,6 +57,9 @@ class LoraBatch:
                 by_id.setdefault(adapter.identity, (adapter, []))[1].append(row)
         if not by_id:
             return None
+        key_rows = tuple(adapters)
+        if stacks is not None and (kept := stacks.last_plan(key_rows)) is not None:
+            return kept
         plans: dict[str, _GroupPlan] = {}
         for key in GROUPS:
             having = [(a, rows) for a, rows in by_id.values() if key in a.groups]
@@ -76,13 +81,22 @@ class LoraBatch:
                 order.extend(rows)
             rows_t = torch.tensor(order, dtype=torch.long, device=device)
             plans[key] = _GroupPlan(rows_t, tuple(parts))
-        return LoraBatch(plans)
+        batch = LoraBatch(plans)
+        if stacks is not None:
+            stacks.keep_plan(key_rows, batch)
+        return batch
 
     def stack_deltas(self, rows: int) -> dict[str, StackDelta] | None:
         """Every planned projection as one stacked, masked delta for the native decoder stack
         (:class:`~service.model.native_gemv.StackDelta`), for a step of ``rows`` rows; None
         where a plan is a per-adapter segment loop (its mix's stacked copy did not fit its
-        bound) or the weights are not float32 on the CPU: that step runs the layer loop."""
+        bound) or the weights are not float32 or bfloat16 on the CPU: that step runs the
+        layer loop."""
+        if rows not in self._deltas:
+            self._deltas[rows] = self._stack_deltas(rows)
+        return self._deltas[rows]
+
+    def _stack_deltas(self, rows: int) -> dict[str, StackDelta] | None:
         deltas: dict[str, StackDelta] = {}
         for key, plan in self.plans.items():
             if plan.stack is not None:
@@ -90,35 +104,46 @@ class LoraBatch:
                 group, mask = plan.stack, plan.mask
             elif plan.rows is None:
                 group = plan.parts[0][0]
-                mask = torch.ones(rows, group.a.shape[1], dtype=group.a.dtype)
+                mask = torch.full((rows, group.a.shape[1]), group.scale)
             else:
                 return None
-            if group.a.dtype != torch.float32 or not group.a.is_cpu:
+            if group.a.dtype not in (torch.float32, torch.bfloat16) or not group.a.is_cpu:
                 return None
             # b is block-diagonal by module (lora._group): the kernel skips the zero blocks
             deltas[key] = StackDelta(group.a, group.b, mask, len(GROUPS[key]))
         return deltas
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[rows] += (x[rows] @ A[layer].T) @ B[layer].T`` for each adapter of the step
+        """``out[rows] += (x[rows] @ A[layer].T) @ B[layer]`` for each adapter of the step
         that has ``group`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``), on its rows."""
         plan = self.plans.get(group)
         if plan is None:
             return
         if plan.stack is not None:
             assert plan.mask is not None
-            u = (x @ plan.stack.a[layer].T).mul_(plan.mask)
-            out.addmm_(u, plan.stack.b[layer].T)
+            a, b = _weights(plan.stack, layer, x.dtype)
+            u = (x @ a.T).mul_(plan.mask.to(x.dtype))
+            out.addmm_(u, b)
             return
         if plan.rows is None:
             g = plan.parts[0][0]
-            out.addmm_(x @ g.a[layer].T, g.b[layer].T)  # in place: no [T, out] temporary
+            a, b = _weights(g, layer, x.dtype)
+            out.addmm_((x @ a.T).mul_(g.scale), b)  # in place: no [T, out] temporary
             return
         # NOTE: one gather and one scatter for the whole step; each adapter's rows are then a
         # contiguous slice, so an adapter costs its two matmuls and nothing more.
         xs = x.index_select(0, plan.rows)
-        deltas = [(xs[s:e] @ g.a[layer].T) @ g.b[layer].T for g, s, e in plan.parts]
+        deltas = []
+        for g, s, e in plan.parts:
+            a, b = _weights(g, layer, x.dtype)
+            deltas.append((xs[s:e] @ a.T).mul_(g.scale) @ b)
         out.index_add_(0, plan.rows, deltas[0] if len(deltas) == 1 else torch.cat(deltas))
+
+
+def _weights(group: LoraGroup, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group``'s A and B of ``layer`` in the compute ``dtype`` (bfloat16-held weights widen
+    exactly to float32)."""
+    return group.a[layer].to(dtype), group.b[layer].to(dtype)
 
 
 def _stacked(
@@ -136,11 +161,12 @@ def _stacked(
         stack = stacks.stacked(tuple(a for a, _ in having), key)
     if stack is None:
         return None
-    mask = torch.zeros(total, stack.a.shape[1], dtype=stack.a.dtype)
+    mask = torch.zeros(total, stack.a.shape[1])
     start = 0
     for adapter, rows in having:
-        rank = adapter.groups[key].a.shape[1]
-        mask[rows, start : start + rank] = 1
+        group = adapter.groups[key]
+        rank = group.a.shape[1]
+        mask[rows, start : start + rank] = group.scale
         start += rank
     return _GroupPlan(None, (), stack, mask.to(device))
 

@@ -507,14 +507,15 @@ MAX_LORA_RANKS = 65536  # LORA_MAX_RANKS in q4_gemv.c
 @dataclass(frozen=True, slots=True)
 class StackDelta:
     """One fused projection's LoRA delta in every layer of a :class:`DecoderStack` step:
-    ``out += ((v @ a[l].T) * mask) @ b[l].T``, with ``v`` the projection's input (the normed
+    ``out += ((v @ a[l].T) * mask) @ b[l]``, with ``v`` the projection's input (the normed
     x for qkv and gate_up, the attention output for o, ``silu(gate) * up`` for down).
-    ``a`` ``[layers, R, k]`` and ``b`` ``[layers, n, R]`` are the step's adapters' weights
-    stacked along the rank axis; ``mask`` ``[rows, R]`` keeps each row's own adapter's
-    ranks (1, or the scale; 0 elsewhere, and everywhere on a base row). With ``parts`` > 1
+    ``a`` ``[layers, R, k]`` and ``b`` ``[layers, R, n]`` (rank-major) are the step's adapters' weights
+    stacked along the rank axis, both float32 or both bfloat16 (widened exactly where read);
+    ``mask`` ``[rows, R]`` float32 keeps each row's own adapter's ranks (its adapter's scale;
+    0 elsewhere, and everywhere on a base row). With ``parts`` > 1
     (3 for qkv's q|k|v, 2 for gate_up's gate|up) ``b`` is block-diagonal by module, as
     :mod:`service.model.lora` builds it: within each adapter's rank block, module ``j``'s
-    output rows are nonzero only in the ``j``-th of ``parts`` equal rank slices, and the
+    outputs are nonzero only in the ``j``-th of ``parts`` equal rank slices, and the
     kernel reads only that slice for them."""
 
     a: torch.Tensor
@@ -573,6 +574,9 @@ class DecoderStack:
         self._shape = (len(layers), hidden, q_heads, kv_heads, head_dim, inter)
         self._eps = eps
         self._keep = tuple(layers)  # the weights the table points into
+        # the last LoRA table with the deltas it points into: a kept step plan's next steps
+        # pass the same deltas (service/model/lora_stack.py)
+        self._last_lora: tuple[Mapping[str, StackDelta], int, torch.Tensor] | None = None
         self._table = torch.tensor(
             [
                 [
@@ -617,7 +621,14 @@ class DecoderStack:
             and attend.num_layers == layers
         ):
             raise ValueError("shape or dtype the native decoder stack does not take")
-        table = None if lora is None else self._lora_table(lora, m)
+        table = None
+        if lora is not None:
+            last = self._last_lora
+            if last is not None and last[0] is lora and last[1] == m:
+                table = last[2]
+            else:
+                table = self._lora_table(lora, m)
+                self._last_lora = (lora, m, table)
         status = self._fn(
             x.data_ptr(), m, hidden, layers, self._table.data_ptr(), hq, hkv, dim, inter,
             self._eps, rope.data_ptr(), attend.fn, attend.ctx, _pointer(table),
@@ -631,8 +642,8 @@ class DecoderStack:
         return x
 
     def _lora_table(self, lora: Mapping[str, StackDelta], m: int) -> torch.Tensor:
-        """The C call's LoRA table ``[layers, 4, 5]`` int64 (per layer and projection: a, b,
-        mask, R, parts; R = 0 for none) after checking every delta's shapes against this stack's.
+        """The C call's LoRA table ``[layers, 4, 6]`` int64 (per layer and projection: a, b,
+        mask, R, parts, and 1 where a and b are bfloat16; R = 0 for none) after checking every delta's shapes against this stack's.
         The table points into ``lora``'s tensors: the caller holds them for the call."""
         layers, hidden, hq, hkv, dim, inter = self._shape
         n_qkv = (hq + 2 * hkv) * dim
@@ -643,7 +654,7 @@ class DecoderStack:
         if not set(lora) <= set(LORA_GROUPS):
             raise ValueError("LoRA deltas for projections the native decoder stack does not have")
         most = {"qkv": 3, "gate_up": 2}
-        table = torch.zeros(layers, len(LORA_GROUPS), 5, dtype=torch.int64)
+        table = torch.zeros(layers, len(LORA_GROUPS), 6, dtype=torch.int64)
         at = torch.arange(layers, dtype=torch.int64)
         for g, name in enumerate(LORA_GROUPS):
             d = lora.get(name)
@@ -653,21 +664,23 @@ class DecoderStack:
             r = d.a.shape[1] if d.a.dim() == 3 else -1
             if not (
                 0 < r <= MAX_LORA_RANKS
-                and all(
-                    t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-                    for t in (d.a, d.b, d.mask)
-                )
+                and d.a.dtype in (torch.float32, torch.bfloat16)
+                and d.b.dtype == d.a.dtype
+                and d.mask.dtype == torch.float32
+                and all(t.is_cpu and t.is_contiguous() for t in (d.a, d.b, d.mask))
                 and d.a.shape == (layers, r, k)
-                and d.b.shape == (layers, n, r)
+                and d.b.shape == (layers, r, n)
                 and d.mask.shape == (m, r)
                 and d.parts in (1, most.get(name, 1))
             ):
                 raise ValueError("a LoRA delta the native decoder stack does not take")
-            table[:, g, 0] = d.a.data_ptr() + at * (r * k * 4)
-            table[:, g, 1] = d.b.data_ptr() + at * (n * r * 4)
+            size = d.a.element_size()
+            table[:, g, 0] = d.a.data_ptr() + at * (r * k * size)
+            table[:, g, 1] = d.b.data_ptr() + at * (n * r * size)
             table[:, g, 2] = d.mask.data_ptr()
             table[:, g, 3] = r
             table[:, g, 4] = d.parts
+            table[:, g, 5] = int(d.a.dtype == torch.bfloat16)
         if table.shape[1] * table.shape[2] != self._lora_columns:
             raise ValueError("the native decoder stack's LoRA table does not match its kernel")
         return table

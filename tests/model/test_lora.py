@@ -148,7 +148,8 @@ def test_a_mixed_step_adds_each_rows_own_adapter_delta_and_none_to_base_rows(
                 assert torch.equal(out[i], torch.zeros(width))
             else:
                 g = adapter.groups["qkv"]
-                assert torch.allclose(out[i], (x[i] @ g.a[1].T) @ g.b[1].T, atol=1e-6)
+                want = ((x[i] @ g.a[1].float().T) * g.scale) @ g.b[1].float()
+                assert torch.allclose(out[i], want, atol=1e-6)
     assert LoraBatch.of_rows([None, None], cpu) is None
 
 

@@ -17,7 +17,7 @@ from kvcache.attention import NativeAttend
 from kvcache.backends import cpu_decode
 from kvcache.metadata import kv_rows
 from service.model import LoadedModel, load_model, native_gemv
-from service.model.lora import TARGETS, LoraAdapter, load_lora
+from service.model.lora import TARGETS, LoraAdapter, LoraGroup, load_lora
 from service.model.lora_batch import LoraBatch
 from service.model.lora_stack import LoraStacks
 
@@ -32,9 +32,15 @@ _ATTEND = ctypes.CFUNCTYPE(
 
 
 def write_adapter(
-    directory: Path, lm: LoadedModel, rank: int, seed: int, targets: tuple[str, ...] = TARGETS
+    directory: Path,
+    lm: LoadedModel,
+    rank: int,
+    seed: int,
+    targets: tuple[str, ...] = TARGETS,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """A PEFT LoRA directory with random A and B (std 0.02, alpha 2 * rank) for ``targets``."""
+    """A PEFT LoRA directory with random A and B (std 0.02, alpha 2 * rank) for ``targets``,
+    saved in ``dtype``."""
     c = lm.model.config
     h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
@@ -46,8 +52,8 @@ def write_adapter(
             out, inp = shapes[module]
             part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.02
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=gen) * 0.02).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=gen) * 0.02).to(dtype)
     directory.mkdir(parents=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
@@ -203,6 +209,40 @@ def test_one_adapter_on_every_row_runs_in_the_stack(
     assert all(d < 0.1 for d in _mean_gaps(got, want)), _mean_gaps(got, want)
 
 
+def test_a_bfloat16_adapter_is_held_in_bfloat16_and_computes_exactly_its_float32_copy(
+    auto_model: LoadedModel, adapters: list[LoraAdapter], tmp_path: Path
+) -> None:
+    """An adapter saved in bfloat16 is held in bfloat16 (half the bytes) and widened exactly
+    where read: a step with its rows (more of them than one pass over its weights takes, a
+    float32 adapter and a base row beside them) gives bit for bit the logits of the same
+    adapter held in float32. A float32 file's values that are not all bfloat16 stay float32."""
+    c = auto_model.model.config
+    half = load_lora("h", write_adapter(tmp_path / "h", auto_model, 8, 5, dtype=torch.bfloat16),
+                     c, torch.float32, 64)  # fmt: skip
+    assert {g.a.dtype for g in half.groups.values()} == {torch.bfloat16}
+    assert {g.b.dtype for g in half.groups.values()} == {torch.bfloat16}
+    assert {g.a.dtype for g in adapters[0].groups.values()} == {torch.float32}
+    wide = LoraAdapter(
+        "w", half.digest, half.rank,
+        {k: LoraGroup(g.a.float(), g.b.float(), g.scale) for k, g in half.groups.items()},
+        2 * half.nbytes,
+    )  # fmt: skip
+    assert wide.nbytes == adapters[0].nbytes
+    cpu = torch.device("cpu")
+    base = _logits(auto_model, None, [])
+    for rows in ([0] * len(POSITIONS), [0, None, 0, 1, 0]):
+        got, want = (
+            _logits(auto_model, LoraBatch.of_rows(
+                [None if i is None else (held, adapters[0])[i] for i in rows], cpu, LoraStacks()
+            ), [])
+            for held in (half, wide)
+        )  # fmt: skip
+        assert torch.equal(got, want)
+        on = [i for i, r in enumerate(rows) if r is not None]
+        assert all(d > 0.5 for d in _mean_gaps(got, base)[on])
+        assert all(torch.equal(got[i], base[i]) for i, r in enumerate(rows) if r is None)
+
+
 def _stack_of(lm: LoadedModel) -> native_gemv.DecoderStack:
     stack = lm.model.stack
     assert isinstance(stack, native_gemv.DecoderStack)
@@ -225,7 +265,7 @@ def test_the_stack_refuses_lora_deltas_it_does_not_take(
     bad = [
         {"lm_head": qkv},
         {"o": qkv},
-        {"qkv": native_gemv.StackDelta(qkv.a[:, :0], qkv.b[:, :, :0], qkv.mask[:, :0])},
+        {"qkv": native_gemv.StackDelta(qkv.a[:, :0], qkv.b[:, :0], qkv.mask[:, :0])},
         {"qkv": native_gemv.StackDelta(qkv.a.double(), qkv.b, qkv.mask)},
         {"qkv": native_gemv.StackDelta(qkv.a, qkv.b.transpose(1, 2).contiguous().transpose(1, 2), qkv.mask)},
         {"qkv": native_gemv.StackDelta(qkv.a, qkv.b, qkv.mask[:-1])},

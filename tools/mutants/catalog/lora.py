@@ -41,4 +41,32 @@ MUTANTS = (
              "                lo += (parts - 1 - module) * slice;"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
+    mutant(
+        "adapter-held-bfloat16-when-inexact",
+        "an adapter is held in bfloat16 only when every value is one",
+        edit("service/model/lora.py",
+             "        if t.dtype != torch.bfloat16 and not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):\n"
+             "            return dtype",
+             "        if t.dtype != torch.bfloat16 and not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):\n"
+             "            break"),
+        tests=f"{T_STACK}::test_a_bfloat16_adapter_is_held_in_bfloat16_and_computes_exactly_its_float32_copy",
+    ),
+    mutant(
+        "stack-lora-bfloat16-widened-wrong",
+        "the stack widens bfloat16-held adapter weights exactly to float32 (the bits moved up 16)",
+        edit("service/model/q4_gemv.c",
+             "    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));",
+             "    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 15));"),
+        tests=f"{T_STACK}::test_a_bfloat16_adapter_is_held_in_bfloat16_and_computes_exactly_its_float32_copy",
+    ),
+    mutant(
+        "stack-lora-group-shares-first-rows-input",
+        "rows that share a pass over an adapter's weights each dot their own input",
+        edit("service/model/q4_gemv.c",
+             "            s0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j), w0, s0[q]);\n"
+             "            s1[q]",
+             "            s0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + j), w0, s0[q]);\n"
+             "            s1[q]"),
+        tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
+    ),
 )
