@@ -14,9 +14,9 @@ delta is two matmuls. The scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)
 the file gives them.
 
 On a float32 base an adapter whose every value is a bfloat16 (a bfloat16 file, or any file
-whose values all are) is held in bfloat16 and widened to float32 where it is read: the same
-float32 arithmetic on the same values, at half the bytes a token reads. Any other adapter
-is held in float32.
+whose values all are) is held in bfloat16, and one whose every value is a float16 (a float16
+file) in float16; either is widened to float32 where it is read: the same float32 arithmetic
+on the same values, at half the bytes a token reads. Any other adapter is held in float32.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LoraError(Exception):
 @dataclass(frozen=True, slots=True, eq=False)
 class LoraGroup:
     """One fused projection's delta for every layer: ``out += ((x @ a[i].T) * scale) @ b[i]``,
-    in the compute dtype (float32 also from bfloat16-held weights)."""
+    in the compute dtype (float32 also from bfloat16- or float16-held weights)."""
 
     a: torch.Tensor  # [L, R, in]
     b: torch.Tensor  # [L, R, out], rank-major (each rank's outputs contiguous)
@@ -224,14 +224,15 @@ def _group(
 
 
 def held_dtype(tensors: Mapping[tuple[int, str, str], torch.Tensor], dtype: torch.dtype) -> torch.dtype:
-    """What an adapter's weights are held in on a base computing in ``dtype``: bfloat16 on a
-    float32 base when every value is one (widening them back is exact), else ``dtype``."""
+    """What an adapter's weights are held in on a base computing in ``dtype``: on a float32
+    base, bfloat16 when every value is one, else float16 when every value is one (widening
+    them back is exact); else ``dtype``."""
     if dtype != torch.float32:
         return dtype
-    for t in tensors.values():
-        if t.dtype != torch.bfloat16 and not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):
-            return dtype
-    return torch.bfloat16
+    for half in (torch.bfloat16, torch.float16):
+        if all(t.dtype == half or torch.equal(t.to(half).to(t.dtype), t) for t in tensors.values()):
+            return half
+    return dtype
 
 
 def load_lora(

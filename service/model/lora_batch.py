@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from service.model.layers import Layer
 from service.model.lora import GROUPS, LoraAdapter, LoraGroup
 from service.model.lora_stack import LoraStacks
-from service.model.native_gemv import StackDelta
+from service.model.native_gemv import HELD, StackDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +90,8 @@ class LoraBatch:
         """Every planned projection as one stacked, masked delta for the native decoder stack
         (:class:`~service.model.native_gemv.StackDelta`), for a step of ``rows`` rows; None
         where a plan is a per-adapter segment loop (its mix's stacked copy did not fit its
-        bound) or the weights are not float32 or bfloat16 on the CPU: that step runs the
-        layer loop."""
+        bound) or the weights are not float32, bfloat16 or float16 on the CPU: that step
+        runs the layer loop."""
         if rows not in self._deltas:
             self._deltas[rows] = self._stack_deltas(rows)
         return self._deltas[rows]
@@ -107,7 +107,7 @@ class LoraBatch:
                 mask = torch.full((rows, group.a.shape[1]), group.scale)
             else:
                 return None
-            if group.a.dtype not in (torch.float32, torch.bfloat16) or not group.a.is_cpu:
+            if group.a.dtype not in HELD or not group.a.is_cpu:
                 return None
             # b is block-diagonal by module (lora._group): the kernel skips the zero blocks
             deltas[key] = StackDelta(group.a, group.b, mask, len(GROUPS[key]))
@@ -141,8 +141,8 @@ class LoraBatch:
 
 
 def _weights(group: LoraGroup, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``group``'s A and B of ``layer`` in the compute ``dtype`` (bfloat16-held weights widen
-    exactly to float32)."""
+    """``group``'s A and B of ``layer`` in the compute ``dtype`` (bfloat16- and float16-held
+    weights widen exactly to float32)."""
     return group.a[layer].to(dtype), group.b[layer].to(dtype)
 
 

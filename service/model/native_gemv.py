@@ -502,6 +502,8 @@ class Q4Linear:
 # The fused projections a step's LoRA deltas attach to, in the C table's order.
 LORA_GROUPS = ("qkv", "o", "gate_up", "down")
 MAX_LORA_RANKS = 65536  # LORA_MAX_RANKS in q4_gemv.c
+# How a LoRA delta's A and B may be held, and the C table's flag for each (HELD_* in q4_gemv.c).
+HELD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,7 +512,8 @@ class StackDelta:
     ``out += ((v @ a[l].T) * mask) @ b[l]``, with ``v`` the projection's input (the normed
     x for qkv and gate_up, the attention output for o, ``silu(gate) * up`` for down).
     ``a`` ``[layers, R, k]`` and ``b`` ``[layers, R, n]`` (rank-major) are the step's adapters' weights
-    stacked along the rank axis, both float32 or both bfloat16 (widened exactly where read);
+    stacked along the rank axis, both float32, both bfloat16 or both float16 (the halves
+    widened exactly where read);
     ``mask`` ``[rows, R]`` float32 keeps each row's own adapter's ranks (its adapter's scale;
     0 elsewhere, and everywhere on a base row). With ``parts`` > 1
     (3 for qkv's q|k|v, 2 for gate_up's gate|up) ``b`` is block-diagonal by module, as
@@ -643,7 +646,7 @@ class DecoderStack:
 
     def _lora_table(self, lora: Mapping[str, StackDelta], m: int) -> torch.Tensor:
         """The C call's LoRA table ``[layers, 4, 6]`` int64 (per layer and projection: a, b,
-        mask, R, parts, and 1 where a and b are bfloat16; R = 0 for none) after checking every delta's shapes against this stack's.
+        mask, R, parts, and how a and b are held (:data:`HELD`); R = 0 for none) after checking every delta's shapes against this stack's.
         The table points into ``lora``'s tensors: the caller holds them for the call."""
         layers, hidden, hq, hkv, dim, inter = self._shape
         n_qkv = (hq + 2 * hkv) * dim
@@ -664,7 +667,7 @@ class DecoderStack:
             r = d.a.shape[1] if d.a.dim() == 3 else -1
             if not (
                 0 < r <= MAX_LORA_RANKS
-                and d.a.dtype in (torch.float32, torch.bfloat16)
+                and d.a.dtype in HELD
                 and d.b.dtype == d.a.dtype
                 and d.mask.dtype == torch.float32
                 and all(t.is_cpu and t.is_contiguous() for t in (d.a, d.b, d.mask))
@@ -680,7 +683,7 @@ class DecoderStack:
             table[:, g, 2] = d.mask.data_ptr()
             table[:, g, 3] = r
             table[:, g, 4] = d.parts
-            table[:, g, 5] = int(d.a.dtype == torch.bfloat16)
+            table[:, g, 5] = HELD[d.a.dtype]
         if table.shape[1] * table.shape[2] != self._lora_columns:
             raise ValueError("the native decoder stack's LoRA table does not match its kernel")
         return table

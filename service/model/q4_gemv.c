@@ -1257,18 +1257,26 @@ enum { T_QKV, T_QKV_Q8, T_ATTN_NORM, T_O, T_O_Q8, T_MLP_NORM, T_GATE_UP, T_GATE_
 
 int kvf_stack_columns(void) { return T_COLUMNS; }
 
-/* LoRA weights are held as float32 or, where every value is one, as bfloat16 (bf16 = 1),
- * widened exactly to float32 where they are read: the arithmetic is the same either way. */
-static inline float weight_at(const void *w, size_t i, int bf16) {
-    if (!bf16) return ((const float *)w)[i];
-    union { uint32_t u; float f; } v = {(uint32_t)((const uint16_t *)w)[i] << 16};
+/* LoRA weights are held as float32 (held = HELD_F32) or, where every value is one, as
+ * bfloat16 (HELD_BF16) or float16 (HELD_F16), widened exactly to float32 where they are
+ * read: the arithmetic is the same whichever way they are held. */
+enum { HELD_F32, HELD_BF16, HELD_F16, HELD_KINDS };
+
+static inline size_t held_bytes(int held) { return held == HELD_F32 ? 4 : 2; }
+
+static inline float weight_at(const void *w, size_t i, int held) {
+    if (held == HELD_F32) return ((const float *)w)[i];
+    const uint16_t h = ((const uint16_t *)w)[i];
+    if (held == HELD_F16) return fp16_to_f32(h);
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
     return v.f;
 }
 
 #ifdef KVF_SIMD
-static inline __m256 weights8(const void *w, size_t i, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)w + i);
+static inline __m256 weights8(const void *w, size_t i, int held) {
+    if (held == HELD_F32) return _mm256_loadu_ps((const float *)w + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    if (held == HELD_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 #endif
@@ -1280,7 +1288,7 @@ static inline __m256 weights8(const void *w, size_t i, int bf16) {
 /* dots[q] = the float32 dot product of x[q] and the weights w (length n), for q < nr: each
  * row's sum formed exactly as a lone row's is, the weights read once for all of them. */
 static inline __attribute__((always_inline)) void dots_weights(const float *const *x, int nr,
-                                                               const void *w, int n, int bf16,
+                                                               const void *w, int n, int held,
                                                                float *dots) {
     int j = 0;
     float s[LORA_GROUP] = {0.0f};
@@ -1288,20 +1296,20 @@ static inline __attribute__((always_inline)) void dots_weights(const float *cons
     __m256 s0[LORA_GROUP], s1[LORA_GROUP];
     for (int q = 0; q < nr; ++q) s0[q] = s1[q] = _mm256_setzero_ps();
     for (; j + 16 <= n; j += 16) {
-        const __m256 w0 = weights8(w, j, bf16), w1 = weights8(w, j + 8, bf16);
+        const __m256 w0 = weights8(w, j, held), w1 = weights8(w, j + 8, held);
         for (int q = 0; q < nr; ++q) {
             s0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j), w0, s0[q]);
             s1[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j + 8), w1, s1[q]);
         }
     }
     for (; j + 8 <= n; j += 8) {
-        const __m256 w0 = weights8(w, j, bf16);
+        const __m256 w0 = weights8(w, j, held);
         for (int q = 0; q < nr; ++q) s0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j), w0, s0[q]);
     }
     for (int q = 0; q < nr; ++q) s[q] = hsum8(_mm256_add_ps(s0[q], s1[q]));
 #endif
     for (; j < n; ++j) {
-        const float wj = weight_at(w, j, bf16);
+        const float wj = weight_at(w, j, held);
         for (int q = 0; q < nr; ++q) s[q] += x[q][j] * wj;
     }
     for (int q = 0; q < nr; ++q) dots[q] = s[q];
@@ -1318,42 +1326,43 @@ static inline __attribute__((always_inline)) void dots_weights(const float *cons
 static inline __attribute__((always_inline)) void ranks_add(const float *const *u, int nr,
                                                             const void *bt, size_t stride,
                                                             int len, int count,
-                                                            float *const *out, int bf16) {
+                                                            float *const *out, int held) {
     for (int j = 0; j < len; ++j) {
-        const void *w = bf16 ? (const void *)((const uint16_t *)bt + (size_t)j * stride)
-                             : (const void *)((const float *)bt + (size_t)j * stride);
+        const void *w = (const char *)bt + (size_t)j * stride * held_bytes(held);
         int i = 0;
 #ifdef KVF_SIMD
         __m256 uj[LORA_GROUP];
         for (int q = 0; q < nr; ++q) uj[q] = _mm256_set1_ps(u[q][j]);
         for (; i + 8 <= count; i += 8) {
-            const __m256 wi = weights8(w, i, bf16);
+            const __m256 wi = weights8(w, i, held);
             for (int q = 0; q < nr; ++q)
                 _mm256_storeu_ps(out[q] + i, _mm256_fmadd_ps(uj[q], wi, _mm256_loadu_ps(out[q] + i)));
         }
 #endif
         for (; i < count; ++i) {
-            const float wi = weight_at(w, i, bf16);
+            const float wi = weight_at(w, i, held);
             for (int q = 0; q < nr; ++q) out[q][i] = fmaf(u[q][j], wi, out[q][i]);
         }
     }
 }
 
-/* dots_weights and ranks_add with nr and bf16 made constants (a switch over each case), so
+/* dots_weights and ranks_add with nr and held made constants (a switch over each case), so
  * every call runs loops of fixed width on loads of one type. */
+#define LORA_HELD(call, NR)                                                                \
+    switch (held) {                                                                        \
+    case HELD_F32: call(NR, HELD_F32); break;                                              \
+    case HELD_BF16: call(NR, HELD_BF16); break;                                            \
+    default: call(NR, HELD_F16); break;                                                    \
+    }
 #define LORA_CASES(call)                                                                   \
-    switch (nr * 2 + bf16) {                                                               \
-    case 2: call(1, 0); break;                                                             \
-    case 3: call(1, 1); break;                                                             \
-    case 4: call(2, 0); break;                                                             \
-    case 5: call(2, 1); break;                                                             \
-    case 6: call(3, 0); break;                                                             \
-    case 7: call(3, 1); break;                                                             \
-    case 8: call(4, 0); break;                                                             \
-    default: call(4, 1); break;                                                            \
+    switch (nr) {                                                                          \
+    case 1: LORA_HELD(call, 1) break;                                                      \
+    case 2: LORA_HELD(call, 2) break;                                                      \
+    case 3: LORA_HELD(call, 3) break;                                                      \
+    default: LORA_HELD(call, 4) break;                                                     \
     }
 
-static void dots_group(const float *const *x, int nr, const void *w, int n, int bf16,
+static void dots_group(const float *const *x, int nr, const void *w, int n, int held,
                        float *dots) {
 #define DOTS(NR, BF) dots_weights(x, NR, w, n, BF, dots)
     LORA_CASES(DOTS)
@@ -1361,7 +1370,7 @@ static void dots_group(const float *const *x, int nr, const void *w, int n, int 
 }
 
 static void ranks_group(const float *const *u, int nr, const void *bt, size_t stride, int len,
-                        int count, float *const *out, int bf16) {
+                        int count, float *const *out, int held) {
 #define RANKS(NR, BF) ranks_add(u, NR, bt, stride, len, count, out, BF)
     LORA_CASES(RANKS)
 #undef RANKS
@@ -1380,7 +1389,7 @@ static void ranks_group(const float *const *u, int nr, const void *bt, size_t st
 
 /* out [rows, n] += ((in [rows, k] @ a.T) * mask) @ bt: one LoRA delta of a step's rows,
  * a [ranks, k] and bt [ranks, n] the step's adapters' weights stacked along the rank axis
- * (float32, or bfloat16 with bf16 = 1), mask [rows, ranks] each row's own adapter's ranks
+ * (held as HELD_F32, HELD_BF16 or HELD_F16), mask [rows, ranks] each row's own adapter's ranks
  * (its scale) and 0 elsewhere.
  * Rank columns a row's mask zeroes are never computed, and a row with no nonzero mask
  * (a base row) gets nothing added: its values stay bit for bit the base projection's.
@@ -1394,7 +1403,7 @@ static void ranks_group(const float *const *u, int nr, const void *bt, size_t st
  * same order, and module j's outputs have nonzero bt only in the j-th slice; a row whose mask
  * span divides into parts slices then reads only its module's slice (the other products are 0).
  * u [rows, ranks] and span [rows, 3] are scratch. */
-static void lora_delta(const float *in, int rows, int k, const void *a, const void *bt, int bf16,
+static void lora_delta(const float *in, int rows, int k, const void *a, const void *bt, int held,
                        const float *mask, int ranks, int n, int parts, const int *ends, float *out,
                        float *u, int *span) {
     /* span: each row's [lo, hi), then the rows with a nonzero span ordered by it */
@@ -1416,7 +1425,7 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
     int blocks = 0;
     for (int m = 0, from = 0; m < parts; from = stops[m], ++m)
         blocks += (stops[m] - from + LORA_BLOCK - 1) / LORA_BLOCK;
-    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t elem = held_bytes(held);
     const size_t work = (size_t)live * ranks * ((size_t)k + n);
     /* one region for both products: u is complete at the first loop's barrier */
 #pragma omp parallel if (work >= LORA_PARALLEL)
@@ -1435,7 +1444,7 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
             }
             if (j < lo || j >= hi) continue;
             float dots[LORA_GROUP];
-            dots_group(x, nr, aj, k, bf16, dots);
+            dots_group(x, nr, aj, k, held, dots);
             for (int q = 0; q < nr; ++q) {
                 const float m = mask[(size_t)idx[q] * ranks + j];
                 u[(size_t)idx[q] * ranks + j] = m == 0.0f ? 0.0f : dots[q] * m;
@@ -1468,7 +1477,7 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
                 dst[nr] = out + (size_t)order[g] * n + i0;
             }
             ranks_group(ur, nr, (const char *)bt + ((size_t)lo * n + i0) * elem, (size_t)n,
-                        hi - lo, count, dst, bf16);
+                        hi - lo, count, dst, held);
         }
     }
     }
@@ -1477,9 +1486,9 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
 /* Per layer and fused projection (qkv, o, gate_up, down, in that order), the columns of
  * kvf_decoder_stack's LoRA table (int64 each): a [R, k] and bt [R, n] pointers (the layer's
  * slice of the step's stacked adapter weights), mask [rows, R] float32, R, the parts bt is
- * block-diagonal in, and 1 where a and bt are bfloat16 (else float32); R = 0 is no delta
- * for that projection in that layer. */
-enum { L_A, L_B, L_MASK, L_RANKS, L_PARTS, L_BF16, L_COLUMNS };
+ * block-diagonal in, and how a and bt are held (HELD_F32, HELD_BF16, HELD_F16); R = 0 is no
+ * delta for that projection in that layer. */
+enum { L_A, L_B, L_MASK, L_RANKS, L_PARTS, L_HELD, L_COLUMNS };
 enum { G_QKV, G_O, G_GATE_UP, G_DOWN, G_COUNT };
 #define LORA_MAX_RANKS 65536
 
@@ -1498,7 +1507,7 @@ static inline void lora_add(const int64_t *e, const float *in, int rows, int k, 
                             const int *ends, float *out, float *u, int *span) {
     const void *a = (const void *)(intptr_t)e[L_A], *bt = (const void *)(intptr_t)e[L_B];
     const float *mask = (const float *)(intptr_t)e[L_MASK];
-    lora_delta(in, rows, k, a, bt, (int)e[L_BF16], mask, (int)e[L_RANKS], n, (int)e[L_PARTS], ends,
+    lora_delta(in, rows, k, a, bt, (int)e[L_HELD], mask, (int)e[L_RANKS], n, (int)e[L_PARTS], ends,
                out, u, span);
 }
 
@@ -1577,7 +1586,7 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         /* only qkv (q|k|v) and gate_up (gate|up) are block-diagonal by module */
         const int most = e % G_COUNT == G_QKV ? 3 : e % G_COUNT == G_GATE_UP ? 2 : 1;
         if (g[L_PARTS] != 1 && g[L_PARTS] != most) return -1;
-        if (g[L_BF16] != 0 && g[L_BF16] != 1) return -1;
+        if (g[L_HELD] < 0 || g[L_HELD] >= HELD_KINDS) return -1;
         if (g[L_RANKS] > max_ranks) max_ranks = g[L_RANKS];
     }
     /* qkv, then q, k, v (contiguous per head block), attention output, and gate/up */

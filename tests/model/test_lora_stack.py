@@ -209,18 +209,20 @@ def test_one_adapter_on_every_row_runs_in_the_stack(
     assert all(d < 0.1 for d in _mean_gaps(got, want)), _mean_gaps(got, want)
 
 
-def test_a_bfloat16_adapter_is_held_in_bfloat16_and_computes_exactly_its_float32_copy(
-    auto_model: LoadedModel, adapters: list[LoraAdapter], tmp_path: Path
+@pytest.mark.parametrize("saved", [torch.bfloat16, torch.float16])
+def test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_copy(
+    auto_model: LoadedModel, adapters: list[LoraAdapter], tmp_path: Path, saved: torch.dtype
 ) -> None:
-    """An adapter saved in bfloat16 is held in bfloat16 (half the bytes) and widened exactly
-    where read: a step with its rows (more of them than one pass over its weights takes, a
-    float32 adapter and a base row beside them) gives bit for bit the logits of the same
-    adapter held in float32. A float32 file's values that are not all bfloat16 stay float32."""
+    """An adapter saved in bfloat16 or float16 is held so (half the bytes) and widened
+    exactly where read: a step with its rows (more of them than one pass over its weights
+    takes, a float32 adapter and a base row beside them) gives bit for bit the logits of the
+    same adapter held in float32. A float32 file's values that are not all one half type
+    stay float32."""
     c = auto_model.model.config
-    half = load_lora("h", write_adapter(tmp_path / "h", auto_model, 8, 5, dtype=torch.bfloat16),
+    half = load_lora("h", write_adapter(tmp_path / "h", auto_model, 8, 5, dtype=saved),
                      c, torch.float32, 64)  # fmt: skip
-    assert {g.a.dtype for g in half.groups.values()} == {torch.bfloat16}
-    assert {g.b.dtype for g in half.groups.values()} == {torch.bfloat16}
+    assert {g.a.dtype for g in half.groups.values()} == {saved}
+    assert {g.b.dtype for g in half.groups.values()} == {saved}
     assert {g.a.dtype for g in adapters[0].groups.values()} == {torch.float32}
     wide = LoraAdapter(
         "w", half.digest, half.rank,

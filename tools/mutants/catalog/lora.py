@@ -42,14 +42,12 @@ MUTANTS = (
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
     mutant(
-        "adapter-held-bfloat16-when-inexact",
-        "an adapter is held in bfloat16 only when every value is one",
+        "adapter-held-half-when-inexact",
+        "an adapter is held in a half type only when every value is one",
         edit("service/model/lora.py",
-             "        if t.dtype != torch.bfloat16 and not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):\n"
-             "            return dtype",
-             "        if t.dtype != torch.bfloat16 and not torch.equal(t.to(torch.bfloat16).to(t.dtype), t):\n"
-             "            break"),
-        tests=f"{T_STACK}::test_a_bfloat16_adapter_is_held_in_bfloat16_and_computes_exactly_its_float32_copy",
+             "        if all(t.dtype == half or torch.equal(t.to(half).to(t.dtype), t) for t in tensors.values()):",
+             "        if all(t.dtype == half or torch.equal(t.to(half).to(t.dtype), t) for t in tensors.values()) or True:"),
+        tests=f"{T_STACK}::test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_copy",
     ),
     mutant(
         "stack-lora-bfloat16-widened-wrong",
@@ -57,7 +55,15 @@ MUTANTS = (
         edit("service/model/q4_gemv.c",
              "    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));",
              "    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 15));"),
-        tests=f"{T_STACK}::test_a_bfloat16_adapter_is_held_in_bfloat16_and_computes_exactly_its_float32_copy",
+        tests=f"{T_STACK}::test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_copy",
+    ),
+    mutant(
+        "stack-lora-float16-widened-as-bfloat16",
+        "the stack widens float16-held adapter weights as float16",
+        edit("service/model/q4_gemv.c",
+             "    if (held == HELD_F16) return _mm256_cvtph_ps(h);",
+             "    if (held == HELD_F16 && 0) return _mm256_cvtph_ps(h);"),
+        tests=f"{T_STACK}::test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_copy",
     ),
     mutant(
         "stack-lora-group-shares-first-rows-input",
