@@ -56,6 +56,8 @@ class LoraBatch:
             if adapter is not None:
                 by_id.setdefault(adapter.identity, (adapter, []))[1].append(row)
         if not by_id:
+            if stacks is not None:
+                stacks.forget_plan()  # a base-only step lets go of the adapters' last plan
             return None
         key_rows = tuple(adapters)
         if stacks is not None and (kept := stacks.last_plan(key_rows)) is not None:

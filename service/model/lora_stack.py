@@ -47,6 +47,10 @@ class LoraStacks:
         so a mix's eviction drops it."""
         self._last = (rows, plan)
 
+    def forget_plan(self) -> None:
+        """Drop the kept plan (and what it holds of adapters that may have been unloaded)."""
+        self._last = None
+
     def stacked(self, adapters: tuple[LoraAdapter, ...], group: str) -> LoraGroup | None:
         """``group``'s A and B of ``adapters`` (each having it) stacked in order, held in
         their common dtype (float32 where they differ); None when the copy would not fit the

@@ -625,7 +625,9 @@ class DecoderStack:
         ):
             raise ValueError("shape or dtype the native decoder stack does not take")
         table = None
-        if lora is not None:
+        if lora is None:
+            self._last_lora = None  # a base-only step lets go of the last adapters' deltas
+        else:
             last = self._last_lora
             if last is not None and last[0] is lora and last[1] == m:
                 table = last[2]

@@ -153,6 +153,27 @@ def test_a_mixed_step_adds_each_rows_own_adapter_delta_and_none_to_base_rows(
     assert LoraBatch.of_rows([None, None], cpu) is None
 
 
+def test_decode_steps_of_the_same_rows_reuse_one_plan_until_a_base_only_step(
+    tiny: LoadedModel, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The plan of a step (its masks and native table with it) is kept for the next step
+    with the same rows' adapters; other rows get a new plan, and a base-only step lets go of
+    the kept one (so an unloaded adapter is not held by it)."""
+    config = tiny.model.config
+    first = load_lora("x", _write(tiny_dir, tmp_path / "x", rank=8), config, torch.float32, 64)
+    second = load_lora("y", _write(tiny_dir, tmp_path / "y", rank=4), config, torch.float32, 64)
+    cpu, stacks = torch.device("cpu"), LoraStacks()
+    kept = LoraBatch.of_rows([first, None, second], cpu, stacks)
+    assert kept is not None
+    assert LoraBatch.of_rows([first, None, second], cpu, stacks) is kept
+    other = LoraBatch.of_rows([second, None, first], cpu, stacks)
+    assert other is not None and other is not kept
+    assert LoraBatch.of_rows([second, None, first], cpu, stacks) is other
+    assert LoraBatch.of_rows([None, None, None], cpu, stacks) is None
+    again = LoraBatch.of_rows([second, None, first], cpu, stacks)
+    assert again is not None and again is not other
+
+
 _POOL_PROBE = """
 import os, sys, time, torch
 from pathlib import Path
