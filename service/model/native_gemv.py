@@ -511,11 +511,11 @@ class StackDelta:
     """One fused projection's LoRA delta in every layer of a :class:`DecoderStack` step:
     ``out += ((v @ a[l].T) * mask) @ b[l]``, with ``v`` the projection's input (the normed
     x for qkv and gate_up, the attention output for o, ``silu(gate) * up`` for down).
-    ``a`` ``[layers, R, k]`` and ``b`` ``[layers, R, n]`` (rank-major) are the step's adapters' weights
-    stacked along the rank axis, both float32, both bfloat16 or both float16 (the halves
-    widened exactly where read);
-    ``mask`` ``[rows, R]`` float32 keeps each row's own adapter's ranks (its adapter's scale;
-    0 elsewhere, and everywhere on a base row). With ``parts`` > 1
+    ``a`` ``[layers, R, k]`` and ``b`` ``[layers, R, n]`` (rank-major) are the step's
+    adapters' weights stacked along the rank axis, both float32, both bfloat16 or both
+    float16 (the halves widened exactly where read); ``mask`` ``[rows, R]`` float32 keeps
+    each row's own adapter's ranks (its adapter's scale; 0 elsewhere, and everywhere on a
+    base row). With ``parts`` > 1
     (3 for qkv's q|k|v, 2 for gate_up's gate|up) ``b`` is block-diagonal by module, as
     :mod:`service.model.lora` builds it: within each adapter's rank block, module ``j``'s
     outputs are nonzero only in the ``j``-th of ``parts`` equal rank slices, and the
@@ -648,8 +648,9 @@ class DecoderStack:
 
     def _lora_table(self, lora: Mapping[str, StackDelta], m: int) -> torch.Tensor:
         """The C call's LoRA table ``[layers, 4, 6]`` int64 (per layer and projection: a, b,
-        mask, R, parts, and how a and b are held (:data:`HELD`); R = 0 for none) after checking every delta's shapes against this stack's.
-        The table points into ``lora``'s tensors: the caller holds them for the call."""
+        mask, R, parts, and how a and b are held (:data:`HELD`); R = 0 for none) after
+        checking every delta's shapes against this stack's. The table points into
+        ``lora``'s tensors: the caller holds them for the call."""
         layers, hidden, hq, hkv, dim, inter = self._shape
         n_qkv = (hq + 2 * hkv) * dim
         sizes = {

@@ -1402,12 +1402,13 @@ static void ranks_group(const float *const *u, int nr, const void *bt, size_t st
  * (ends[parts - 1] = n), each adapter's rank block stacks one rank slice per module in the
  * same order, and module j's outputs have nonzero bt only in the j-th slice; a row whose mask
  * span divides into parts slices then reads only its module's slice (the other products are 0).
- * u [rows, ranks] and span [rows, 3] are scratch. */
+ * u [rows, ranks] and span (4 rows + 1 ints) are scratch. */
 static void lora_delta(const float *in, int rows, int k, const void *a, const void *bt, int held,
                        const float *mask, int ranks, int n, int parts, const int *ends, float *out,
                        float *u, int *span) {
-    /* span: each row's [lo, hi), then the rows with a nonzero span ordered by it */
-    int *order = span + 2 * rows, live = 0;
+    /* span: each row's [lo, hi), then the rows with a nonzero span ordered by it, then where
+     * each group of them (up to LORA_GROUP rows of one span) starts in that order */
+    int *order = span + 2 * rows, *starts = order + rows, live = 0, groups = 0;
     for (int r = 0; r < rows; ++r) {
         const float *mr = mask + (size_t)r * ranks;
         int lo = 0, hi = ranks;
@@ -1420,6 +1421,15 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
         for (; at > 0 && span[2 * order[at - 1]] > lo; --at) order[at] = order[at - 1];
         order[at] = r;
     }
+    /* a group ends where the span changes or it holds LORA_GROUP rows */
+    for (int g = 0; g < live; ++g) {
+        const int *first = groups > 0 ? span + 2 * order[starts[groups - 1]] : NULL;
+        const int *here = span + 2 * order[g];
+        if (first == NULL || g - starts[groups - 1] == LORA_GROUP || here[0] != first[0] ||
+            here[1] != first[1])
+            starts[groups++] = g;
+    }
+    starts[groups] = live;
     const int one_module[1] = {n};
     const int *stops = parts > 1 ? ends : one_module;
     int blocks = 0;
@@ -1433,16 +1443,11 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
 #pragma omp for schedule(static)
     for (int j = 0; j < ranks; ++j) {
         const void *aj = (const char *)a + (size_t)j * k * elem;
-        for (int g = 0; g < live;) {
+        for (int t = 0; t < groups; ++t) {
+            const int *idx = order + starts[t], nr = starts[t + 1] - starts[t];
+            if (j < span[2 * idx[0]] || j >= span[2 * idx[0] + 1]) continue;
             const float *x[LORA_GROUP];
-            int idx[LORA_GROUP], nr = 0;
-            const int lo = span[2 * order[g]], hi = span[2 * order[g] + 1];
-            for (; g < live && nr < LORA_GROUP && span[2 * order[g]] == lo &&
-                   span[2 * order[g] + 1] == hi; ++g, ++nr) {
-                idx[nr] = order[g];
-                x[nr] = in + (size_t)order[g] * k;
-            }
-            if (j < lo || j >= hi) continue;
+            for (int q = 0; q < nr; ++q) x[q] = in + (size_t)idx[q] * k;
             float dots[LORA_GROUP];
             dots_group(x, nr, aj, k, held, dots);
             for (int q = 0; q < nr; ++q) {
@@ -1461,20 +1466,19 @@ static void lora_delta(const float *in, int rows, int k, const void *a, const vo
         }
         const int i0 = from + left * LORA_BLOCK;
         const int count = stops[module] - i0 < LORA_BLOCK ? stops[module] - i0 : LORA_BLOCK;
-        for (int g = 0; g < live;) {
-            const float *ur[LORA_GROUP];
-            float *dst[LORA_GROUP];
-            int nr = 0, lo = span[2 * order[g]], hi = span[2 * order[g] + 1];
-            const int lo0 = lo, hi0 = hi;
+        for (int t = 0; t < groups; ++t) {
+            const int *idx = order + starts[t], nr = starts[t + 1] - starts[t];
+            int lo = span[2 * idx[0]], hi = span[2 * idx[0] + 1];
             if (parts > 1 && (hi - lo) % parts == 0) {
                 const int slice = (hi - lo) / parts;
                 lo += module * slice;
                 hi = lo + slice;
             }
-            for (; g < live && nr < LORA_GROUP && span[2 * order[g]] == lo0 &&
-                   span[2 * order[g] + 1] == hi0; ++g, ++nr) {
-                ur[nr] = u + (size_t)order[g] * ranks + lo;
-                dst[nr] = out + (size_t)order[g] * n + i0;
+            const float *ur[LORA_GROUP];
+            float *dst[LORA_GROUP];
+            for (int q = 0; q < nr; ++q) {
+                ur[q] = u + (size_t)idx[q] * ranks + lo;
+                dst[q] = out + (size_t)idx[q] * n + i0;
             }
             ranks_group(ur, nr, (const char *)bt + ((size_t)lo * n + i0) * elem, (size_t)n,
                         hi - lo, count, dst, held);
@@ -1521,7 +1525,7 @@ static inline void lora_add(const int64_t *e, const float *in, int rows, int k, 
 /* kvf_mlp with the LoRA deltas of entries o, gu, down (each NULL: none) added after their
  * base products: o's on attn, gate_up's on the normed x, down's on m = silu(gate) * up (made
  * here, where kvf_mlp's down call makes it inside). v [rows, max(hidden, inter)], u and span
- * (3 ints a row) scratch. */
+ * (4 ints a row and 1) scratch. */
 static int lora_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
                     int inter, const int64_t *t, float eps, const int64_t *o, const int64_t *gu,
                     const int64_t *down, float *v, float *u, int *span) {
@@ -1596,7 +1600,7 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
     const size_t wide = (size_t)(hidden > inter ? hidden : inter);
     float *lbuf = NULL;
     if (max_ranks > 0) {
-        lbuf = malloc(sizeof(float) * r * (wide + (size_t)max_ranks) + sizeof(int) * 3 * r);
+        lbuf = malloc(sizeof(float) * r * (wide + (size_t)max_ranks) + sizeof(int) * (4 * r + 1));
         if (lbuf == NULL) {
             free(buf);
             return -1;
