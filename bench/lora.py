@@ -169,24 +169,27 @@ async def _measure(quick: bool) -> dict[str, list[float]]:
     return figures
 
 
+def _ratios(figures: dict[str, list[float]], load: str, system: str) -> list[float]:
+    """Run by run, ``system``'s tokens/s under ``load`` over the base's."""
+    return [a / b for a, b in zip(figures[f"{load}, {system}"], figures[f"{load}, base"],
+                                  strict=True)]
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     threads = bench_threads()
     set_torch_threads(threads)
     figures = asyncio.run(_measure(quick))
-    many = [a / b for a, b in zip(figures[f"{STREAMS} streams, adapters"],
-                                  figures[f"{STREAMS} streams, base"], strict=True)]
-    single = [a / b for a, b in zip(figures["1 stream, adapters"], figures["1 stream, base"],
-                                    strict=True)]
+    many, single = f"{STREAMS} streams", "1 stream"
     targets = [
         Target(f"{STREAMS} streams over {ADAPTERS} adapters / base-only throughput (worst run)",
-               min(many), 0.7),
-        Target("1 stream with an adapter / base decode (worst run)", min(single), 0.8),
+               min(_ratios(figures, many, "adapters")), 0.7),
+        Target("1 stream with an adapter / base decode (worst run)",
+               min(_ratios(figures, single, "adapters")), 0.8),
     ]
-    for name in (f"{STREAMS} streams", "1 stream"):
-        ratios = [a / b for a, b in zip(figures[f"{name}, float32 adapters"],
-                                        figures[f"{name}, base"], strict=True)]
+    for name in (many, single):
         print(f"[{SUITE}] {name}, float32 adapters / base: "
-              + ", ".join(f"{v:.3f}" for v in ratios), flush=True)
+              + ", ".join(f"{v:.3f}" for v in _ratios(figures, name, "float32 adapters")),
+              flush=True)
     rows = [(name, " / ".join(f"{v:.1f}" for v in runs)) for name, runs in figures.items()]
     md = "\n\n".join([
         f"# LoRA adapters{' (quick)' if quick else ''}",
