@@ -109,6 +109,7 @@ def started_engine(loaded: LoadedModel, sizing: Sizing = Sizing()) -> Iterator[E
         sampler_seed=0,
     )
     engine.start()
+    gc.freeze()  # as `kvfence serve` does once it serves (service/app.py)
     try:
         yield engine
     finally:

@@ -29,16 +29,16 @@ MUTANTS = (
         "stack-skips-gate-up-delta",
         "an adapter row's decode step in the native stack adds every projection's delta",
         edit("service/model/q4_gemv.c",
-             "        lora_add(gu, v, rows, hidden, 2 * inter, halves, h, u, span);",
-             "        (void)halves;"),
+             "             lora_for(&job, gu, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)",
+             "             NULL) != 0)"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
     mutant(
         "stack-lora-wrong-module-slice",
         "the stack reads each module's own rank slice of a block-diagonal B",
         edit("service/model/q4_gemv.c",
-             "                lo += module * slice;",
-             "                lo += (parts - 1 - module) * slice;"),
+             "        *lo += m * slice;",
+             "        *lo += (job->parts - 1 - m) * slice;"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
     mutant(
@@ -69,10 +69,10 @@ MUTANTS = (
         "stack-lora-group-shares-first-rows-input",
         "rows that share a pass over an adapter's weights each dot their own input",
         edit("service/model/q4_gemv.c",
-             "            s0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j), w0, s0[q]);\n"
-             "            s1[q]",
-             "            s0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + j), w0, s0[q]);\n"
-             "            s1[q]"),
+             "                s0[p][q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j), w0, s0[p][q]);\n"
+             "                s1[p][q]",
+             "                s0[p][q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + j), w0, s0[p][q]);\n"
+             "                s1[p][q]"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
 )
