@@ -1067,6 +1067,16 @@ static void panel_simd_all(const prepared_x *p, const uint8_t *xb, size_t plane,
 
 /* A LoRA delta's planned work (lora_plan, below, gives its arithmetic). */
 typedef struct lora_job lora_job;
+struct lora_job {
+    const float *in, *mask; /* in NULL: the base product's prepared input, once it has one */
+    const void *a, *bt;
+    const int *ends;
+    float *out, *u, *spare; /* spare [rows, k]: the input made here where the base has none */
+    int *span, *order, *starts;
+    int rows, k, n, held, ranks, parts, groups, blocks;
+    size_t work; /* multiply-adds */
+};
+
 static void lora_prefetch(const lora_job *job);
 static void lora_products(const lora_job *job);
 static int lora_parallel(const lora_job *job);
@@ -1188,7 +1198,7 @@ static void rope_rows(float *out, int rows, int n_total, int heads, int dim, con
  * takes (nothing written). */
 static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
                 int q8, int gated, const float *gamma, float eps, int accumulate,
-                const float *rope, int rope_heads, int rope_dim, const lora_job *job);
+                const float *rope, int rope_heads, int rope_dim, lora_job *job);
 
 int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
              int q8, int gated, const float *gamma, float eps, int accumulate,
@@ -1198,12 +1208,15 @@ int kvf_gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, flo
 }
 
 static inline void lora_run(const lora_job *job);
+static inline void lora_input(lora_job *job, const float *x, int gated, const float *gamma,
+                              float eps);
 
 /* kvf_gemv, then (job, else NULL) out += its LoRA delta before the rotation: in the
- * projection's own parallel region where the weights are in the panel layout. */
+ * projection's own parallel region where the weights are in the panel layout. A job
+ * without an input takes the product's (x after its gate and norm, as prepare makes it). */
 static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, float *out,
                 int q8, int gated, const float *gamma, float eps, int accumulate,
-                const float *rope, int rope_heads, int rope_dim, const lora_job *job) {
+                const float *rope, int rope_heads, int rope_dim, lora_job *job) {
     if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || k / BLOCK > MAX_GROUPS ||
         n_total < 1)
         return -1;
@@ -1220,13 +1233,17 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
         prepared_x p;
         if (prepare(x, rows, k, gated, gamma, eps, &p) != 0) return -1;
         p.accumulate = accumulate;
+        if (job != NULL && job->in == NULL) job->in = p.x;
         if (panel_gemv(&p, rows, k, w, n_total, out, q8, job) != 0) return -1;
         if (rope != NULL) rope_rows(out, rows, n_total, rope_heads, rope_dim, rope);
         return 0;
     }
 #ifdef KVF_AMX
     if (may_tile && amx_gemv(x, rows, k, w, n_total, out, q8, gated, gamma, eps, accumulate, row_bytes) == 0) {
-        if (job != NULL) lora_run(job);
+        if (job != NULL) {
+            lora_input(job, x, gated, gamma, eps);
+            lora_run(job);
+        }
         if (rope != NULL) rope_rows(out, rows, n_total, rope_heads, rope_dim, rope);
         return 0;
     }
@@ -1236,6 +1253,7 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
     prepared_x p;
     if (prepare(x, rows, k, gated, gamma, eps, &p) != 0) return -1;
     p.accumulate = accumulate;
+    if (job != NULL && job->in == NULL) job->in = p.x;
 #ifdef KVF_SIMD
     const int quads = (n_total + 3) / 4;
     /* below ~2,000 blocks the threads' start-up costs more than they save */
@@ -1274,6 +1292,12 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
  * Returns 0, or -1 when a shape is outside what the kernel takes (checked first: nothing
  * written), or when scratch memory for a product's input cannot be had (then x may hold
  * the products before it). */
+static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
+               int inter, const uint8_t *o, int o_q8, const float *gamma, float eps,
+               const uint8_t *gate_up, int gate_up_q8, const uint8_t *down, int down_q8,
+               const int64_t *lo, const int64_t *lgu, const int64_t *ldown, float *v, float *u,
+               int *span);
+
 int kvf_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size, int inter,
             const uint8_t *o, int o_q8, const float *gamma, float eps, const uint8_t *gate_up,
             int gate_up_q8, const uint8_t *down, int down_q8) {
@@ -1281,11 +1305,8 @@ int kvf_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_s
     for (int i = 0; i < 3; ++i)
         if (ks[i] < BLOCK || ks[i] % BLOCK != 0 || ks[i] / BLOCK > MAX_GROUPS) return -1;
     if (rows < 1 || rows > MAX_ROWS || hidden < 1 || inter < 1 || gamma == NULL) return -1;
-    if (kvf_gemv(attn, rows, q_size, o, hidden, x, o_q8, 0, NULL, 0.0f, 1, NULL, 0, 0) != 0 ||
-        kvf_gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, 0, gamma, eps, 0, NULL, 0, 0) != 0 ||
-        kvf_gemv(h, rows, inter, down, hidden, x, down_q8, 1, NULL, 0.0f, 1, NULL, 0, 0) != 0)
-        return -1;
-    return 0;
+    return mlp(x, attn, h, rows, hidden, q_size, inter, o, o_q8, gamma, eps, gate_up, gate_up_q8,
+               down, down_q8, NULL, NULL, NULL, NULL, NULL, NULL);
 }
 
 /* kvcache's attention for one layer of an all-decode step (kvcache.attention.NativeAttend):
@@ -1496,20 +1517,11 @@ static void ranks_group(const float *const *u, int nr, const void *bt, size_t st
  * A job is planned once (lora_plan); its two products are worksharing loops (lora_ranks,
  * then lora_outputs once every thread's lora_ranks is done) that run inside whichever
  * parallel region calls them: the base projection's own (gemv_lora), or lora_run's. */
-struct lora_job {
-    const float *in, *mask;
-    const void *a, *bt;
-    const int *ends;
-    float *out, *u;
-    int *span, *order, *starts;
-    int rows, k, n, held, ranks, parts, groups, blocks;
-    size_t work; /* multiply-adds */
-};
 
 /* Plans job for the arguments above: each row's span, the rows' groups, the output blocks. */
-static void lora_plan(lora_job *job, const float *in, int rows, int k, const void *a,
-                      const void *bt, int held, const float *mask, int ranks, int n, int parts,
-                      const int *ends, float *out, float *u, int *span) {
+static void lora_plan(lora_job *job, const float *in, float *spare, int rows, int k,
+                      const void *a, const void *bt, int held, const float *mask, int ranks,
+                      int n, int parts, const int *ends, float *out, float *u, int *span) {
     /* span: each row's [lo, hi), then the rows with a nonzero span ordered by it, then where
      * each group of them (up to LORA_GROUP rows of one span) starts in that order */
     int *order = span + 2 * rows, *starts = order + rows, live = 0, groups = 0;
@@ -1540,7 +1552,7 @@ static void lora_plan(lora_job *job, const float *in, int rows, int k, const voi
         blocks += (stop - from + LORA_BLOCK - 1) / LORA_BLOCK;
         from = stop;
     }
-    *job = (lora_job){in, mask, a, bt, parts > 1 ? ends : NULL, out, u, span, order, starts,
+    *job = (lora_job){in, mask, a, bt, parts > 1 ? ends : NULL, out, u, spare, span, order, starts,
                       rows, k, n, held, ranks, parts, groups, blocks,
                       (size_t)live * ranks * ((size_t)k + n)};
 }
@@ -1728,55 +1740,57 @@ static inline const int64_t *lora_entry(const int64_t *lora, int l, int g) {
 }
 
 /* The job of table entry e's delta (k inputs, n outputs) planned in job, or NULL when e is
- * NULL (no delta); ends: its modules' row ends when e has parts > 1 (checked against them on
- * entry to kvf_decoder_stack). */
-static inline const lora_job *lora_for(lora_job *job, const int64_t *e, const float *in,
-                                       int rows, int k, int n, const int *ends, float *out,
-                                       float *u, int *span) {
+ * NULL (no delta); in its input, or NULL for the base product's own (spare [rows, k]: where
+ * the base product makes none); ends: its modules' row ends when e has parts > 1 (checked
+ * against them on entry to kvf_decoder_stack). */
+static inline lora_job *lora_for(lora_job *job, const int64_t *e, const float *in, float *spare,
+                                 int rows, int k, int n, const int *ends, float *out, float *u,
+                                 int *span) {
     if (e == NULL) return NULL;
-    lora_plan(job, in, rows, k, (const void *)(intptr_t)e[L_A], (const void *)(intptr_t)e[L_B],
-              (int)e[L_HELD], (const float *)(intptr_t)e[L_MASK], (int)e[L_RANKS], n,
-              (int)e[L_PARTS], ends, out, u, span);
+    lora_plan(job, in, spare, rows, k, (const void *)(intptr_t)e[L_A],
+              (const void *)(intptr_t)e[L_B], (int)e[L_HELD], (const float *)(intptr_t)e[L_MASK],
+              (int)e[L_RANKS], n, (int)e[L_PARTS], ends, out, u, span);
     return job;
 }
 
-/* from this many rows the per-row inputs of a step's LoRA deltas (norms, the SiLU gate) are
- * made on every thread
+/* from this many rows a job's own input (lora_input) is made on every thread
  * NOTE: measured on the 2-core AMX Xeon, SmolLM2-135M, 16 rows on rank-1 adapters: the
  * deltas' own work aside, a step cost ~2.3 ms more than the base's, the other thread
  * waiting at a barrier while one made every row's gate (1536 SiLUs a row, 30 layers). */
 #define LORA_ROWS_PARALLEL 4
 
-/* kvf_mlp with the LoRA deltas of entries o, gu, down (each NULL: none) added after their
- * base products: o's on attn, gate_up's on the normed x, down's on m = silu(gate) * up (made
- * here, where kvf_mlp's down call makes it inside). v [rows, max(hidden, inter)], u and span
- * (4 ints a row and 1) scratch. */
-static int lora_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
-                    int inter, const int64_t *t, float eps, const int64_t *o, const int64_t *gu,
-                    const int64_t *down, float *v, float *u, int *span) {
-    const float *gamma = (const float *)(intptr_t)t[T_MLP_NORM];
+/* A job without an input gets x's rows after the gate and norm (input_row) in its spare, for
+ * a base product that made none of its own. */
+static inline void lora_input(lora_job *job, const float *x, int gated, const float *gamma,
+                              float eps) {
+    if (job->in != NULL) return;
+    const int rows = job->rows, k = job->k;
+#pragma omp parallel for schedule(static) if (rows >= LORA_ROWS_PARALLEL)
+    for (int r = 0; r < rows; ++r)
+        input_row(x + (size_t)r * k * (gated ? 2 : 1), k, gated, gamma, eps,
+                  job->spare + (size_t)r * k);
+    job->in = job->spare;
+}
+
+/* kvf_mlp's three products, with the LoRA deltas of entries o, gu, down (each NULL: none)
+ * added after them: o's on attn, gate_up's on the normed x, down's on silu(gate) * up (each
+ * the product's own input). v [rows, max(hidden, inter)], u and span (4 ints a row and 1)
+ * scratch. */
+static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
+               int inter, const uint8_t *o, int o_q8, const float *gamma, float eps,
+               const uint8_t *gate_up, int gate_up_q8, const uint8_t *down, int down_q8,
+               const int64_t *lo, const int64_t *lgu, const int64_t *ldown, float *v, float *u,
+               int *span) {
     lora_job job;
-    if (gemv(attn, rows, q_size, (const uint8_t *)(intptr_t)t[T_O], hidden, x, (int)t[T_O_Q8], 0,
-             NULL, 0.0f, 1, NULL, 0, 0, lora_for(&job, o, attn, rows, q_size, hidden, NULL, x, u, span)) != 0)
-        return -1;
-    if (gu != NULL) {
-#pragma omp parallel for schedule(static) if (rows >= LORA_ROWS_PARALLEL)
-        for (int r = 0; r < rows; ++r)
-            input_row(x + (size_t)r * hidden, hidden, 0, gamma, eps, v + (size_t)r * hidden);
-    }
     const int halves[2] = {inter, 2 * inter};
-    if (gemv(x, rows, hidden, (const uint8_t *)(intptr_t)t[T_GATE_UP], 2 * inter, h,
-             (int)t[T_GATE_UP_Q8], 0, gamma, eps, 0, NULL, 0, 0,
-             lora_for(&job, gu, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)
+    if (gemv(attn, rows, q_size, o, hidden, x, o_q8, 0, NULL, 0.0f, 1, NULL, 0, 0,
+             lora_for(&job, lo, attn, v, rows, q_size, hidden, NULL, x, u, span)) != 0 ||
+        gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, 0, gamma, eps, 0, NULL, 0, 0,
+             lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0 ||
+        gemv(h, rows, inter, down, hidden, x, down_q8, 1, NULL, 0.0f, 1, NULL, 0, 0,
+             lora_for(&job, ldown, NULL, v, rows, inter, hidden, NULL, x, u, span)) != 0)
         return -1;
-    if (down == NULL)
-        return kvf_gemv(h, rows, inter, (const uint8_t *)(intptr_t)t[T_DOWN], hidden, x,
-                        (int)t[T_DOWN_Q8], 1, NULL, 0.0f, 1, NULL, 0, 0);
-#pragma omp parallel for schedule(static) if (rows >= LORA_ROWS_PARALLEL)
-    for (int r = 0; r < rows; ++r) silu_gate(h + (size_t)r * 2 * inter, inter, v + (size_t)r * inter);
-    return gemv(v, rows, inter, (const uint8_t *)(intptr_t)t[T_DOWN], hidden, x, (int)t[T_DOWN_Q8],
-                0, NULL, 0.0f, 1, NULL, 0, 0,
-                lora_for(&job, down, v, rows, inter, hidden, NULL, x, u, span));
+    return 0;
 }
 
 /* A whole decode forward's decoder layers in one call, for rows tokens of rows sequences:
@@ -1840,15 +1854,10 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         const int64_t *dq = lora_entry(lora, l, G_QKV), *dout = lora_entry(lora, l, G_O);
         const int64_t *dgu = lora_entry(lora, l, G_GATE_UP), *ddown = lora_entry(lora, l, G_DOWN);
         /* the delta goes in before RoPE: the product, then the delta, then RoPE */
-        if (dq != NULL) {
-#pragma omp parallel for schedule(static) if (rows >= LORA_ROWS_PARALLEL)
-            for (int i = 0; i < rows; ++i)
-                input_row(x + (size_t)i * hidden, hidden, 0, attn_norm, eps, lv + (size_t)i * hidden);
-        }
         lora_job job;
         if (gemv(x, rows, hidden, (const uint8_t *)(intptr_t)t[T_QKV], n_qkv, qkv,
                  (int)t[T_QKV_Q8], 0, attn_norm, eps, 0, rope, q_heads + kv_heads, dim,
-                 lora_for(&job, dq, lv, rows, hidden, n_qkv, qkv_ends, qkv, lu, span)) != 0) {
+                 lora_for(&job, dq, NULL, lv, rows, hidden, n_qkv, qkv_ends, qkv, lu, span)) != 0) {
             status = -1;
             break;
         }
@@ -1862,15 +1871,11 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
             status = -2;
             break;
         }
-        if (dout == NULL && dgu == NULL && ddown == NULL)
-            status = kvf_mlp(x, out, h, rows, hidden, q_size, inter,
-                             (const uint8_t *)(intptr_t)t[T_O], (int)t[T_O_Q8],
-                             (const float *)(intptr_t)t[T_MLP_NORM], eps,
-                             (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
-                             (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8]);
-        else
-            status = lora_mlp(x, out, h, rows, hidden, q_size, inter, t, eps, dout, dgu, ddown,
-                              lv, lu, span);
+        status = mlp(x, out, h, rows, hidden, q_size, inter, (const uint8_t *)(intptr_t)t[T_O],
+                     (int)t[T_O_Q8], (const float *)(intptr_t)t[T_MLP_NORM], eps,
+                     (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
+                     (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8], dout, dgu, ddown, lv,
+                     lu, span);
     }
     free(lbuf);
     free(buf);
