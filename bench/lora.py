@@ -60,7 +60,7 @@ STREAMS = 16
 # by request (one request's ~0.5 s swung 0.64-0.85x with the host's hiccups in one run, and
 # each system's requests run back to back put seconds of the host's drift between a system
 # and the base it is judged against)
-SINGLES = 4
+SINGLES = 8
 PROMPT_TOKENS = 32
 
 
