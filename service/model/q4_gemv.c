@@ -1514,9 +1514,9 @@ static void ranks_group(const float *const *u, int nr, const void *bt, size_t st
  * same order, and module j's outputs have nonzero bt only in the j-th slice; a row whose mask
  * span divides into parts slices then reads only its module's slice (the other products are 0).
  * u [rows, ranks] and span (4 ints a row and 1) are scratch.
- * A job is planned once (lora_plan); its two products are worksharing loops (lora_ranks,
- * then lora_outputs once every thread's lora_ranks is done) that run inside whichever
- * parallel region calls them: the base projection's own (gemv_lora), or lora_run's. */
+ * A job is planned once (lora_plan); its two products are split over the threads of
+ * whichever parallel region calls them (lora_products: lora_ranks, then lora_outputs once
+ * every thread's lora_ranks is done), the base projection's own (gemv) or lora_run's. */
 
 /* Plans job for the arguments above: each row's span, the rows' groups, the output blocks. */
 static void lora_plan(lora_job *job, const float *in, float *spare, int rows, int k,
