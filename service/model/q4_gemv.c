@@ -1462,17 +1462,16 @@ static inline __attribute__((always_inline)) void ranks_add(const float *const *
 
 static void dots_group(const float *const *x, int nr, const void *w, int nw, int n, int held,
                        float (*dots)[LORA_GROUP]) {
-#define DOTS(NR, BF) dots_weights(x, NR, w, 1, n, BF, dots)
 #define DOTS2(NR, BF) dots_weights(x, NR, w, 2, n, BF, dots)
+#define DOTS(NR, BF) dots_weights(x, NR, wp, 1, n, BF, dots + p)
     if (nw == 2 && nr == 1) {
         LORA_HELD(DOTS2, 1)
     } else if (nw == 2 && nr == 2) {
         LORA_HELD(DOTS2, 2)
     } else {
+        /* three or four rows: one weight row at a time (eight chains already) */
         for (int p = 0; p < nw; ++p) {
             const void *wp = (const char *)w + (size_t)p * n * held_bytes(held);
-#undef DOTS
-#define DOTS(NR, BF) dots_weights(x, NR, wp, 1, n, BF, dots + p)
             LORA_CASES(DOTS)
         }
     }
@@ -1518,6 +1517,19 @@ static void ranks_group(const float *const *u, int nr, const void *bt, size_t st
  * whichever parallel region calls them (lora_products: lora_ranks, then lora_outputs once
  * every thread's lora_ranks is done), the base projection's own (gemv) or lora_run's. */
 
+/* Where module m of a job's outputs starts and stops. */
+static inline void module_outputs(const lora_job *job, int m, int *from, int *stop) {
+    *from = m == 0 ? 0 : job->ends[m - 1];
+    *stop = job->parts > 1 ? job->ends[m] : job->n;
+}
+
+/* How many output blocks module m of a job has (a block never crosses a module). */
+static inline int module_blocks(const lora_job *job, int m) {
+    int from, stop;
+    module_outputs(job, m, &from, &stop);
+    return (stop - from + LORA_BLOCK - 1) / LORA_BLOCK;
+}
+
 /* Plans job for the arguments above: each row's span, the rows' groups, the output blocks. */
 static void lora_plan(lora_job *job, const float *in, float *spare, int rows, int k,
                       const void *a, const void *bt, int held, const float *mask, int ranks,
@@ -1546,15 +1558,10 @@ static void lora_plan(lora_job *job, const float *in, float *spare, int rows, in
             starts[groups++] = g;
     }
     starts[groups] = live;
-    int blocks = 0;
-    for (int m = 0, from = 0; m < parts; ++m) {
-        const int stop = parts > 1 ? ends[m] : n;
-        blocks += (stop - from + LORA_BLOCK - 1) / LORA_BLOCK;
-        from = stop;
-    }
     *job = (lora_job){in, mask, a, bt, parts > 1 ? ends : NULL, out, u, spare, span, order, starts,
-                      rows, k, n, held, ranks, parts, groups, blocks,
+                      rows, k, n, held, ranks, parts, groups, 0,
                       (size_t)live * ranks * ((size_t)k + n)};
+    for (int m = 0; m < parts; ++m) job->blocks += module_blocks(job, m);
 }
 
 /* This thread's share [lo, hi) of n items split in contiguous runs over the region's threads
@@ -1566,21 +1573,12 @@ static inline void thread_share(int n, int *lo, int *hi) {
     *hi = *lo + each + (t < extra);
 }
 
-/* Where module m of a job's outputs starts and stops. */
-static inline void module_outputs(const lora_job *job, int m, int *from, int *stop) {
-    *from = m == 0 ? 0 : job->ends[m - 1];
-    *stop = job->parts > 1 ? job->ends[m] : job->n;
-}
-
 /* Output block blk of a job: its module and first output, and how many outputs it has. */
 static inline void output_block(const lora_job *job, int blk, int *module, int *i0, int *count) {
-    int m = 0, from = 0, stop = 0, left = blk;
-    for (;; ++m) {
-        module_outputs(job, m, &from, &stop);
-        const int here = (stop - from + LORA_BLOCK - 1) / LORA_BLOCK;
-        if (left < here) break;
-        left -= here;
-    }
+    int m = 0, left = blk;
+    for (; left >= module_blocks(job, m); ++m) left -= module_blocks(job, m);
+    int from, stop;
+    module_outputs(job, m, &from, &stop);
     *module = m;
     *i0 = from + left * LORA_BLOCK;
     *count = stop - *i0 < LORA_BLOCK ? stop - *i0 : LORA_BLOCK;
