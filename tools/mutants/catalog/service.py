@@ -217,6 +217,22 @@ MUTANTS = (
         tests="tests/model/test_native_gemv_panels.py",
     ),
     mutant(
+        "batch-invariant-tile-chunk-first-panel-scales",
+        "each panel of a chunk on the tile unit takes its own scales, not the chunk's first panel's",
+        edit("service/model/q4_gemv.c",
+             "panel_amx_tile(p, xb, plane, r0, live, k, groups, dm + (size_t)(q - c0) * 32 * groups,",
+             "panel_amx_tile(p, xb, plane, r0, live, k, groups, dm,"),
+        tests="tests/model/test_native_gemv_panels.py",
+    ),
+    mutant(
+        "batch-invariant-tile-odd-blocks-from-even-tiles",
+        "an odd block's sums leave the tile unit from the tiles its products went to",
+        edit("service/model/q4_gemv.c",
+             "        if (h & 1) {\n            _tile_stored(5, sums[0], 64);",
+             "        if (!(h & 1)) {\n            _tile_stored(5, sums[0], 64);"),
+        tests="tests/model/test_native_gemv_panels.py",
+    ),
+    mutant(
         "batch-invariant-prefill-through-sdpa",
         "a batch-invariant step's prefill tokens attend as decode-kernel rows, never through SDPA",
         edit("kvcache/backends/torch_backend.py",
