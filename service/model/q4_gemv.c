@@ -985,7 +985,7 @@ static void panel_unpack(const uint8_t *panel, int groups, int q8, uint8_t *wb, 
  * units take those sums into acc, one register a row. mac, which needs no products, is a
  * second pass over the blocks, four rows' chains at a time. Both chains keep block order;
  * rows past live compute zeros and are not stored.
- * NOTE: measured as panel_chunk's, with panels chunked: 8.0 ms a layer with acc in memory and
+ * NOTE: measured as for PANEL_CHUNK, panels chunked: 8.0 ms a layer with acc in memory and
  * each block's sums stored right after its products, 7.6 as here. */
 static void panel_amx_tile(const prepared_x *p, const uint8_t *xb, size_t plane, int r0, int live,
                            int k, int groups, const float *dm, const uint8_t *codes,
