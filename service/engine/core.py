@@ -190,6 +190,11 @@ class EngineCore:
         """Drop the tenant's cached prefix pages; returns how many entries went."""
         return self._scheduler.purge(tenant)
 
+    def retire(self, tenant: str) -> None:
+        """``tenant`` has nothing running or waiting and will send no more work (the
+        warm-up's): it stops counting as a tenant with work at once."""
+        self._scheduler.retire(tenant)
+
     def counters(self) -> EngineCounters:
         return EngineCounters(
             num_waiting=len(self._scheduler.waiting),

@@ -163,6 +163,10 @@ class Presence:
         """The tenants with work."""
         return frozenset(self._seen)
 
+    def end(self, tenant: str) -> None:
+        """``tenant``'s grace ends now: it has no work and will send none."""
+        self._seen.pop(tenant, None)
+
 
 class TenantQueues(Generic[T]):
     """Per-tenant FIFO queues; ``peek`` offers the head of the eligible tenant with the

@@ -99,15 +99,15 @@ class Scheduler:
         self.fair.new_step()
         self._presence.update(itertools.chain(self._running_per_tenant, self.waiting.tenants()))
         cost = self.budget.fit()
-        decoding, guard_s = self.budget.decode_rows(
-            self.fair, [s for s in self.running if s.num_tokens - s.num_computed == 1], cost
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        decoding, guard_s, held = self.budget.decode_rows(
+            self.fair,
+            [s for s in self.running if s.num_tokens - s.num_computed == 1],
+            cost,
+            {s.tenant for s in prefilling},
         )
         for seq in decoding[: self._config.tuning.max_num_batched_tokens]:
-            if seq.status is SeqStatus.RUNNING and self._allocate_running(
-                seq, 1, entries, preempted, rejected
-            ):
-                entries.append(ScheduledSeq(seq, 1))
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+            self._decode(seq, entries, preempted, rejected)
         alone = len(self.running) + len(self.waiting) <= 1
         room = self.budget.room(
             [e.seq for e in entries], cost, guard_s, alone, self._presence.tenants()
@@ -133,10 +133,27 @@ class Scheduler:
                 admitted.append(waiting)
         if not self._config.tuning.prefill_chunk:
             self._extend(entries, room, decoding_tenants)
+        if held and cost is not None:
+            rows = [e.seq for e in entries if e.num_new == 1 and e.samples]
+            for seq in self.budget.rejoin(self.fair, held, rows, cost, room):
+                self._decode(seq, entries, preempted, rejected)
         good, attn, refused = self._fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
         )
+
+    def _decode(
+        self,
+        seq: SeqState,
+        entries: list[ScheduledSeq],
+        preempted: list[SeqState],
+        rejected: list[tuple[SeqState, RequestTooLarge]],
+    ) -> None:
+        """``seq``'s decode row, if it is still running and its next token has a slot."""
+        if seq.status is SeqStatus.RUNNING and self._allocate_running(
+            seq, 1, entries, preempted, rejected
+        ):
+            entries.append(ScheduledSeq(seq, 1))
 
     def _fair_order(self, seq: SeqState) -> tuple[float, int]:
         return self.fair.order(seq.tenant, seq.admit_order or 0)
@@ -255,6 +272,16 @@ class Scheduler:
 
     def purge(self, tenant: str) -> int:
         return self._cache.purge_tenant(tenant)
+
+    def present(self) -> frozenset[str]:
+        """The tenants with work, as the step budget sees them (``Presence``)."""
+        return self._presence.tenants()
+
+    def retire(self, tenant: str) -> None:
+        """``tenant`` (with nothing running or waiting) will send no more work: it stops
+        counting as present at once, so no grace keeps others' steps timed for it."""
+        assert not self.num_running(tenant) and not self.waiting.num_waiting(tenant)
+        self._presence.end(tenant)
 
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()

@@ -22,7 +22,9 @@ from service.engine import (
     TenantSchedPolicy,
     build_engine,
 )
+from service.engine.tuning import SchedulerTuning
 from service.engine.types import WARMUP_TENANT, EngineEvent
+from service.engine.warmup import run_warmup
 from service.model import LoadedModel
 from tests.engine.conftest import (
     Recorder,
@@ -172,3 +174,12 @@ def test_queue_full_raises_from_submit_and_shutdown_aborts(tiny: LoadedModel) ->
     rest = asyncio.run(main())
     assert isinstance(rest[-1], Finished) and rest[-1].reason == "abort"
     assert_at_baseline(asyncio.run(engine.stats()))
+
+
+def test_the_warm_up_tenant_does_not_stay_present_after_warm_up(tiny: LoadedModel) -> None:
+    """Present for ``idle_grace_s``, it would time the first real tenant's steps as if
+    another tenant had work."""
+    core = make_core(tiny, config=EngineConfig(tuning=SchedulerTuning(idle_grace_s=1e6)))
+    run_warmup(core)
+    assert core.num_steps > 0
+    assert WARMUP_TENANT not in core.scheduler.present()

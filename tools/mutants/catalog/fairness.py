@@ -8,6 +8,7 @@ COST_MODEL = "service/engine/cost_model.py"
 FAIRNESS = "service/engine/fairness.py"
 T_FAIR = "tests/engine/test_fair_compute.py"
 T_SHARE = "tests/engine/test_fairness.py"
+T_PROMPT = "tests/engine/test_prompt_before_streams.py"
 T_COST = "tests/engine/test_cost_model.py"
 T_PROPS = "tests/engine/test_scheduler_properties.py"
 T_LAG = f"{T_PROPS}::test_a_backlogged_tenant_never_lags_its_fair_share_by_more_than_two_steps"
@@ -185,10 +186,36 @@ MUTANTS = (
         "decode-guard-off",
         "beside a less-served tenant's streams, other tenants' decode rows fit within its guard",
         edit(STEP_BUDGET,
-             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
+             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= limit:",
              "if True:"),
         tests=(f"{T_FAIR}::test_a_heavy_tenants_streams_take_turns_beside_a_light_tenants_stream",
                T_GAP),
+    ),
+    mutant(
+        "prompt-share-off",
+        "a tenant ahead with a prompt running keeps prompt_share of its guard room for the prompt",
+        edit(STEP_BUDGET, "limit = guard - kept if seq.tenant in prompting else guard",
+             "limit = guard"),
+        tests=f"{T_PROMPT}::test_a_tenant_ahead_keeps_its_prompt_share_of_the_guard_room",
+    ),
+    mutant(
+        "prompt-takes-the-whole-room",
+        "a tenant ahead with a prompt running keeps the rest of its guard room for its streams",
+        edit(STEP_BUDGET, "kept = self.tuning.prompt_share * (guard - own_s)",
+             "kept = guard - own_s"),
+        tests=f"{T_PROMPT}::test_a_tenant_aheads_streams_keep_the_rest_of_the_room",
+    ),
+    mutant(
+        "held-rows-never-rejoin",
+        "rows held for a tenant's prompt rejoin in what the prompt's chunk leaves of the guard",
+        edit(SCHEDULER, "if held and cost is not None:", "if False:"),
+        tests=f"{T_PROMPT}::test_held_streams_rejoin_in_what_the_prompt_leaves",
+    ),
+    mutant(
+        "warm-up-tenant-stays-present",
+        "the warm-up tenant stops counting as present when warm-up ends",
+        edit("service/engine/warmup.py", "    core.retire(WARMUP_TENANT)\n", ""),
+        tests="tests/engine/test_engine_async.py::test_the_warm_up_tenant_does_not_stay_present_after_warm_up",
     ),
     mutant(
         "guarded-rows-no-turns",

@@ -27,8 +27,8 @@ MUTANTS = (
         "sampling-cost-outside-the-step",
         "a row's measured sampling cost counts in the decode guard",
         edit("service/engine/step_budget.py",
-             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= guard:",
-             "if cost.decode_seconds(len(rows) + 1, more) <= guard:"),
+             "if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= limit:",
+             "if cost.decode_seconds(len(rows) + 1, more) <= limit:"),
         tests="tests/engine/test_sampling_cost.py",
     ),
     mutant(
