@@ -100,14 +100,20 @@ class Scheduler:
         self._presence.update(itertools.chain(self._running_per_tenant, self.waiting.tenants()))
         cost = self.budget.fit()
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        decoding, guard_s, held = self.budget.decode_rows(
+        prompts: dict[str, tuple[int, int]] = {}  # tenant -> its first running prompt
+        for seq in sorted(prefilling, key=self._fair_order, reverse=True):
+            prompts[seq.tenant] = (seq.num_computed, seq.num_tokens - seq.num_computed)
+        decoding, guard_s = self.budget.decode_rows(
             self.fair,
             [s for s in self.running if s.num_tokens - s.num_computed == 1],
             cost,
-            {s.tenant for s in prefilling},
+            prompts,
         )
         for seq in decoding[: self._config.tuning.max_num_batched_tokens]:
-            self._decode(seq, entries, preempted, rejected)
+            if seq.status is SeqStatus.RUNNING and self._allocate_running(
+                seq, 1, entries, preempted, rejected
+            ):
+                entries.append(ScheduledSeq(seq, 1))
         alone = len(self.running) + len(self.waiting) <= 1
         room = self.budget.room(
             [e.seq for e in entries], cost, guard_s, alone, self._presence.tenants()
@@ -133,27 +139,10 @@ class Scheduler:
                 admitted.append(waiting)
         if not self._config.tuning.prefill_chunk:
             self._extend(entries, room, decoding_tenants)
-        if held and cost is not None:
-            rows = [e.seq for e in entries if e.num_new == 1 and e.samples]
-            for seq in self.budget.rejoin(self.fair, held, rows, cost, room):
-                self._decode(seq, entries, preempted, rejected)
         good, attn, refused = self._fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
         )
-
-    def _decode(
-        self,
-        seq: SeqState,
-        entries: list[ScheduledSeq],
-        preempted: list[SeqState],
-        rejected: list[tuple[SeqState, RequestTooLarge]],
-    ) -> None:
-        """``seq``'s decode row, if it is still running and its next token has a slot."""
-        if seq.status is SeqStatus.RUNNING and self._allocate_running(
-            seq, 1, entries, preempted, rejected
-        ):
-            entries.append(ScheduledSeq(seq, 1))
 
     def _fair_order(self, seq: SeqState) -> tuple[float, int]:
         return self.fair.order(seq.tenant, seq.admit_order or 0)

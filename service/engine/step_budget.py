@@ -10,8 +10,8 @@ prefill floor. It is kept by three bounds, each from the cost model:
   (the guard, ``decode_rows``);
 - a prefill chunk of a tenant served more than some decoding tenant fits in what the decode
   rows leave of the guard (``ChunkTerms.stretched``); such a tenant with a prompt running
-  keeps ``prompt_share`` of that room for it, its own rows joining within the rest and
-  rejoining in what the chunk leaves (``decode_rows``, ``rejoin``);
+  keeps its prompt's prefill floor out of its own rows' room, its rows joining within the
+  rest (``decode_rows``);
 - the chunks of other tenants add at most ``max_step_ms`` to a step that a tenant with
   work is in (``ChunkTerms.timed``): a level tenant's own chunks are its own work and count
   only against the others' bound, while a tenant more than a step's tokens ahead of the
@@ -29,8 +29,9 @@ the budget only through ``StepCost``.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from service.engine.cost_model import Regime, StepCost, StepCostModel, StepShape
@@ -55,6 +56,7 @@ class DecodeRow(Protocol):
 
 
 R = TypeVar("R", bound=DecodeRow)
+_NONE: Mapping[str, tuple[int, int]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,22 +172,25 @@ class StepBudget:
         fair: FairShare,
         decoding: Sequence[R],
         cost: StepCost | None,
-        prompting: Collection[str] = frozenset(),
-    ) -> tuple[list[R], float, list[R]]:
-        """The decode rows this step runs, in ``decoding``'s order, the guard (the step time
-        they leave; infinite when no guard applies), and the rows held for ``rejoin``.
-        A tenant served more than the least served, while it has a prompt running
-        (``prompting``), keeps ``prompt_share`` of the room the guard leaves for that
-        prompt: its rows join only within the rest, and the rows that do not are held.
+        prompting: Mapping[str, tuple[int, int]] = _NONE,
+    ) -> tuple[list[R], float]:
+        """The decode rows this step runs, in ``decoding``'s order, and the guard: the step
+        time they leave (infinite when no guard applies).
+        A tenant served more than the least served, with a prompt running (``prompting``:
+        its ``(context, tokens left)``), keeps the time of that prompt's prefill floor
+        (``min_prefill_tokens``) out of the room the guard leaves it: its own rows join
+        within the rest.
         NOTE: with every row in every step, a tenant's eight streams at 1,000 keys made a
         victim's one stream decode at 80-90 ms a token against 30 ms alone (one thread).
         NOTE: with such a tenant's rows always first, its prompt got what its rows left of
         the guard, which the cost model's error decides: 64 offline requests of two
         tenants ran the second tenant's last prompt at 1 token a step for 2 s in 2 of 14
-        runs (240-250 steps against 160-170, 0.89x one tenant's throughput)."""
+        runs (240-250 steps against 160-170, 0.89x one tenant's throughput). With half
+        the room kept for the prompt, three tenants' streams at 0.9x capacity (make bench,
+        online) decoded at 40-44 ms a token against 25-27."""
         stretch = self.tuning.decode_stretch
         if cost is None or stretch <= 0 or not decoding:
-            return list(decoding), math.inf, []
+            return list(decoding), math.inf
         first, rest = fair.decode_order(decoding)
         keys = sum(s.num_computed + 1 for s in first)
         # A row's sampling cost (its grammar mask, penalties, truncation, logprobs) is part
@@ -195,46 +200,20 @@ class StepBudget:
         sampling = sum(s.sample_s for s in first)
         own_s = cost.decode_seconds(len(first), keys) + sampling
         guard = max(1.0, stretch) * own_s
-        kept = self.tuning.prompt_share * (guard - own_s)
+        floor = self.tuning.min_prefill_tokens
+        kept = {t: min(guard - own_s, cost.chunk_seconds(context, min(floor, left)))
+                for t, (context, left) in prompting.items()}
         rows = list(first)
-        held: list[R] = []
         for seq in rest:
             more = keys + seq.num_computed + 1
-            limit = guard - kept if seq.tenant in prompting else guard
+            limit = guard - kept.get(seq.tenant, 0.0)
             if cost.decode_seconds(len(rows) + 1, more) + sampling + seq.sample_s <= limit:
                 rows.append(seq)
                 keys = more
                 sampling += seq.sample_s
                 fair.ran(seq.tenant, seq.admit_order)
-            elif seq.tenant in prompting:
-                held.append(seq)
         chosen = {id(s) for s in rows}
-        return [s for s in decoding if id(s) in chosen], guard, held
-
-    def rejoin(
-        self, fair: FairShare, held: Sequence[R], rows: Sequence[DecodeRow], cost: StepCost,
-        room: StepRoom,
-    ) -> list[R]:
-        """Of the rows ``decode_rows`` held, those that fit, in order, in what the step's
-        chunks left of the guard (``room.stretch_s``) beside the step's ``rows``; the room
-        is spent."""
-        n = len(rows)
-        keys = sum(s.num_computed + 1 for s in rows)
-        joined: list[R] = []
-        for seq in held:
-            if room.tokens < 1:
-                break
-            more = keys + seq.num_computed + 1
-            adds = cost.decode_seconds(n + 1, more) - cost.decode_seconds(n, keys) + seq.sample_s
-            if adds > room.stretch_s:
-                continue
-            room.stretch_s -= adds
-            room.tokens -= 1
-            room.step_tokens += 1
-            n, keys = n + 1, more
-            joined.append(seq)
-            fair.ran(seq.tenant, seq.admit_order)
-        return joined
+        return [s for s in decoding if id(s) in chosen], guard
 
     def room(
         self,

@@ -31,14 +31,6 @@ class SchedulerTuning:
     #: rows and chunks of tenants served more than it (0 = no such bound). 2 lets a second,
     #: equally busy tenant share every step on CPU, where one row costs about as much as many.
     decode_stretch: float = 2.0
-    #: fraction of the room a tenant's guard leaves (``decode_stretch`` - 1 times its rows'
-    #: cost) that a tenant served more keeps for its running prompt: its own streams join
-    #: within the rest, and in what the prompt's chunk leaves. 0 = streams first (the
-    #: prompt gets what they leave); 1 = the prompt first. With streams first, two
-    #: tenants' offline work ran the second tenant's last prompt at 1 token a step in 2 of
-    #: 14 runs; with the prompt first, a tenant sending prompts while ahead of its share
-    #: paused its own streams until every prompt was in.
-    prompt_share: float = 0.5
     #: tokens. One request's prefill chunk while others have work (0 = ``request_share`` of
     #: the step), so one long prompt cannot take a whole step from the others.
     prefill_chunk: int = 0
@@ -75,8 +67,6 @@ class SchedulerTuning:
             raise ValueError("max_step_ms must be a finite number >= 0")
         if not 0.0 <= self.decode_stretch < float("inf"):
             raise ValueError("decode_stretch must be a finite number >= 0")
-        if not 0.0 <= self.prompt_share <= 1.0:
-            raise ValueError("prompt_share must be in [0, 1]")
         if self.prefill_chunk < 0:
             raise ValueError("prefill_chunk must be >= 0")
         if self.min_prefill_tokens < 1:

@@ -192,24 +192,10 @@ MUTANTS = (
                T_GAP),
     ),
     mutant(
-        "prompt-share-off",
-        "a tenant ahead with a prompt running keeps prompt_share of its guard room for the prompt",
-        edit(STEP_BUDGET, "limit = guard - kept if seq.tenant in prompting else guard",
-             "limit = guard"),
-        tests=f"{T_PROMPT}::test_a_tenant_ahead_keeps_its_prompt_share_of_the_guard_room",
-    ),
-    mutant(
-        "prompt-takes-the-whole-room",
-        "a tenant ahead with a prompt running keeps the rest of its guard room for its streams",
-        edit(STEP_BUDGET, "kept = self.tuning.prompt_share * (guard - own_s)",
-             "kept = guard - own_s"),
-        tests=f"{T_PROMPT}::test_a_tenant_aheads_streams_keep_the_rest_of_the_room",
-    ),
-    mutant(
-        "held-rows-never-rejoin",
-        "rows held for a tenant's prompt rejoin in what the prompt's chunk leaves of the guard",
-        edit(SCHEDULER, "if held and cost is not None:", "if False:"),
-        tests=f"{T_PROMPT}::test_held_streams_rejoin_in_what_the_prompt_leaves",
+        "prompt-floor-off",
+        "a tenant ahead with a prompt running keeps its prompt's prefill floor out of its rows' room",
+        edit(STEP_BUDGET, "limit = guard - kept.get(seq.tenant, 0.0)", "limit = guard"),
+        tests=f"{T_PROMPT}::test_a_tenant_ahead_keeps_its_prompts_floor_out_of_its_streams_room",
     ),
     mutant(
         "warm-up-tenant-stays-present",
