@@ -186,8 +186,8 @@ class StepBudget:
         the guard, which the cost model's error decides: 64 offline requests of two
         tenants ran the second tenant's last prompt at 1 token a step for 2 s in 2 of 14
         runs (240-250 steps against 160-170, 0.89x one tenant's throughput). With half
-        the room kept for the prompt, three tenants' streams at 0.9x capacity (make bench,
-        online) decoded at 40-44 ms a token against 25-27."""
+        the room kept for the prompt, its streams waited more (docs/scheduling.md has the
+        measurements)."""
         stretch = self.tuning.decode_stretch
         if cost is None or stretch <= 0 or not decoding:
             return list(decoding), math.inf
