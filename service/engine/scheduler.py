@@ -101,8 +101,8 @@ class Scheduler:
         cost = self.budget.fit()
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
         prompts: dict[str, tuple[int, int]] = {}  # tenant -> its first running prompt
-        for seq in sorted(prefilling, key=self._fair_order, reverse=True):
-            prompts[seq.tenant] = (seq.num_computed, seq.num_tokens - seq.num_computed)
+        for seq in sorted(prefilling, key=lambda s: s.admit_order or 0):
+            prompts.setdefault(seq.tenant, (seq.num_computed, seq.num_tokens - seq.num_computed))
         decoding, guard_s = self.budget.decode_rows(
             self.fair,
             [s for s in self.running if s.num_tokens - s.num_computed == 1],

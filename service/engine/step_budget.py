@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from service.engine.cost_model import Regime, StepCost, StepCostModel, StepShape
@@ -56,7 +55,6 @@ class DecodeRow(Protocol):
 
 
 R = TypeVar("R", bound=DecodeRow)
-_NONE: Mapping[str, tuple[int, int]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +170,7 @@ class StepBudget:
         fair: FairShare,
         decoding: Sequence[R],
         cost: StepCost | None,
-        prompting: Mapping[str, tuple[int, int]] = _NONE,
+        prompting: Mapping[str, tuple[int, int]],
     ) -> tuple[list[R], float]:
         """The decode rows this step runs, in ``decoding``'s order, and the guard: the step
         time they leave (infinite when no guard applies).
