@@ -84,13 +84,21 @@ class FairShare:
     what the step already gave (``spend``; ``new_step`` clears it)."""
 
     def __init__(self, weight: Callable[[str], float]) -> None:
-        self._weight = weight
+        self._policy_weight = weight
+        self._weights: dict[str, float] = {}  # the step's weights, read once per tenant
         self.counter = TokenCounter(weight)
         self._spent: dict[str, int] = {}  # tokens given per tenant in the step being planned
         self._cursor: dict[str, int] = {}  # tenant -> admit order of its last row that ran
 
     def new_step(self) -> None:
         self._spent = {}
+        self._weights = {}  # read anew each step: a policy changed between steps applies
+
+    def _weight(self, tenant: str) -> float:
+        w = self._weights.get(tenant)
+        if w is None:
+            w = self._weights[tenant] = self._policy_weight(tenant)
+        return w
 
     def spend(self, tenant: str, tokens: int) -> None:
         self._spent[tenant] = self._spent.get(tenant, 0) + tokens

@@ -173,8 +173,10 @@ class Scheduler:
     def _extend(self, entries: list[ScheduledSeq], room: StepRoom, decoding: set[str]) -> None:
         """Room nobody else could use goes to the step's prefill chunks, fairest first, so
         the automatic chunk cap never leaves a step short (no preemption for it)."""
-        order = sorted(range(len(entries)), key=lambda i: self._fair_order(entries[i].seq))
-        for i in order:
+        # Only prefill chunks can grow: a decode row (or a prompt's last token) has nothing left.
+        growing = [i for i, e in enumerate(entries)
+                   if e.seq.num_tokens > e.seq.num_computed + e.num_new]
+        for i in sorted(growing, key=lambda i: self._fair_order(entries[i].seq)):
             if not room.is_open():
                 return
             e = entries[i]
