@@ -79,7 +79,7 @@ class ToolCallStream:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the reader
                 return None
         if arguments is None:
             arguments = {}
@@ -131,7 +131,7 @@ class ToolCallStream:
     def _parse_object(self, text: str) -> ParsedCall | None:
         try:
             obj = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the reader
             return None
         if not isinstance(obj, dict):
             return None
@@ -170,7 +170,7 @@ class ToolCallStream:
         while at < len(text):
             try:
                 value, at = decoder.raw_decode(text, at)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the reader
                 return None
             items.extend(value if isinstance(value, list) else [value])
             while at < len(text) and text[at] in " \n\t;,":

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from protos.kvfence.v1 import inference_pb2
 from service.engine.grammar import GrammarSpec
 from service.errors import Violations
+from service.json_input import NOT_TEXT, JsonInputError, lone_surrogate
+from service.json_input import load as load_json
 from service.model.chat_template import ToolFormat
 
 MAX_TOOLS = 128
@@ -36,6 +39,10 @@ MAX_TOOLS = 128
 #: after this many, so a model that keeps calling cannot run into max_tokens mid-call.
 MAX_PARALLEL_CALLS = 3
 MAX_TOOLS_BYTES = 64 * 1024
+#: Tool calls a conversation's history may hold (each renders its markup into the prompt).
+MAX_HISTORY_CALLS = 1024
+#: Bytes each history call is counted for beyond its fields: the markup it renders as.
+CALL_MARKUP_BYTES = 48
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes convention's markup
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 Mode = inference_pb2.ToolChoice.Mode
@@ -89,8 +96,56 @@ def parameters(tool: inference_pb2.Tool) -> dict[str, Any]:
     return value
 
 
+def text_fields(chat: inference_pb2.ChatMessages, field: str) -> Iterator[tuple[str, str]]:
+    """(field path, text) of every string of a chat that reaches the chat template, and so
+    the tokenizer: message content (tool results included), the history's calls (id, name,
+    arguments) and the tools (name, description, schema)."""
+    for i, msg in enumerate(chat.messages):
+        where = f"{field}.messages[{i}]"
+        yield f"{where}.content", msg.content
+        yield f"{where}.tool_call_id", msg.tool_call_id
+        for j, call in enumerate(msg.tool_calls):
+            yield f"{where}.tool_calls[{j}].id", call.id
+            yield f"{where}.tool_calls[{j}].name", call.name
+            yield f"{where}.tool_calls[{j}].arguments", call.arguments
+    for k, tool in enumerate(chat.tools):
+        yield f"{field}.tools[{k}].name", tool.name
+        yield f"{field}.tools[{k}].description", tool.description
+        yield f"{field}.tools[{k}].parameters", tool.parameters
+
+
+def check_size(chat: inference_pb2.ChatMessages, field: str, max_bytes: int, out: Violations) -> None:
+    """The chat's text (``text_fields``, each history call with its markup) within
+    ``max_bytes`` UTF-8 bytes, refused on the field where the running total passes it. No
+    text is parsed, rendered or encoded past the limit: characters are counted first
+    (a character is at least one byte), and only text within the limit is encoded."""
+    calls = sum(len(msg.tool_calls) for msg in chat.messages)
+    if calls > MAX_HISTORY_CALLS:
+        out.append((f"{field}.messages", f"at most {MAX_HISTORY_CALLS} tool calls in the history"))
+        return
+    chars = size = calls * CALL_MARKUP_BYTES
+    for where, text in text_fields(chat, field):
+        chars += len(text)
+        if chars <= max_bytes:
+            size += len(text.encode("utf-8"))
+        if chars > max_bytes or size > max_bytes:
+            out.append((where, f"chat is longer than {max_bytes} bytes"))
+            return
+
+
+def chat_bytes(chat: inference_pb2.ChatMessages) -> int:
+    """The UTF-8 bytes ``check_size`` counts for a chat that passed it."""
+    calls = sum(len(msg.tool_calls) for msg in chat.messages)
+    return calls * CALL_MARKUP_BYTES + sum(
+        len(text.encode("utf-8")) for _, text in text_fields(chat, "")
+    )
+
+
 def check_tools(chat: inference_pb2.ChatMessages, field: str, out: Violations) -> None:
-    """Tools, the choice and the history's calls: shapes that need no tokenizer."""
+    """Tools, the choice and the history's calls: shapes that need no tokenizer. A schema
+    or arguments text is read with ``json_input.load`` (nesting bounded, no recursion
+    error) and holds only Unicode text; a schema must describe an object (the arguments
+    are one)."""
     tools = chat.tools
     if len(tools) > MAX_TOOLS:
         out.append((f"{field}.tools", f"at most {MAX_TOOLS} tools"))
@@ -108,12 +163,9 @@ def check_tools(chat: inference_pb2.ChatMessages, field: str, out: Violations) -
             out.append((f"{where}.name", f"duplicate tool name {tool.name!r}"))
         names.add(tool.name)
         if tool.parameters:
-            try:
-                schema = json.loads(tool.parameters)
-            except ValueError:
-                schema = None
-            if not isinstance(schema, dict):
-                out.append((f"{where}.parameters", "must be a JSON Schema object"))
+            reason = _schema_problem(tool.parameters)
+            if reason is not None:
+                out.append((f"{where}.parameters", reason))
     choice = chat.tool_choice
     if choice.mode == Mode.MODE_FUNCTION and choice.function not in names:
         out.append((f"{field}.tool_choice", f"names no tool in tools: {choice.function[:64]!r}"))
@@ -126,15 +178,38 @@ def check_tools(chat: inference_pb2.ChatMessages, field: str, out: Violations) -
         for j, call in enumerate(msg.tool_calls):
             if not call.name:
                 out.append((f"{where}.tool_calls[{j}].name", "must not be empty"))
-            if not _json_object(call.arguments or "{}"):
-                out.append((f"{where}.tool_calls[{j}].arguments", "must be a JSON object"))
+            reason = _object_problem(call.arguments or "{}")
+            if reason is not None:
+                out.append((f"{where}.tool_calls[{j}].arguments", reason))
 
 
-def _json_object(text: str) -> bool:
+def _object_problem(text: str) -> str | None:
     try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+        value = load_json(text)
+    except JsonInputError as err:
+        return f"must be a JSON object: it {err}"
+    if not isinstance(value, dict):
+        return "must be a JSON object"
+    return _text_problem(value)
+
+
+def _schema_problem(text: str) -> str | None:
+    try:
+        schema = load_json(text)
+    except JsonInputError as err:
+        return f"must be a JSON Schema object: it {err}"
+    if not isinstance(schema, dict):
+        return "must be a JSON Schema object"
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        return 'must describe a JSON object (its "type" must allow "object"): arguments are one'
+    return _text_problem(schema)
+
+
+def _text_problem(value: dict[str, Any]) -> str | None:
+    """JSON text may escape a lone surrogate (``"\\ud800"``), which the template and the
+    tokenizer cannot encode."""
+    return None if lone_surrogate(value) is None else NOT_TEXT
 
 
 def plan(chat: inference_pb2.ChatMessages, fmt: ToolFormat) -> ToolPlan | None:
@@ -148,23 +223,35 @@ def plan(chat: inference_pb2.ChatMessages, fmt: ToolFormat) -> ToolPlan | None:
     return ToolPlan(fmt, names, parallel, mode == Mode.MODE_REQUIRED)
 
 
-def grammar(chat: inference_pb2.ChatMessages, tool_plan: ToolPlan) -> GrammarSpec:
+#: Lines of a tool grammar before its per-tool rules (``grammar``).
+_GRAMMAR_HEAD_LINES = 3
+
+
+def grammar(
+    chat: inference_pb2.ChatMessages, tool_plan: ToolPlan, field: str = "chat"
+) -> GrammarSpec:
     """A Lark grammar whose every sentence is one call (or, with parallel calls, one or
     more) of the allowed tools, in the plan's format, with arguments valid against the
-    tool's schema; the output ends after the last call."""
-    options: list[dict[str, Any]] = []
-    for tool in chat.tools:
+    tool's schema; the output ends after the last call.
+
+    Each tool's schema is its own ``%json`` root, as the client wrote it: its local ``$ref``s
+    (``#``, ``#/$defs/...``, what Pydantic generates) resolve against it, not against a
+    wrapper. Its root is held to ``"type": "object"`` (the arguments must be an object);
+    a schema that cannot be so constrained fails to compile, and the spec's ``line_fields``
+    name that tool's ``parameters``, so the refusal names the schema."""
+    key = "parameters" if tool_plan.format == "llama3_json" else "arguments"
+    bodies: list[str] = []
+    rules: list[str] = []
+    line_fields: list[tuple[int, str]] = []
+    for i, tool in enumerate(chat.tools):
         if tool.name not in tool_plan.names:
             continue
-        key = "parameters" if tool_plan.format == "llama3_json" else "arguments"
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": tool.name}, key: parameters(tool)},
-            "required": ["name", key],
-            "additionalProperties": False,
-        })
-    call = {"anyOf": options} if len(options) > 1 else options[0]
-    body = json.dumps({**call, "x-guidance": {"whitespace_flexible": False}})
+        n = len(rules)
+        head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')  # a Lark literal
+        bodies.append(f'{head} args{n} "}}"')
+        schema = {**_object_root(parameters(tool)), "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f"args{n}: %json {json.dumps(schema)}")  # ASCII, on one line
+        line_fields.append((_GRAMMAR_HEAD_LINES + n + 1, f"{field}.tools[{i}].parameters"))
     more = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
 
     def calls(sep: str) -> str:
@@ -179,7 +266,16 @@ def grammar(chat: inference_pb2.ChatMessages, tool_plan: ToolPlan) -> GrammarSpe
     else:
         rule = "call: body"
         start = f'start: "[TOOL_CALLS][" {calls(", ")} "]"'
-    return GrammarSpec("lark", f"{start}\n{rule}\nbody: %json {body}\n")
+    head_lines = [start, rule, "body: " + " | ".join(bodies)]
+    assert len(head_lines) == _GRAMMAR_HEAD_LINES
+    source = "\n".join([*head_lines, *rules]) + "\n"
+    return GrammarSpec("lark", source, tuple(line_fields))
+
+
+def _object_root(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with its root held to objects (``check_tools`` refused a root type that
+    allows none)."""
+    return {**schema, "type": "object"}
 
 
 def template_messages(

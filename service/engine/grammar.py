@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import llguidance
@@ -31,7 +32,13 @@ import numpy as np
 import torch
 
 from service.engine.compile_executor import CompileExecutor
-from service.engine.grammar_depth import json_nesting, json_ref_depth, lark_depth, parse_schema
+from service.engine.grammar_depth import (
+    json_nesting,
+    json_ref_depth,
+    lark_depth,
+    lark_json_schemas,
+    parse_schema,
+)
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "lark")
@@ -41,7 +48,12 @@ _JSON_OPTIONS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": Fals
 
 
 class GrammarError(ValueError):
-    """The spec cannot be compiled or is over a limit; the message says why (no source text)."""
+    """The spec cannot be compiled or is over a limit; the message says why (no source text).
+    ``line``: the line of a Lark source the problem is on, when known (1-based)."""
+
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.line = line
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +63,9 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""
+    # (line, field) pairs: a compile error on that line of a Lark ``source`` concerns that
+    # request field (a tool grammar's line per tool schema). Not part of the cache key.
+    line_fields: tuple[tuple[int, str], ...] = field(default=(), compare=False)
 
     def key(self) -> bytes:
         return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).digest()
@@ -200,27 +215,39 @@ class GrammarCompiler:
             return f"{spec.kind} must not be empty"
         return None
 
-    def check_depth(self, spec: GrammarSpec) -> str | None:
-        """A reason to refuse a spec that nests deeper than the limits, or None. Linear in
-        the source; runs before llguidance, whose walk over the grammar recurses."""
+    def check_depth(self, spec: GrammarSpec) -> GrammarError | None:
+        """The error refusing a spec that nests deeper than the limits, or None. Linear in
+        the source; runs before llguidance, whose walk over the grammar recurses. A Lark
+        grammar's embedded ``%json`` schemas are held to the JSON schema limits (the error
+        carries the line of the one refused)."""
         limits = self.limits
         if spec.kind == "lark":
             depth = lark_depth(spec.source)
             if depth > limits.max_depth:
-                return f"lark grammar rules nest {depth} deep; the limit is {limits.max_depth}"
-        elif spec.kind == "json_schema":
-            nesting = json_nesting(spec.source)
-            if nesting > limits.max_json_nesting:
-                return (
-                    f"json_schema nests {nesting} levels deep; "
-                    f"the limit is {limits.max_json_nesting}"
+                return GrammarError(
+                    f"lark grammar rules nest {depth} deep; the limit is {limits.max_depth}"
                 )
-            schema = parse_schema(spec.source)
-            if not isinstance(schema, dict):
-                return "json_schema is not a JSON object"
-            depth = json_ref_depth(schema)
-            if depth > limits.max_depth:
-                return f"json_schema $refs chain {depth} deep; the limit is {limits.max_depth}"
+            for line, schema in lark_json_schemas(spec.source):
+                reason = self._schema_depth(schema, "%json schema")
+                if reason is not None:
+                    return GrammarError(f"at {line}: {reason}", line)
+        elif spec.kind == "json_schema":
+            reason = self._schema_depth(spec.source, "json_schema")
+            if reason is not None:
+                return GrammarError(reason)
+        return None
+
+    def _schema_depth(self, source: str, name: str) -> str | None:
+        limits = self.limits
+        nesting = json_nesting(source)
+        if nesting > limits.max_json_nesting:
+            return f"{name} nests {nesting} levels deep; the limit is {limits.max_json_nesting}"
+        schema = parse_schema(source)
+        if not isinstance(schema, dict):
+            return f"{name} is not a JSON object"
+        depth = json_ref_depth(schema)
+        if depth > limits.max_depth:
+            return f"{name} $refs chain {depth} deep; the limit is {limits.max_depth}"
         return None
 
     def submit(
@@ -256,9 +283,9 @@ class GrammarCompiler:
         hit = self._hit(tenant, key)
         if hit is not None:
             return hit
-        reason = self.check_depth(spec)
-        if reason is not None:
-            raise GrammarError(reason)
+        error = self.check_depth(spec)
+        if error is not None:
+            raise error
         template = llguidance.LLMatcher(
             self.warm(), grammar_text(spec), log_level=0, limits=self._parser_limits
         )
@@ -266,7 +293,8 @@ class GrammarCompiler:
             # The lexer is built lazily by the first mask: build it here, off the engine thread.
             template.compute_bitmask()
         if template.is_error():
-            raise GrammarError(_first_line(template.get_error()))
+            message = _first_line(template.get_error())
+            raise GrammarError(message, _error_line(message))
         compiled = CompiledGrammar(template)
         with self._lock:
             cache = self._caches.setdefault(tenant, OrderedDict())
@@ -288,6 +316,15 @@ class GrammarCompiler:
         """Drop a tenant's compiled grammars (purge, tenant removed)."""
         with self._lock:
             self._caches.pop(tenant, None)
+
+
+_AT_LINE = re.compile(r"^at (\d+)\(\d+\):")
+
+
+def _error_line(message: str) -> int | None:
+    """The source line llguidance's error names (``at 4(8): ...``), if it names one."""
+    m = _AT_LINE.match(message)
+    return int(m.group(1)) if m else None
 
 
 def _first_line(message: str) -> str:

@@ -13,6 +13,8 @@ source text alone, in linear time and without recursion:
   an upper bound on the walk's depth.
 - ``json_nesting``: bracket nesting of a JSON text (Python's own ``json`` parser recurses too).
 - ``json_ref_depth``: the same component bound over a schema's definitions and their ``$ref``s.
+- ``lark_json_schemas``: the JSON schemas a Lark grammar embeds (``%json``), each held to the
+  JSON bounds above (constrained tool choices are such grammars, one schema per tool).
 
 The compile itself still runs on a large stack (``compile_executor``) for whatever a bound
 here misses.
@@ -25,9 +27,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-# A Lark token: a string literal, a regex literal, a comment, a name, or one bracket.
+# A Lark token: a ``%json`` directive, a string literal, a regex literal, a comment, a name, or one bracket.
 _LARK_TOKEN = re.compile(
-    r'"(?:\\.|[^"\\\n])*"i?'
+    r"(?P<json>%json\b)"
+    r'|"(?:\\.|[^"\\\n])*"i?'
     r"|/(?:\\.|[^/\\\n])+/[imslux]*"
     r"|//[^\n]*"
     r"|(?P<name>[A-Za-z_][A-Za-z_0-9]*)"
@@ -62,6 +65,51 @@ def _lark_body(source: str, start: int, end: int) -> tuple[set[str], int]:
         elif m.group("close") is not None:
             depth = max(0, depth - 1)
     return refs, deepest
+
+
+def lark_json_schemas(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each JSON schema a Lark grammar embeds with ``%json {...}`` (1-based
+    lines; ``%json`` inside a string literal or comment is not one), found by scanning."""
+    found: list[tuple[int, str]] = []
+    at = 0
+    while (m := _LARK_TOKEN.search(source, at)) is not None:
+        at = m.end()
+        if m.group("json") is None:
+            continue
+        start = at
+        while start < len(source) and source[start] in " \t":
+            start += 1
+        end = _json_value_end(source, start)
+        if end is not None:
+            found.append((source.count("\n", 0, m.start()) + 1, source[start:end]))
+            at = end
+    return found
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at ``start`` ends (by its brackets), or None."""
+    if start >= len(text) or text[start] not in "[{":
+        return None
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def json_nesting(text: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,7 +17,8 @@ from typing import Any, Literal
 from protos.kvfence.v1 import inference_pb2
 from service.errors import Violations, invalid_argument
 from service.http import chat_parse, fields
-from service.http.nesting import MAX_BODY_NESTING, TOO_DEEP, nesting
+from service.json_input import NOT_TEXT, JsonInputError, lone_surrogate, may_hold_surrogate
+from service.json_input import load as load_json
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
@@ -44,15 +46,19 @@ PARAM_NAMES = {
 }
 
 
+_FUNCTION_PART = re.compile(r"((?:^tools|\.tool_calls)\[\d+\])\.(name|description|parameters|arguments)")
+
+
 def param_name(field: str) -> str:
     """The OpenAI parameter a gRPC field path refers to (``stopping.stop[2]`` -> ``stop``)."""
     if field in PARAM_NAMES:
         return PARAM_NAMES[field]
+    if field.startswith("chat."):  # chat.messages[2].content, chat.tools[0].name, ...
+        # The wire's Tool and ToolCall hold in one message what OpenAI nests in ``function``.
+        return _FUNCTION_PART.sub(r"\1.function.\2", field.removeprefix("chat."))
     head = field.split("[", 1)[0]
     if head in PARAM_NAMES:
         return PARAM_NAMES[head]
-    if field.startswith("chat."):  # chat.messages[2].content, chat.tools[0].name, ...
-        return field.removeprefix("chat.")
     return field
 
 
@@ -75,16 +81,18 @@ class HttpOptions:
 
 
 def load_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object: 400 naming ``body`` when it is not JSON, nests too deep
+    or is not an object, and naming the field when a string in it is not Unicode text."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise invalid_argument([("body", "is not valid JSON")]) from None
-    except RecursionError:  # deeper than Python's reader goes
-        raise invalid_argument([("body", TOO_DEEP)]) from None
-    if nesting(body) > MAX_BODY_NESTING:
-        raise invalid_argument([("body", TOO_DEEP)])
+        body = load_json(raw)
+    except JsonInputError as err:
+        raise invalid_argument([("body", str(err))]) from None
     if not isinstance(body, dict):
         raise invalid_argument([("body", "must be a JSON object")])
+    if may_hold_surrogate(raw):
+        where = lone_surrogate(body)
+        if where is not None:
+            raise invalid_argument([(where or "body", NOT_TEXT)])
     return body
 
 

@@ -82,14 +82,10 @@ def check_chat(
     if len(messages) > MAX_CHAT_MESSAGES:
         out.append((f"{field}.messages", f"at most {MAX_CHAT_MESSAGES} messages"))
         return
-    total = 0
     for i, msg in enumerate(messages):
         if msg.role not in CHAT_ROLES:
             out.append((f"{field}.messages[{i}].role", f"must be one of {sorted(CHAT_ROLES)}"))
-        total += len(msg.content)
-        if total > max_bytes or len(msg.content.encode("utf-8")) > max_bytes:
-            out.append((f"{field}.messages[{i}].content", f"chat is longer than {max_bytes} bytes"))
-            return
+    tools.check_size(chat, field, max_bytes, out)  # content, tool calls, tool results, tools
 
 
 def check_prompt_ids(
@@ -232,8 +228,10 @@ def check_input(
         assert isinstance(req, inference_pb2.GenerateRequest)
         check_prompt_ids(req.token_ids.ids, "token_ids.ids", token_limit, model.vocab_size, out)
     elif which == "chat":
+        before = len(out)
         check_chat(req.chat, "chat", token_limit, out)
-        tools.check_tools(req.chat, "chat", out)
+        if len(out) == before:  # the tools' JSON is read only once its size passed
+            tools.check_tools(req.chat, "chat", out)
         if tool_format is None:
             out.append(("chat", "the model has no chat template; send text or token_ids"))
 
@@ -247,11 +245,7 @@ def input_cost(
         return len(req.token_ids.ids)
     if which == "text":
         return byte_tokens(len(req.text.encode("utf-8")))
-    chat = req.chat
-    size = sum(len(m.content.encode("utf-8")) for m in chat.messages)
-    size += sum(len(c.arguments) + len(c.name) for m in chat.messages for c in m.tool_calls)
-    size += sum(len(t.description) + len(t.parameters) for t in chat.tools)
-    return byte_tokens(size)
+    return byte_tokens(tools.chat_bytes(req.chat))
 
 
 @dataclass(frozen=True, slots=True)

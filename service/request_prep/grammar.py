@@ -4,16 +4,22 @@ tenant's own cache, so one tenant's specs are never another's cache hits."""
 
 from __future__ import annotations
 
+import re
+
 from service.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
 from service.errors import invalid_argument
 from service.held_work import outlive_cancel
+
+# The position prefix of a Lark compile error, dropped once the error names its field.
+_AT_LINE = re.compile(r"^at \d+(?:\(\d+\))?: ")
 
 
 async def compile_grammar(
     compiler: GrammarCompiler | None, tenant: str, spec: GrammarSpec | None, field: str
 ) -> CompiledGrammar | None:
     """``spec`` compiled with the tenant's cache (None for none); INVALID_ARGUMENT naming
-    ``field`` when it is too large, does not compile, or the server has no grammar support."""
+    ``field`` when it is too large, does not compile, or the server has no grammar support
+    (or the field ``spec.line_fields`` names for the line of the source that failed)."""
     if spec is None:
         return None
     if compiler is None:
@@ -25,4 +31,7 @@ async def compile_grammar(
         # NOTE: llguidance drops the GIL while it compiles, so the loop keeps serving.
         return await outlive_cancel(compiler.submit(tenant, spec))
     except GrammarError as err:
-        raise invalid_argument([(field, str(err))]) from None
+        where = dict(spec.line_fields).get(err.line) if err.line is not None else None
+        if where is None:
+            raise invalid_argument([(field, str(err))]) from None
+        raise invalid_argument([(where, _AT_LINE.sub("", str(err)))]) from None

@@ -13,6 +13,7 @@ from service.engine.grammar_depth import (
     json_nesting,
     json_ref_depth,
     lark_depth,
+    lark_json_schemas,
     longest_weighted_path,
 )
 from tests.engine.test_grammar import _compiler
@@ -110,3 +111,37 @@ def test_a_long_ref_chain_is_refused_naming_the_limit() -> None:
         _compiler(GrammarLimits(max_source_bytes=1 << 20)).compile(
             "t", GrammarSpec("json_schema", ref_chain(2000))
         )
+
+
+def test_lark_json_schemas_are_found_outside_strings_and_comments() -> None:
+    source = (
+        'start: a | "%json {" b\n'
+        "// %json {not a schema\n"
+        'a: %json {"type": "string", "description": "} ]"}\n'
+        'b:  %json  {"type": "integer"} "x"\n'
+    )
+    assert lark_json_schemas(source) == [
+        (3, '{"type": "string", "description": "} ]"}'), (4, '{"type": "integer"}')]
+
+
+def test_a_lark_grammar_is_refused_for_its_embedded_schema_naming_the_line() -> None:
+    """A ``%json`` schema is held to the JSON schema bounds (a tool grammar embeds one per
+    tool): a $ref chain past the depth limit, or nesting past the JSON limit, is refused
+    with the line it is on."""
+    gc = _compiler(GrammarLimits(max_source_bytes=1 << 20))
+    chain = f'start: "x" | a\na: %json {ref_chain(1100)}\n'
+    with pytest.raises(GrammarError, match=r"^at 2: %json schema \$refs chain 1102 deep") as err:
+        gc.compile("t", GrammarSpec("lark", chain))
+    assert err.value.line == 2
+    nested = 'start: a\na: "y"\nb: "z"\nc: %json ' + json.dumps(_nested_schema(120)) + "\n"
+    with pytest.raises(GrammarError, match=r"^at 4: %json schema nests 121 levels deep; the limit is 100") as err:
+        gc.compile("t", GrammarSpec("lark", nested))
+    assert err.value.line == 4
+    gc.compile("t", GrammarSpec("lark", f'start: a\na: %json {ref_chain(50)}\n'))
+
+
+def _nested_schema(levels: int) -> dict[str, object]:
+    nested: dict[str, object] = {"type": "string"}
+    for _ in range(levels):
+        nested = {"type": "array", "items": nested}
+    return nested

@@ -197,3 +197,93 @@ def test_bad_tools_are_refused_by_field(edit: object, field: str) -> None:
     out: list[tuple[str, str]] = []
     tools.check_tools(chat, "chat", out)
     assert [f for f, _ in out] == [field]
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda c, big: setattr(c.messages[2].tool_calls[0], "arguments", big),
+         "chat.messages[2].tool_calls[0].arguments"),
+        (lambda c, big: setattr(c.messages[2].tool_calls[0], "id", big),
+         "chat.messages[2].tool_calls[0].id"),
+        (lambda c, big: setattr(c.messages[3], "content", big), "chat.messages[3].content"),
+        (lambda c, big: setattr(c.tools[0], "parameters", big), "chat.tools[0].parameters"),
+        (lambda c, big: setattr(c.tools[0], "description", big), "chat.tools[0].description"),
+    ],
+)
+def test_every_field_that_reaches_the_template_counts_toward_the_chat_size(
+    edit: object, field: str
+) -> None:
+    """The field where the running total passes the limit is named; 7 MB of it is refused
+    without being encoded or parsed (the limit is met on characters first)."""
+    chat = _chat()
+    edit(chat, "x" * 7_000_000)  # type: ignore[operator]
+    out: list[tuple[str, str]] = []
+    tools.check_size(chat, "chat", 8184, out)
+    assert out == [(field, "chat is longer than 8184 bytes")]
+    fits: list[tuple[str, str]] = []
+    tools.check_size(_chat(), "chat", 8184, fits)
+    assert fits == []
+
+
+def test_multibyte_text_is_counted_in_bytes_and_each_history_call_with_its_markup() -> None:
+    chat = _chat()
+    limit = tools.chat_bytes(chat)
+    out: list[tuple[str, str]] = []
+    tools.check_size(chat, "chat", limit, out)
+    assert out == []
+    chat.tools[0].description = "Forecast\u00e9"  # one more character, two more bytes
+    tools.check_size(chat, "chat", limit + 1, out)
+    # Passed on the last field counted (the schema), by bytes: in characters it fits.
+    assert out == [("chat.tools[0].parameters", f"chat is longer than {limit + 1} bytes")]
+    empty = inference_pb2.ChatMessages()
+    msg = empty.messages.add(role="assistant")
+    for _ in range(tools.MAX_HISTORY_CALLS + 1):
+        msg.tool_calls.add()
+    refused: list[tuple[str, str]] = []
+    tools.check_size(empty, "chat", 1 << 30, refused)
+    assert [f for f, _ in refused] == ["chat.messages"]
+    assert tools.chat_bytes(_chat()) > sum(len(t.encode()) for _, t in tools.text_fields(_chat(), ""))
+
+
+@pytest.mark.parametrize("depth", [3_000, 30_000])
+def test_tool_json_nested_past_the_limit_is_refused_by_field(depth: int) -> None:
+    """Deeper than Python's JSON reader goes: a violation, never a RecursionError."""
+    deep = "[" * depth + "]" * depth
+    chat = _chat()
+    chat.tools[0].parameters = '{"type": "object", "default": ' + deep + "}"
+    chat.messages[2].tool_calls[0].arguments = '{"a": ' + deep + "}"
+    out: list[tuple[str, str]] = []
+    tools.check_tools(chat, "chat", out)
+    assert out == [
+        ("chat.tools[0].parameters", "must be a JSON Schema object: it nests deeper than 200 levels"),
+        ("chat.messages[2].tool_calls[0].arguments",
+         "must be a JSON object: it nests deeper than 200 levels"),
+    ]
+
+
+def test_a_schema_must_allow_an_object_and_hold_only_unicode_text() -> None:
+    for parameters, ok in (('{"type": "string"}', False), ('{"type": ["null", "object"]}', True),
+                           ('{"$ref": "#"}', True), ('{"description": "\\ud800"}', False)):
+        chat = _chat()
+        chat.tools[0].parameters = parameters
+        out: list[tuple[str, str]] = []
+        tools.check_tools(chat, "chat", out)
+        assert (out == []) == ok, (parameters, out)
+
+
+def test_each_tool_schema_is_its_own_root_and_its_line_names_it() -> None:
+    """``$defs`` stay resolvable (the schema is not embedded in a wrapper); the root is held
+    to objects; a compile error's line maps to the tool's ``parameters``."""
+    chat = _chat()
+    person = {"$defs": {"A": {"type": "object"}}, "properties": {"a": {"$ref": "#/$defs/A"}}}
+    chat.tools.add(name="other", parameters='{"type": "object"}')
+    chat.tools.add(name="person", parameters=json.dumps(person))
+    plan = ToolPlan("hermes", frozenset({"person", "get_weather"}), False, True)
+    spec = tools.grammar(chat, plan)
+    lines = spec.source.splitlines()
+    assert spec.line_fields == ((4, "chat.tools[0].parameters"), (5, "chat.tools[2].parameters"))
+    assert lines[2] == ('body: "{\\"name\\": \\"get_weather\\", \\"arguments\\": " args0 "}" | '
+                        '"{\\"name\\": \\"person\\", \\"arguments\\": " args1 "}"')
+    schema = json.loads(lines[4].removeprefix("args1: %json "))
+    assert schema == {**person, "type": "object", "x-guidance": {"whitespace_flexible": False}}
