@@ -43,10 +43,10 @@ from service.model.lora import LoraError
 from service.protocols import EngineLike
 from service.refusal_pace import RefusalPace
 from service.request_metrics import PageAlert
-from service.request_prep.fields import ModelLimits
+from service.request_prep.fields import ModelLimits, prompt_token_limit
 from service.request_prep.prep import RequestPrep
 from service.request_prep.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
-from service.tenants import TenantRegistry, TenantsFileError, load_tenants
+from service.tenants import Tenant, TenantRegistry, TenantsFileError, load_tenants
 from service.tokenizer_pool import TokenizerPool
 from service.tracing import Tracing
 from service.wire import add_cache_service, add_inference_service
@@ -185,6 +185,8 @@ class KVFenceServer:
             client_certs=opts.tls is not None and opts.tls.client_ca is not None,
             pace=RefusalPace(),
             cheap=RefusalPace(max_wait_s=2.0),
+            prompt_tokens=self._prompt_tokens,
+            max_message_bytes=opts.max_message_bytes,
         )
         server = grpc.aio.server(
             interceptors=[interceptor], options=grpc_options(opts.max_message_bytes)
@@ -224,6 +226,10 @@ class KVFenceServer:
         self._stats_task = asyncio.create_task(self._stats_loop())
         await self.limiter.start()
         return self.port
+
+    def _prompt_tokens(self, tenant: Tenant) -> int:
+        """The prompt tokens ``tenant`` may send: what bounds its requests' bytes."""
+        return prompt_token_limit(self.prep.model, tenant.quotas.max_prompt_tokens)
 
     async def _start_http(self) -> None:
         opts = self._options

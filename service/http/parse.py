@@ -19,6 +19,7 @@ from service.errors import Violations, invalid_argument
 from service.http import chat_parse, fields
 from service.json_input import NOT_TEXT, JsonInputError, lone_surrogate, may_hold_surrogate
 from service.json_input import load as load_json
+from service.request_prep.fields import MAX_LOGIT_BIAS
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
@@ -215,6 +216,9 @@ def _logit_bias(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
     """``{"<token id>": bias}``; ids and ranges are checked by the shared validator."""
     bias = f.get("logit_bias", "an object")
     if bias is None:
+        return
+    if len(bias) > MAX_LOGIT_BIAS:  # counted before any entry is read
+        f.out.append(("logit_bias", f"at most {MAX_LOGIT_BIAS} entries"))
         return
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()) or len(key) > 10:

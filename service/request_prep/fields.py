@@ -115,6 +115,8 @@ def parse_sampling(
     msg: inference_pb2.SamplingParams, vocab_size: int, out: Violations
 ) -> SamplingParams:
     d = SamplingParams()
+    # Counted before the entries are read: sorting 700k of them took 0.2 s.
+    many_biases = len(msg.logit_bias) > MAX_LOGIT_BIAS
     s = SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
         top_k=msg.top_k if msg.HasField("top_k") else d.top_k,
@@ -126,7 +128,7 @@ def parse_sampling(
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         seed=msg.seed if msg.HasField("seed") else None,
-        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logit_bias=() if many_biases else tuple(sorted(msg.logit_bias.items())),
     )
     if s.temperature != 0.0:
         _number(s.temperature, "sampling.temperature", MIN_TEMPERATURE, MAX_TEMPERATURE, out)
@@ -143,6 +145,8 @@ def parse_sampling(
     )
     _number(s.presence_penalty, "sampling.presence_penalty", -2.0, 2.0, out)
     _number(s.frequency_penalty, "sampling.frequency_penalty", -2.0, 2.0, out)
+    if many_biases:
+        out.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries"))
     _logit_bias(s.logit_bias, vocab_size, out)
     return s
 
@@ -150,9 +154,6 @@ def parse_sampling(
 def _logit_bias(
     bias: Sequence[tuple[int, float]], vocab_size: int, out: Violations
 ) -> None:
-    if len(bias) > MAX_LOGIT_BIAS:
-        out.append(("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries"))
-        return
     for token_id, value in bias:
         if not 0 <= token_id < vocab_size:
             out.append(("sampling.logit_bias", f"token id {token_id} is outside [0, {vocab_size})"))

@@ -183,3 +183,34 @@ def test_a_tenants_flood_of_cheap_calls_is_paced_and_another_tenant_is_not(srv: 
     other_s = time.monotonic() - began
     assert flood_s >= (300 - 100) / 50 * 0.9, flood_s
     assert other_s < 2.0, (other_s, flood_s)  # held, five calls would take 10 s
+
+
+def test_a_tenants_invalid_calls_are_paced_and_another_tenants_are_not(srv: Any) -> None:
+    """Generate calls refused INVALID_ARGUMENT (temperature -1) back to back: the first 100
+    at once, then 50 a second, as the HTTP front paces its 400s; another tenant's refusals
+    meanwhile are answered at once."""
+    import time
+
+    from protos.kvfence.v1 import inference_pb2_grpc
+    from tests.service.rpc import request
+
+    stub = inference_pb2_grpc.InferenceStub(srv.channel())
+    bad = request("Hi", max_tokens=1)
+    bad.sampling.temperature = -1.0
+
+    def refused(tenant: str) -> grpc.StatusCode:
+        try:
+            list(stub.Generate(bad, metadata=srv.auth(tenant), timeout=30))
+        except grpc.RpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    began = time.monotonic()
+    codes = {refused("acme") for _ in range(200)}
+    flood_s = time.monotonic() - began
+    began = time.monotonic()
+    other = {refused("globex") for _ in range(5)}
+    other_s = time.monotonic() - began
+    assert codes == other == {grpc.StatusCode.INVALID_ARGUMENT}
+    assert flood_s >= (200 - 100) / 50 * 0.9, flood_s
+    assert other_s < 2.0, (other_s, flood_s)
