@@ -159,5 +159,8 @@ def fence_violation() -> ServiceError:
     )
 
 
-def internal(reason: str = "ENGINE") -> ServiceError:
-    return ServiceError(grpc.StatusCode.INTERNAL, "internal engine error", (_error_info(reason),))
+def internal(reason: str = "ENGINE", cause: str = "") -> ServiceError:
+    """INTERNAL; ``cause`` (the engine's words for one request's failure, naming no prompt or
+    output text) follows the message where there is one."""
+    message = f"internal engine error: {cause}" if cause else "internal engine error"
+    return ServiceError(grpc.StatusCode.INTERNAL, message, (_error_info(reason),))

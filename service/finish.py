@@ -34,8 +34,10 @@ def finish_error(event: Finished, draining: bool) -> ServiceError:
     if event.reason == "abort":
         return unavailable("server is shutting down") if draining else cancelled()
     error = event.error
-    if error is None or error.kind == "internal":
+    if error is None:
         return internal()
+    if error.kind == "internal":
+        return internal(cause=error.message)
     if error.kind == "kv_fence":
         return fence_violation()
     return resource_exhausted("kv_pages", error.message)  # too_large

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import structlog
 import torch
 
+from kvcache.attention import AttentionFn
 from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
 from kvcache.stats import TenantUsage
@@ -245,14 +246,17 @@ class EngineCore:
             return StepStats(0, 0, 0, len(plan.preempted))
         shape = plan.shape()  # before update advances the sequences
         start = time.perf_counter()
-        result, forward_s = self._execute(plan)
-        sampled = self._update(plan, result)
-        # The rows' own sampling costs are counted per row (``SeqState.sample_s``); the step
-        # model learns the rest, or one expensive row would inflate every row's cost.
-        extra_s = sum(result.row_s) if result is not None else 0.0
-        self._scheduler.observe_step(shape, time.perf_counter() - start - extra_s)
+        ran = self._execute(plan)
+        for seq, failure in ran.failed:
+            self._finish(seq, "error", failure)
+        sampled = self._update(ran.entries, ran.result)
+        if not ran.failed:
+            # The rows' own sampling costs are counted per row (``SeqState.sample_s``); the
+            # step model learns the rest, or one expensive row would inflate every row's cost.
+            extra_s = sum(ran.result.row_s) if ran.result is not None else 0.0
+            self._scheduler.observe_step(shape, time.perf_counter() - start - extra_s)
         return StepStats(
-            plan.num_tokens, len(plan.entries), sampled, len(plan.preempted), forward_s
+            plan.num_tokens, len(plan.entries), sampled, len(plan.preempted), ran.forward_s
         )
 
     def _schedule(self) -> SchedulerOutput:
@@ -270,33 +274,115 @@ class EngineCore:
                 seq.sink(Admitted(seq.seq_id, seq.num_prompt, seq.cached_tokens, queue_s))
         return plan
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[SampleResult | None, float]:
-        """The forward over the fenced batch, then sampling of the rows that reached the end."""
-        assert plan.attn is not None
-        inputs = build_inputs(plan.entries, self._runner.device, self._runner.lora_stacks)
-        start = time.perf_counter()
-        logits = self._runner.forward(inputs, plan.attn)
-        forward_s = time.perf_counter() - start
-        rows = [
-            SampleRow(
-                params=e.seq.request.sampling,
-                generator=e.seq.generator,
-                prompt_ids=e.seq.request.prompt_ids,
-                output_ids=e.seq.output_ids,
-                # A grammar that allows only EOS must win over min_tokens' ban on it.
-                banned_ids=e.seq.banned_ids() if e.seq.grammar is None else (),
-                num_logprobs=e.seq.request.logprobs,
-                grammar=e.seq.grammar,
-            )
-            for e in plan.entries
-            if e.samples
-        ]
-        return (self._sampler.sample(logits, rows) if rows else None), forward_s
+    def _execute(self, plan: SchedulerOutput) -> _Ran:
+        """The forward over the fenced batch, then sampling of the rows that reached the end.
 
-    def _update(self, plan: SchedulerOutput, result: SampleResult | None) -> int:
+        One row's failure is its own (the blast radius of a request is that request): a
+        forward that raises is run again on parts of the batch, adapter by adapter and then
+        halves, until the rows that fail alone are found; a row whose logits are not finite
+        fails with that reason; a sampling that raises is run again row by row. The other
+        rows keep exactly the tokens they would have had (each row's arithmetic does not
+        depend on its batch), and the failed rows finish with an internal error."""
+        assert plan.attn is not None
+        start = time.perf_counter()
+        entries, logits, failed = self._forward_isolated(plan.entries, plan.attn)
+        forward_s = time.perf_counter() - start
+        samplers = [e for e in entries if e.samples]
+        if logits is not None and samplers:
+            # NOTE: one reduction over the rows (12-85 us for 1-64 rows of a 49k vocab on 2
+            # cores): NaN or an infinity anywhere in a row makes its sum non-finite.
+            finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+            if not all(finite):
+                bad = {id(e) for e, ok in zip(samplers, finite, strict=True) if not ok}
+                failed.extend(
+                    (e.seq, FinishError("internal", "the model's logits for this request are not finite"))
+                    for e in samplers
+                    if id(e) in bad
+                )
+                log.warning("row_not_finite", request_ids=[e.seq.seq_id for e in samplers if id(e) in bad])
+                keep = [i for i, ok in enumerate(finite) if ok]
+                logits = logits[keep]
+                entries = tuple(e for e in entries if id(e) not in bad)
+                samplers = [e for e in samplers if id(e) not in bad]
+        result = None
+        if samplers:
+            assert logits is not None
+            result, sample_failed = self._sample_isolated(logits, samplers)
+            if sample_failed:
+                failed.extend(sample_failed)
+                gone = {id(seq) for seq, _ in sample_failed}
+                entries = tuple(e for e in entries if id(e.seq) not in gone)
+        return _Ran(entries, result, forward_s, failed)
+
+    def _forward(self, entries: tuple[ScheduledSeq, ...], attn: AttentionFn) -> torch.Tensor:
+        inputs = build_inputs(entries, self._runner.device, self._runner.lora_stacks)
+        return self._runner.forward(inputs, attn)
+
+    def _forward_isolated(
+        self, entries: tuple[ScheduledSeq, ...], attn: AttentionFn
+    ) -> tuple[tuple[ScheduledSeq, ...], torch.Tensor | None, list[tuple[SeqState, FinishError]]]:
+        """``entries`` that ran, their sampling rows' logits, and the rows that failed."""
+        try:
+            return entries, self._forward(entries, attn), []
+        except Exception as err:  # found below: which rows it belongs to
+            if len(entries) == 1:
+                seq = entries[0].seq
+                log.warning("row_failed", request_id=seq.seq_id, error=type(err).__name__)
+                return (), None, [(seq, FinishError("internal", _reason(err)))]
+            log.warning("step_failed_isolating", rows=len(entries), error=type(err).__name__)
+        kept: list[ScheduledSeq] = []
+        parts: list[torch.Tensor] = []
+        failed: list[tuple[SeqState, FinishError]] = []
+        for group in _split(entries):
+            good, group_attn, refused = self._scheduler.fence(group)
+            failed.extend((seq, FinishError("kv_fence", str(v))) for seq, v in refused)
+            if group_attn is None:
+                continue
+            ran, logits, lost = self._forward_isolated(good, group_attn)
+            kept.extend(ran)
+            failed.extend(lost)
+            if logits is not None and logits.shape[0]:
+                parts.append(logits)
+        logits = torch.cat(parts) if parts else None
+        return tuple(kept), logits, failed
+
+    def _sample_isolated(
+        self, logits: torch.Tensor, samplers: list[ScheduledSeq]
+    ) -> tuple[SampleResult | None, list[tuple[SeqState, FinishError]]]:
+        rows = [_sample_row(e.seq) for e in samplers]
+        states = [e.seq.generator.get_state() if e.seq.generator is not None else None
+                  for e in samplers]  # fmt: skip
+        try:
+            return self._sampler.sample(logits, rows), []
+        except Exception as err:
+            if len(rows) == 1:
+                seq = samplers[0].seq
+                log.warning("row_failed", request_id=seq.seq_id, error=type(err).__name__)
+                return None, [(seq, FinishError("internal", _reason(err)))]
+            log.warning("sampling_failed_isolating", rows=len(rows), error=type(err).__name__)
+        failed: list[tuple[SeqState, FinishError]] = []
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        row_s: list[float] = []
+        for i, (e, row, state) in enumerate(zip(samplers, rows, states, strict=True)):
+            if state is not None:
+                assert e.seq.generator is not None
+                e.seq.generator.set_state(state)  # as before the batch's draw
+            try:
+                one = self._sampler.sample(logits[i : i + 1], [row])
+            except Exception as err:
+                log.warning("row_failed", request_id=e.seq.seq_id, error=type(err).__name__)
+                failed.append((e.seq, FinishError("internal", _reason(err))))
+                continue
+            tokens.extend(one.token_ids)
+            logprobs.extend(one.logprobs)
+            row_s.extend(one.row_s or [0.0])
+        return (SampleResult(tokens, logprobs, row_s) if tokens else None), failed
+
+    def _update(self, entries: tuple[ScheduledSeq, ...], result: SampleResult | None) -> int:
         """Commit the step's KV, then append, stream and stop-check each sampled token."""
-        samplers: list[ScheduledSeq] = [e for e in plan.entries if e.samples]  # before commit
-        self._scheduler.update(plan.entries)
+        samplers: list[ScheduledSeq] = [e for e in entries if e.samples]  # before commit
+        self._scheduler.update(entries)
         if result is None:
             return 0
         for e, token, lp in zip(samplers, result.token_ids, result.logprobs, strict=True):
@@ -406,6 +492,52 @@ class EngineCore:
         self._deadlines.clear()
         self._num_deadlined = 0
         return len(seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """What a step's execution gave: the entries that ran (in the order of ``result``'s
+    sampling rows), their samples, the forward's seconds, and the rows that failed."""
+
+    entries: tuple[ScheduledSeq, ...]
+    result: SampleResult | None
+    forward_s: float
+    failed: list[tuple[SeqState, FinishError]]
+
+
+def _sample_row(seq: SeqState) -> SampleRow:
+    return SampleRow(
+        params=seq.request.sampling,
+        generator=seq.generator,
+        prompt_ids=seq.request.prompt_ids,
+        output_ids=seq.output_ids,
+        # A grammar that allows only EOS must win over min_tokens' ban on it.
+        banned_ids=seq.banned_ids() if seq.grammar is None else (),
+        num_logprobs=seq.request.logprobs,
+        grammar=seq.grammar,
+    )
+
+
+def _split(entries: tuple[ScheduledSeq, ...]) -> list[tuple[ScheduledSeq, ...]]:
+    """A failed batch's parts to run again: its rows by adapter (the base's together), or,
+    where all share one, its two halves."""
+    by_adapter: dict[str, list[ScheduledSeq]] = {}
+    for e in entries:
+        adapter = e.seq.request.adapter
+        by_adapter.setdefault("" if adapter is None else adapter.identity, []).append(e)
+    if len(by_adapter) > 1:
+        return [tuple(group) for group in by_adapter.values()]
+    half = len(entries) // 2
+    return [entries[:half], entries[half:]]
+
+
+def _reason(err: Exception) -> str:
+    """A failure's reason for its request: the exception's type, and its message where it is
+    the engine's or the kernel's own (they name shapes and limits, never prompt text)."""
+    name = type(err).__name__
+    if isinstance(err, ValueError | RuntimeError) and str(err):
+        return f"{name}: {str(err)[:200]}"
+    return name
 
 
 def _grammar_done(grammar: GrammarMatcher, token: int) -> bool:

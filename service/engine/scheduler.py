@@ -23,7 +23,7 @@ the cache.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -139,7 +139,7 @@ class Scheduler:
                 admitted.append(waiting)
         if not self._config.tuning.prefill_chunk:
             self._extend(entries, room, decoding_tenants)
-        good, attn, refused = self._fence(entries)
+        good, attn, refused = self.fence(entries)
         return SchedulerOutput(
             good, attn, tuple(admitted), tuple(preempted), tuple(rejected), refused
         )
@@ -195,13 +195,15 @@ class Scheduler:
         """The wall time of a step of that ``shape`` (feeds the cost model)."""
         self.budget.observe(shape, seconds)
 
-    def _fence(
-        self, entries: list[ScheduledSeq]
+    def fence(
+        self, entries: Sequence[ScheduledSeq]
     ) -> tuple[
         tuple[ScheduledSeq, ...], AttentionFn | None, tuple[tuple[SeqState, FenceViolation], ...]
     ]:
         """``begin_step`` for the batch: the cache fences each sequence and answers which
-        passed. Refused sequences leave the running list (their pages stay with kvcache)."""
+        passed. Refused sequences leave the running list (their pages stay with kvcache).
+        Also the attention of a part of a planned step, to run it again on its own (the
+        cache builds a step's attention from the sequences' state, changing nothing)."""
         if not entries:
             return (), None, ()
         by_id = {e.seq.seq_id: e for e in entries}
@@ -417,5 +419,5 @@ class Scheduler:
         self._close(seq)
 
 
-def _step_entries(entries: list[ScheduledSeq]) -> list[StepEntry]:
+def _step_entries(entries: Sequence[ScheduledSeq]) -> list[StepEntry]:
     return [StepEntry(e.seq.seq_id, e.seq.num_computed, e.num_new) for e in entries]

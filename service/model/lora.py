@@ -2,9 +2,9 @@
 
 The directory holds ``adapter_config.json`` and ``adapter_model.safetensors``. The adapter is
 served exactly or refused in one line naming what cannot be honoured: another PEFT type,
-DoRA, trained biases, saved base modules, per-module rank or alpha patterns, a target
-outside the seven Llama projections, a shape that does not fit the base, a rank above the
-configured maximum, or a tensor this reader does not know.
+a NaN or infinite weight or scaling, DoRA, trained biases, saved base modules, per-module
+rank or alpha patterns, a target outside the seven Llama projections, a shape that does not
+fit the base, a rank above the configured maximum, or a tensor this reader does not know.
 
 Each layer's deltas are fused the way the decoder's projections are (``q|k|v`` and
 ``gate|up``): the A matrices of a fused projection are stacked along the rank axis and the
@@ -132,8 +132,8 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
         raise LoraError(f"adapter {path}: r must be a positive integer")
     if r > max_rank:
         raise LoraError(f"adapter {path}: rank {r} is above the maximum {max_rank} (--max-lora-rank)")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise LoraError(f"adapter {path}: lora_alpha must be a number")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoraError(f"adapter {path}: lora_alpha must be a finite number")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(TARGETS))
@@ -142,8 +142,10 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
                 f"adapter {path}: target modules {unknown} are not served "
                 f"(only {', '.join(TARGETS)})"
             )
-    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return r, float(scaling)
+    scaling = float(alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
+    if not math.isfinite(scaling):
+        raise LoraError(f"adapter {path}: its scaling lora_alpha / r is not a finite number")
+    return r, scaling
 
 
 def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -185,6 +187,8 @@ def _read_tensors(path: Path, config: ModelConfig, r: int) -> dict[tuple[int, st
                     )
                 if not t.is_floating_point():
                     raise LoraError(f"adapter {path}: {key!r} is not a float tensor")
+                if not bool(torch.isfinite(t).all()):
+                    raise LoraError(f"adapter {path}: {key!r} holds NaN or infinite values")
                 out[(layer, module, ab)] = t
     except (OSError, SafetensorError) as exc:
         raise LoraError(f"adapter {path}: cannot read {WEIGHTS_FILE} ({exc})") from None

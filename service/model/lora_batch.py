@@ -2,10 +2,13 @@
 
 A step may mix rows of several adapters and of the base. The base projection runs once over
 every row (the same call a base-only step makes); each row then gets its own adapter's
-``(x @ A.T) @ B.T`` and base rows nothing: one matmul pair per fused projection over the
-adapters' weights stacked along the rank axis (:mod:`service.model.lora_stack`), with a mask
-keeping each row's own adapter's ranks; or, without a stacked copy, one pair per adapter on
-its own rows. Never a forward per adapter.
+``(x @ A.T) @ B.T`` and base rows nothing. The torch path computes it segment by segment: the
+rows are gathered adapter by adapter and each adapter's matmul pair runs on its own rows only,
+so one adapter's values never enter another row's arithmetic (a masked product over every row
+would: NaN x 0 is NaN). The native decoder stack takes the adapters' weights stacked along the
+rank axis (:mod:`service.model.lora_stack`) with a mask naming each row's own ranks; its kernel
+groups the rows by that span and reads only their own ranks (``lora_plan`` in q4_gemv.c).
+Never a forward per adapter.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from service.model.native_gemv import HELD, StackDelta
 @dataclass(frozen=True, slots=True)
 class _GroupPlan:
     """One fused projection's adapter rows in a step: ``rows`` lists them adapter by adapter
-    (None = every row, all on one adapter) and ``parts`` gives each adapter's slice of it."""
+    (None = every row, all on one adapter) and ``parts`` gives each adapter's slice of it.
+    ``stack`` and ``mask`` [T, R] are the native decoder stack's view of the same rows (the
+    adapters' weights stacked along the rank axis, each row's own ranks named by its mask);
+    None where the stacked copy does not fit its bound."""
 
     rows: torch.Tensor | None  # [n] int64
     parts: tuple[tuple[LoraGroup, int, int], ...]  # (weights, start, end) into ``rows``
-    # Set instead of ``rows``: every row through ``stack``, ``mask`` [T, R] keeping its ranks.
     stack: LoraGroup | None = None
     mask: torch.Tensor | None = None
 
@@ -71,18 +76,15 @@ class LoraBatch:
             if len(segments) == 1 and len(segments[0][1]) == len(adapters):
                 plans[key] = _GroupPlan(None, ((segments[0][0], 0, len(adapters)),))
                 continue
-            if stacks is not None:
-                plan = _stacked(key, having, len(adapters), device, stacks)
-                if plan is not None:
-                    plans[key] = plan
-                    continue
             order: list[int] = []
             parts = []
             for group, rows in segments:
                 parts.append((group, len(order), len(order) + len(rows)))
                 order.extend(rows)
             rows_t = torch.tensor(order, dtype=torch.long, device=device)
-            plans[key] = _GroupPlan(rows_t, tuple(parts))
+            stacked = None if stacks is None else _stacked(key, having, len(adapters), device, stacks)
+            stack, mask = stacked if stacked is not None else (None, None)
+            plans[key] = _GroupPlan(rows_t, tuple(parts), stack, mask)
         batch = LoraBatch(plans)
         if stacks is not None:
             stacks.keep_plan(key_rows, batch)
@@ -121,19 +123,14 @@ class LoraBatch:
         plan = self.plans.get(group)
         if plan is None:
             return
-        if plan.stack is not None:
-            assert plan.mask is not None
-            a, b = _weights(plan.stack, layer, x.dtype)
-            u = (x @ a.T).mul_(plan.mask.to(x.dtype))
-            out.addmm_(u, b)
-            return
         if plan.rows is None:
             g = plan.parts[0][0]
             a, b = _weights(g, layer, x.dtype)
             out.addmm_((x @ a.T).mul_(g.scale), b)  # in place: no [T, out] temporary
             return
         # NOTE: one gather and one scatter for the whole step; each adapter's rows are then a
-        # contiguous slice, so an adapter costs its two matmuls and nothing more.
+        # contiguous slice, so an adapter costs its two matmuls and nothing more, and reads
+        # nothing of another adapter's weights (a base row is in no slice).
         xs = x.index_select(0, plan.rows)
         deltas = []
         for g, s, e in plan.parts:
@@ -154,9 +151,9 @@ def _stacked(
     total: int,
     device: torch.device,
     stacks: LoraStacks,
-) -> _GroupPlan | None:
-    """The masked plan of ``having`` (each adapter with ``key`` and its rows); None when
-    the stacked copy does not fit its bound."""
+) -> tuple[LoraGroup, torch.Tensor] | None:
+    """The native stack's weights and mask for ``having`` (each adapter with ``key`` and its
+    rows); None when the stacked copy does not fit its bound."""
     if len(having) == 1:
         stack: LoraGroup | None = having[0][0].groups[key]
     else:
@@ -170,7 +167,7 @@ def _stacked(
         rank = group.a.shape[1]
         mask[rows, start : start + rank] = group.scale
         start += rank
-    return _GroupPlan(None, (), stack, mask.to(device))
+    return stack, mask.to(device)
 
 
 def lora_qkv(i: int, layer: Layer, x: torch.Tensor, lora: LoraBatch, eps: float) -> torch.Tensor:

@@ -1873,7 +1873,8 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
     for (size_t e = 0; lora != NULL && e < (size_t)layers * G_COUNT; ++e) {
         const int64_t *g = lora + e * L_COLUMNS;
         if (g[L_RANKS] < 0 || g[L_RANKS] > LORA_MAX_RANKS) return -1;
-        if (g[L_RANKS] > 0 && (g[L_A] == 0 || g[L_B] == 0 || g[L_MASK] == 0)) return -1;
+        if (g[L_RANKS] == 0) continue; /* no delta on this projection: the rest is unread */
+        if (g[L_A] == 0 || g[L_B] == 0 || g[L_MASK] == 0) return -1;
         /* only qkv (q|k|v) and gate_up (gate|up) are block-diagonal by module */
         const int most = e % G_COUNT == G_QKV ? 3 : e % G_COUNT == G_GATE_UP ? 2 : 1;
         if (g[L_PARTS] != 1 && g[L_PARTS] != most) return -1;
