@@ -29,6 +29,7 @@ from service.cluster_limits import build_cluster_limiter
 from service.config import ServerOptions, TlsFiles
 from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.engine.grammar import GrammarCompiler
+from service.errors import ServiceError
 from service.health import BoundedHealth
 from service.http.front import FrontDeps, OpenAIFront
 from service.http.guard import HttpGuard
@@ -251,12 +252,23 @@ class KVFenceServer:
         tls = opts.tls
         guard = opts.http_guard or HttpGuard()
         authenticator = self.authenticator
+        peers = guard.pace()  # 401s and /health per peer, from the gate and the app alike
         app = PacedAnswers(
             self.http_front.app(),
             lambda headers: authenticator.authenticate(headers, {}),
-            peers=guard.pace(),
+            peers=peers,
             tenants=guard.pace(),
         )
+
+        def gate(headers: list[tuple[str, str]]) -> ServiceError | None:
+            if self._draining:
+                return None  # the app answers 503
+            try:
+                authenticator.authenticate(headers, {})
+            except ServiceError as err:
+                return err
+            return None
+
         self.http = HttpServer(
             app,
             opts.http_host or opts.host,
@@ -265,6 +277,8 @@ class KVFenceServer:
             tls_key=tls.key if tls else None,
             client_ca=tls.client_ca if tls else None,
             guard=guard,
+            gate=gate,
+            pace=peers,
         )
         await self.http.start()
 

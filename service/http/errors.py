@@ -3,6 +3,7 @@
 | gRPC status         | HTTP | OpenAI ``type``          | notes                                   |
 |---------------------|------|--------------------------|-----------------------------------------|
 | INVALID_ARGUMENT    | 400  | invalid_request_error    | ``param`` = the first offending field   |
+| (body too large)    | 413  | invalid_request_error    | ``param`` = ``body``; connection closed |
 | UNAUTHENTICATED     | 401  | authentication_error     |                                         |
 | PERMISSION_DENIED   | 403  | permission_error         |                                         |
 | (no such route)     | 404  | not_found_error          |                                         |
@@ -75,9 +76,17 @@ def error_body(err: ServiceError) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": reason}}
 
 
-def error_response(err: ServiceError) -> JSONResponse:
+def error_response(
+    err: ServiceError, status: int | None = None, close: bool = False
+) -> JSONResponse:
+    """The error's JSON answer; ``status`` overrides the code's (413 for a body past its
+    limit), ``close`` ends the connection after it (the request's body left unread)."""
     headers = {}
     after = retry_after(err)
     if after is not None:
         headers["Retry-After"] = after
-    return JSONResponse(error_body(err), status_code=http_status(err), headers=headers)
+    if close:
+        headers["Connection"] = "close"
+    return JSONResponse(
+        error_body(err), status_code=status or http_status(err), headers=headers
+    )

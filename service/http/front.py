@@ -30,7 +30,7 @@ from service.adapters import Adapters, BoundLease
 from service.auth import Authenticator
 from service.errors import ServiceError, internal, invalid_argument, unavailable
 from service.http import render
-from service.http.body import read_body, until_disconnect
+from service.http.body import MAX_BODY_BYTES, BodyTooLarge, read_body, until_disconnect
 from service.http.errors import error_response
 from service.http.generation import Generation, admit_all
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
@@ -39,7 +39,9 @@ from service.limits import Limiter
 from service.metrics import Metrics
 from service.protocols import EngineLike
 from service.request_metrics import PageAlert, RequestMetrics
+from service.request_prep.fields import prompt_token_limit
 from service.request_prep.prep import RequestPrep
+from service.request_size import JSON_BYTES_PER_TOKEN, request_limit, too_large
 from service.tenants import Tenant
 from service.tracing import RequestTrace, Tracing
 
@@ -145,7 +147,7 @@ class OpenAIFront:
             recorder = RequestMetrics(
                 self._d.metrics, tenant.name, "http", self._d.alert, log, trace
             )
-            raw = await read_body(request)
+            raw = await read_body(request, *self._body_limit(tenant))
             message, opts = parse(load_body(raw))
             fields = self._d.prep.read(tenant, message)
             adapter = await self._adapters.select(tenant, message.model)
@@ -174,6 +176,9 @@ class OpenAIFront:
         except ServiceError as err:
             recorder.done(method, err.code.name, err)
             return error_response(err)
+        except BodyTooLarge as big:
+            recorder.done(method, big.error.code.name, big.error)
+            return error_response(big.error, status=413, close=True)
         except Exception as exc:  # a bug: 500, and nothing of the request in the log
             self._d.log.error("http.failed", request_id=request_id, **where(exc))
             recorder.done(method, "INTERNAL")
@@ -210,6 +215,13 @@ class OpenAIFront:
             return Response(status_code=499)
         recorder.done(method, "OK")
         return JSONResponse(body)
+
+    def _body_limit(self, tenant: Tenant) -> tuple[int, Callable[[int], str]]:
+        """The most body bytes ``tenant`` may send (``service/request_size.py``), and the
+        words of the refusal past it."""
+        tokens = prompt_token_limit(self._d.prep.model, tenant.quotas.max_prompt_tokens)
+        limit = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES)
+        return limit, lambda size: too_large(size, limit, tokens, JSON_BYTES_PER_TOKEN)
 
     def _deadline(self, request: HttpRequest) -> float | None:
         value = request.headers.get(TIMEOUT_HEADER)

@@ -2,7 +2,8 @@
 
 One loop means one thread hands engine events to both fronts the same way. The server's
 TLS files apply here too (with a client CA, client certificates are required). Connections
-are bounded by ``service.http.guard`` (descriptors, per-peer count, header and body time).
+are bounded by ``service.http.guard`` (descriptors, per-peer count with idle connections
+making room for new ones, header, body and keep-alive time, authentication from the headers).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp
 
-from service.http.guard import HttpGuard, guarded_protocol
+from service.http.guard import Gate, HttpGuard, guarded_protocol
+from service.refusal_pace import RefusalPace
 
 
 class _InLoopServer(uvicorn.Server):
@@ -40,7 +42,10 @@ class HttpServer:
         tls_key: Path | None = None,
         client_ca: Path | None = None,
         guard: HttpGuard | None = None,
+        gate: Gate | None = None,
+        pace: RefusalPace | None = None,
     ) -> None:
+        """``gate`` and ``pace``: see ``service.http.guard`` (authentication first)."""
         guard = guard or HttpGuard()
         self.connection_cap = guard.connection_cap()
         config = uvicorn.Config(
@@ -50,8 +55,12 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http=guarded_protocol(guard, self.connection_cap),  # type: ignore[arg-type]
-            limit_concurrency=guard.limit_concurrency,
+            http=guarded_protocol(  # type: ignore[arg-type]
+                guard, self.connection_cap, gate, pace
+            ),
+            # GuardedHttpTools counts requests being served against guard.limit_concurrency;
+            # uvicorn's own check counted idle connections too.
+            limit_concurrency=None,
             ssl_certfile=str(tls_cert) if tls_cert else None,
             ssl_keyfile=str(tls_key) if tls_key else None,
             ssl_ca_certs=str(client_ca) if client_ca else None,
