@@ -57,7 +57,7 @@ test-fast: $(STAMP) model
 
 # The C kernels' tests against three more builds of the kernels: AddressSanitizer +
 # UndefinedBehaviorSanitizer (any finding aborts the run), AVX2 without AVX-512 or VNNI, and
-# plain C. The flags and the ISA are part of each build's cache key. (The two tests left out
+# plain C (the last two also serve adapters through a real server). The flags and the ISA are part of each build's cache key. (The two tests left out
 # check how --weights auto picks dense bf16 batches, not the kernels. Under the sanitizers the
 # stack's and the layer loop's logprobs were measured to differ in low bits, with no sanitizer
 # finding: that bit-for-bit test runs on the other builds only.)
@@ -65,6 +65,9 @@ KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_b
 	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py \
 	tests/model/test_native_gemv_panels.py tests/model/test_lora_stack.py \
 	-k "not auto_on_a_bf16_cpu"
+# Through a real server on each tier's build: PEFT adapters (q_proj/v_proj and all seven
+# projections) in the native stack beside base rows, against transformers + peft.
+SERVED_TIER_TESTS := tests/service/test_lora_tiers.py
 SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g
 sanitize: $(STAMP) model
 	@echo "kvfence: kernel tests, ASan + UBSan build"
@@ -72,8 +75,9 @@ sanitize: $(STAMP) model
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 		$(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) \
 		--deselect tests/model/test_native_gemv.py::test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop
-	@for isa in avx2 portable; do echo "kvfence: kernel tests, $$isa build" && \
-		KVFENCE_KERNEL_ISA=$$isa $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	@for isa in avx2 portable; do echo "kvfence: kernel tests and adapters served, $$isa build" && \
+		KVFENCE_KERNEL_ISA=$$isa $(VENV)/bin/pytest -q -p no:cacheprovider $(KERNEL_TESTS) \
+		$(SERVED_TIER_TESTS) || exit 1; \
 	done
 
 serve: $(STAMP) model

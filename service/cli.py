@@ -150,6 +150,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=["open", "closed"],
     )
     _add(p, "--stream-lease-ttl", 10.0, "seconds a crashed replica's streams count", type=float)
+    # The HTTP front's connection bounds (docs/hardening.md; behind a proxy every client
+    # shares its address).
+    _add(p, "--http-max-per-peer", 64,
+         "HTTP connections one peer address may hold (behind a proxy: at least its pool)",
+         type=int)
+    _add(p, "--http-peer-rate", 50.0,
+         "HTTP refusals and health checks one peer may get per second before they are held",
+         type=float)
     p.set_defaults(func=_serve)
 
 

@@ -120,6 +120,19 @@ def _path(value: str | None) -> Path | None:
     return None if value is None else Path(value)
 
 
+def _http_guard(args: argparse.Namespace) -> HttpGuard:
+    if args.http_max_per_peer < 1:
+        raise ConfigError("--http-max-per-peer must be at least 1")
+    if not (0 < args.http_peer_rate < float("inf")):
+        raise ConfigError("--http-peer-rate must be a number above 0")
+    from service.http.guard import HttpGuard
+
+    burst = max(1, round(2 * args.http_peer_rate))  # two seconds' worth, as by default
+    return HttpGuard(
+        max_per_peer=args.http_max_per_peer, paced_per_s=args.http_peer_rate, paced_burst=burst
+    )
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ``kvfence serve`` flags as one frozen config. Raises ``ConfigError`` only for flag
     combinations it cannot represent; ``service.preflight.check_all`` checks the rest."""
@@ -155,6 +168,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         otlp_endpoint=args.otlp_endpoint,
         max_lora_rank=args.max_lora_rank,
         max_loras_per_tenant=args.max_loras_per_tenant,
+        http_guard=_http_guard(args),
     )
     sizing = EngineSizing(
         kv_memory=args.kv_memory,

@@ -81,6 +81,9 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A connection with no call for 5 minutes is sent GOAWAY (clients reconnect on their
+        # next call): idle connections do not hold descriptors for ever.
+        ("grpc.max_connection_idle_ms", 300_000),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.so_reuseport", 0),

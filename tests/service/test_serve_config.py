@@ -19,6 +19,7 @@ from service.config import (
     kv_budget,
     serve_config,
 )
+from service.http.guard import HttpGuard
 from tools.configuration_doc import actions, commands
 
 
@@ -53,6 +54,7 @@ EVERY_FLAG = [
     "--alert-tenant-kv-pages", "11", "--alert-request-kv-pages", "12", "--max-step-ms", "40",
     "--decode-stretch", "1.5", "--prefill-chunk", "64", "--kv-overcommit", "--redis-url", "redis://r:6379/0",
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
+    "--http-max-per-peer", "500", "--http-peer-rate", "200",
     "--otlp-endpoint", "http://o:4317", "--max-lora-rank", "16", "--max-loras-per-tenant", "2",
 ]
 
@@ -85,6 +87,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             max_lora_rank=16,
             max_loras_per_tenant=2,
             cluster_limits=ClusterLimitsConfig("redis://r:6379/0", "closed", lease_ttl_s=4.0),
+            http_guard=HttpGuard(max_per_peer=500, paced_per_s=200.0, paced_burst=400),
         ),
         sizing=EngineSizing(
             kv_memory="0.5",
@@ -156,3 +159,21 @@ def test_bad_max_step_ms_is_refused_in_one_line(value: str) -> None:
     config = serve_config(cli.parse_args(["serve", "--max-step-ms", value]))
     with pytest.raises(ConfigError, match="--max-step-ms must be a number >= 0"):
         check_fair_compute(config)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--http-max-per-peer", "0", "--http-max-per-peer must be at least 1"),
+        ("--http-peer-rate", "0", "--http-peer-rate must be a number above 0"),
+        ("--http-peer-rate", "nan", "--http-peer-rate must be a number above 0"),
+        ("--http-peer-rate", "inf", "--http-peer-rate must be a number above 0"),
+    ],
+)
+def test_bad_http_connection_bounds_are_refused_in_one_line(flag: str, value: str, says: str) -> None:
+    from service import cli
+    from service.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        serve_config(cli.parse_args(["serve", flag, value]))
+    assert str(err.value) == says
