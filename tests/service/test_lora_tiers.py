@@ -1,8 +1,9 @@
 """PEFT adapters on the default model through a real server, on whichever kernel tier this
 process builds (``make test-slow`` runs the native tier, ``make sanitize`` the ``avx2`` and
 ``portable`` builds): an adapter on PEFT's default targets for Llama (``q_proj`` and
-``v_proj``) and one on all seven projections decode in the native stack beside base rows, and
-each request's greedy tokens are transformers + peft's merged model's (but for exact ties)."""
+``v_proj``) and one on all seven projections decode in the native stack beside base rows and
+alone, and each request's greedy tokens are transformers + peft's merged model's (but for
+exact ties)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def test_adapters_decode_in_the_native_stack_as_peft_computes_them(
     names = ["", *ADAPTERS]
     with ThreadPoolExecutor(len(names)) as pool:
         served = dict(zip(names, pool.map(run, names), strict=True))
+    # Alone, the q_proj/v_proj adapter's steps have no delta on o, gate_up or down.
+    assert run("qv") == served["qv"]
     assert stack_calls["with adapters"] > 0, "no adapter row decoded in the native stack"
     assert served["qv"] != served[""] and served["all"] != served[""]
     for name, tokens in served.items():

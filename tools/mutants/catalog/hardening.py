@@ -11,8 +11,8 @@ MUTANTS = (
     mutant(
         "grammar-depth-unchecked",
         "a Lark grammar whose rule references chain past the limit is refused before llguidance",
-        edit(GRAMMAR, "            if depth > limits.max_depth:\n                return f\"lark",
-             "            if False:\n                return f\"lark"),
+        edit(GRAMMAR, "            if depth > limits.max_depth:\n                return GrammarError(",
+             "            if False:\n                return GrammarError("),
         tests="tests/engine/test_grammar_depth.py",
     ),
     mutant(
@@ -41,7 +41,7 @@ MUTANTS = (
     mutant(
         "http-per-peer-cap-off",
         "one peer holds at most max_per_peer HTTP connections",
-        edit(GUARD, " or self.peers.by_peer[peer] >= self.guard.max_per_peer", ""),
+        edit(GUARD, "(self.peers.by_peer[peer] >= self.guard.max_per_peer, peer)", "(False, peer)"),
         tests=f"{T_GUARD}::test_slowloris_connections_are_capped_and_timed_out_while_others_are_served",
     ),
     mutant(

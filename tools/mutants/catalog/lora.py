@@ -5,6 +5,9 @@ from tools.mutants.mutant import edit, mutant
 
 T_SERVE = "tests/service/test_lora_serving.py"
 T_STACK = "tests/model/test_lora_stack.py"
+T_BLAST = "tests/service/test_adapter_blast_radius.py"
+T_TIERS = "tests/service/test_lora_tiers.py"
+T_ROWS = "tests/engine/test_blast_radius.py"
 
 MUTANTS = (
     mutant(
@@ -74,5 +77,54 @@ MUTANTS = (
              "                s0[p][q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + j), w0, s0[p][q]);\n"
              "                s1[p][q]"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
+    ),
+    mutant(
+        "lora-masked-product-over-every-row",
+        "an adapter's values never enter another row's arithmetic (segments, not a masked product)",
+        edit("service/model/lora_batch.py",
+             "        if plan.rows is None:\n            g = plan.parts[0][0]",
+             "        if plan.stack is not None and plan.mask is not None:\n"
+             "            a, b = _weights(plan.stack, layer, x.dtype)\n"
+             "            out.addmm_((x @ a.T).mul_(plan.mask.to(x.dtype)), b)\n"
+             "            return\n"
+             "        if plan.rows is None:\n            g = plan.parts[0][0]"),
+        tests=f"{T_BLAST}::test_an_overflowing_adapter_fails_its_own_request_and_no_other_row",
+    ),
+    mutant(
+        "non-finite-adapter-weights-served",
+        "an adapter with a NaN or infinite weight is refused by name at start and on reload",
+        edit("service/model/lora.py", "                if not bool(torch.isfinite(t).all()):",
+             "                if False:"),
+        tests=T_BLAST,
+    ),
+    mutant(
+        "stack-checks-absent-projections",
+        "an adapter on some projections only (PEFT's q_proj/v_proj) runs in the native stack",
+        edit("service/model/q4_gemv.c",
+             "        if (g[L_RANKS] == 0) continue; /* no delta on this projection: the rest is unread */\n",
+             ""),
+        tests=T_TIERS,
+    ),
+    mutant(
+        "failed-forward-fails-every-row",
+        "a forward that raises fails only the rows that fail alone",
+        edit("service/engine/core.py",
+             "            log.warning(\"step_failed_isolating\", rows=len(entries), error=type(err).__name__)",
+             "            raise"),
+        tests=f"{T_ROWS}::test_a_row_whose_forward_raises_fails_alone",
+    ),
+    mutant(
+        "non-finite-logits-sampled",
+        "a row whose logits are not finite fails with that reason; the others keep their tokens",
+        edit("service/engine/core.py", "            if not all(finite):", "            if False:"),
+        tests=f"{T_ROWS}::test_a_row_whose_logits_are_not_finite_fails_alone",
+    ),
+    mutant(
+        "sampling-replay-keeps-advanced-generators",
+        "a sampling run again row by row restores each seeded generator first",
+        edit("service/engine/core.py",
+             "                e.seq.generator.set_state(state)  # as before the batch's draw",
+             "                pass"),
+        tests=f"{T_ROWS}::test_a_row_whose_sampling_raises_fails_alone",
     ),
 )
