@@ -1,5 +1,6 @@
 """Switch-offs of the hardening on tenant-controlled work: grammar depth and stack, sampling
-costs, tokenizer budget, the HTTP connection guard and pacing, and cluster lease renewal."""
+costs, tokenizer budget, the HTTP connection guard and pacing, cluster lease renewal, and the
+bounds both fronts put on a request before it is parsed."""
 
 from tools.mutants.mutant import edit, mutant
 
@@ -57,5 +58,41 @@ MUTANTS = (
              "redis.call('ZADD', key, expires, ARGV[i + 1])",
              "redis.call('ZADD', key, 'XX', expires, ARGV[i + 1])"),
         tests="tests/cluster/test_redis_limits.py",
+    ),
+    mutant(
+        "http-body-bound-is-the-front-cap",
+        "an HTTP body is judged against its tenant's prompt limit before it is parsed",
+        edit("service/http/front.py",
+             "        limit = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES)",
+             "        limit = MAX_BODY_BYTES"),
+        tests="tests/http/test_front_bounds.py::test_a_body_past_the_tenants_limit_is_413_from_its_declared_length",
+    ),
+    mutant(
+        "grpc-message-decoded-past-tenant-limit",
+        "a gRPC message larger than its tenant's prompt limit allows is refused undecoded",
+        edit("service/interceptor.py", "            if len(raw) > limit:", "            if False:"),
+        tests="tests/service/test_request_size.py::test_a_message_past_the_tenants_limit_is_refused_from_its_size",
+    ),
+    mutant(
+        "http-wrong-key-reaches-the-app",
+        "a wrong key is answered from the request's headers; nothing pipelined behind it is read",
+        edit(GUARD, "        refusal = self._gated()\n", "        refusal = None\n"),
+        tests="tests/http/test_front_bounds.py::test_a_wrong_key_is_401_from_the_headers_and_nothing_behind_it_is_read",
+    ),
+    mutant(
+        "grpc-refusals-unpaced",
+        "a tenant's refused gRPC calls are held per tenant, as HTTP's 4xx are",
+        edit("service/interceptor.py",
+             "        if self._cheap is None or code not in PACED_CODES:",
+             "        if True:"),
+        tests="tests/service/test_refusal_pace.py::test_a_tenants_invalid_calls_are_paced_and_another_tenants_are_not",
+    ),
+    mutant(
+        "chat-size-counts-content-only",
+        "every chat field that reaches the tokenizer counts toward the chat's byte limit",
+        edit("service/tools.py",
+             '            yield f"{where}.tool_calls[{j}].arguments", call.arguments\n',
+             ""),
+        tests="tests/service/test_tool_calls.py",
     ),
 )
