@@ -187,13 +187,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _paced(self, tenant: Tenant, code: grpc.StatusCode) -> None:
         """Hold a refusal (``code``) of ``tenant``'s call per the tenant's pace."""
-        if self._cheap is None or code not in PACED_CODES:
+        if code in PACED_CODES:
+            await self._hold(tenant)
+
+    async def _hold(self, tenant: Tenant) -> None:
+        """Wait for ``tenant``'s turn in the per-tenant pace (service/refusal_pace.py)."""
+        if self._cheap is None:
             return
         key = f"tenant:{tenant.name}"
         wait = self._cheap.hold(key)
         if wait > 0:
             try:
-                await asyncio.sleep(wait)  # paced per tenant (service/refusal_pace.py)
+                await asyncio.sleep(wait)
             finally:
                 self._cheap.release(key)
 
@@ -206,14 +211,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise permission_denied("tenant may not use server reflection", "REFLECTION")
         except ServiceError as err:
             await self._deny(context, method, err)
-        if self._cheap is not None and method in CHEAP_METHODS:
-            key = f"tenant:{tenant.name}"
-            wait = self._cheap.hold(key)
-            if wait > 0:
-                try:
-                    await asyncio.sleep(wait)  # paced per tenant (service/refusal_pace.py)
-                finally:
-                    self._cheap.release(key)
+        if method in CHEAP_METHODS:
+            await self._hold(tenant)
         return tenant
 
     async def _deny(

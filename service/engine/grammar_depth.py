@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 # A Lark token: a ``%json`` directive, a string literal, a regex literal, a comment, a name, or one bracket.
@@ -86,10 +86,9 @@ def lark_json_schemas(source: str) -> list[tuple[int, str]]:
     return found
 
 
-def _json_value_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array starting at ``start`` ends (by its brackets), or None."""
-    if start >= len(text) or text[start] not in "[{":
-        return None
+def _bracket_depths(text: str, start: int = 0) -> Iterator[tuple[int, int]]:
+    """``(index, depth after it)`` of each bracket of a JSON text from ``start``, brackets
+    inside strings left out."""
     depth = 0
     in_string = escaped = False
     for i in range(start, len(text)):
@@ -105,33 +104,22 @@ def _json_value_end(text: str, start: int) -> int | None:
             in_string = True
         elif ch in "[{":
             depth += 1
+            yield i, depth
         elif ch in "]}":
             depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+            yield i, depth
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at ``start`` ends (by its brackets), or None."""
+    if start >= len(text) or text[start] not in "[{":
+        return None
+    return next((i + 1 for i, depth in _bracket_depths(text, start) if depth == 0), None)
 
 
 def json_nesting(text: str) -> int:
     """The deepest bracket nesting of a JSON text (brackets inside strings do not count)."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
+    return max((depth for _, depth in _bracket_depths(text)), default=0)
 
 
 _DEFINITION_KEYS = ("$defs", "definitions")

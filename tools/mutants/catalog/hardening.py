@@ -83,8 +83,8 @@ MUTANTS = (
         "grpc-refusals-unpaced",
         "a tenant's refused gRPC calls are held per tenant, as HTTP's 4xx are",
         edit("service/interceptor.py",
-             "        if self._cheap is None or code not in PACED_CODES:",
-             "        if True:"),
+             "        if code in PACED_CODES:\n            await self._hold(tenant)",
+             "        if False:\n            await self._hold(tenant)"),
         tests="tests/service/test_refusal_pace.py::test_a_tenants_invalid_calls_are_paced_and_another_tenants_are_not",
     ),
     mutant(
