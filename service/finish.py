@@ -37,7 +37,7 @@ def finish_error(event: Finished, draining: bool) -> ServiceError:
     if error is None:
         return internal()
     if error.kind == "internal":
-        return internal(cause=error.message)
+        return internal(cause=error.cause)
     if error.kind == "kv_fence":
         return fence_violation()
     return resource_exhausted("kv_pages", error.message)  # too_large

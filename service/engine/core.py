@@ -294,11 +294,7 @@ class EngineCore:
             finite = torch.isfinite(logits.sum(dim=-1)).tolist()
             if not all(finite):
                 bad = {id(e) for e, ok in zip(samplers, finite, strict=True) if not ok}
-                failed.extend(
-                    (e.seq, FinishError("internal", "the model's logits for this request are not finite"))
-                    for e in samplers
-                    if id(e) in bad
-                )
+                failed.extend((e.seq, _NOT_FINITE) for e in samplers if id(e) in bad)
                 log.warning("row_not_finite", request_ids=[e.seq.seq_id for e in samplers if id(e) in bad])
                 keep = [i for i, ok in enumerate(finite) if ok]
                 logits = logits[keep]
@@ -328,7 +324,7 @@ class EngineCore:
             if len(entries) == 1:
                 seq = entries[0].seq
                 log.warning("row_failed", request_id=seq.seq_id, error=type(err).__name__)
-                return (), None, [(seq, FinishError("internal", _reason(err)))]
+                return (), None, [(seq, _failure("the forward", err))]
             log.warning("step_failed_isolating", rows=len(entries), error=type(err).__name__)
         kept: list[ScheduledSeq] = []
         parts: list[torch.Tensor] = []
@@ -358,7 +354,7 @@ class EngineCore:
             if len(rows) == 1:
                 seq = samplers[0].seq
                 log.warning("row_failed", request_id=seq.seq_id, error=type(err).__name__)
-                return None, [(seq, FinishError("internal", _reason(err)))]
+                return None, [(seq, _failure("sampling", err))]
             log.warning("sampling_failed_isolating", rows=len(rows), error=type(err).__name__)
         failed: list[tuple[SeqState, FinishError]] = []
         tokens: list[int] = []
@@ -372,7 +368,7 @@ class EngineCore:
                 one = self._sampler.sample(logits[i : i + 1], [row])
             except Exception as err:
                 log.warning("row_failed", request_id=e.seq.seq_id, error=type(err).__name__)
-                failed.append((e.seq, FinishError("internal", _reason(err))))
+                failed.append((e.seq, _failure("sampling", err)))
                 continue
             tokens.extend(one.token_ids)
             logprobs.extend(one.logprobs)
@@ -531,13 +527,16 @@ def _split(entries: tuple[ScheduledSeq, ...]) -> list[tuple[ScheduledSeq, ...]]:
     return [entries[:half], entries[half:]]
 
 
-def _reason(err: Exception) -> str:
-    """A failure's reason for its request: the exception's type, and its message where it is
-    the engine's or the kernel's own (they name shapes and limits, never prompt text)."""
+_NOT_FINITE_WORDS = "the model's logits for this request are not finite"
+_NOT_FINITE = FinishError("internal", _NOT_FINITE_WORDS, cause=_NOT_FINITE_WORDS)
+
+
+def _failure(stage: str, err: Exception) -> FinishError:
+    """One request's failure in ``stage``: the exception's text stays in ``message`` (the
+    engine's own, for logs); the client is told the stage and the exception's type."""
     name = type(err).__name__
-    if isinstance(err, ValueError | RuntimeError) and str(err):
-        return f"{name}: {str(err)[:200]}"
-    return name
+    detail = f"{name}: {str(err)[:200]}" if str(err) else name
+    return FinishError("internal", detail, cause=f"{stage} failed on this request ({name})")
 
 
 def _grammar_done(grammar: GrammarMatcher, token: int) -> bool:

@@ -189,6 +189,9 @@ class FinishError:
     message: str
     what: str = ""
     limit_pages: int | None = None
+    # For "internal": the engine's own words for the client (which row failed and how, with
+    # an exception's type but never its text); empty where nothing more is said.
+    cause: str = ""
 
     @staticmethod
     def too_large(err: RequestTooLarge) -> FinishError:

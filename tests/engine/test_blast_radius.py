@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from service.engine.sampler import SampleResult, SampleRow
+from service.engine.runner import BatchInputs, ModelRunner
+from service.engine.sampler import Sampler, SampleResult, SampleRow
 from service.engine.types import SamplingParams
 from service.model import LoadedModel
 from tests.engine.conftest import Recorder, assert_at_baseline, make_core, prompt_ids, req, run_all
@@ -49,32 +50,34 @@ def _run_beside_the_bad_one(core: Any) -> Recorder:
     return rec
 
 
-def _check(rec: Recorder, alone: dict[str, list[int]], reason: str) -> None:
+def _check(rec: Recorder, alone: dict[str, list[int]], reason: str, cause: str) -> None:
     for rid, tokens in alone.items():
         assert rec.finished(rid).reason != "error", rid
         assert rec.tokens(rid) == tokens, rid
     failed = rec.finished("bad")
     assert failed.reason == "error" and failed.error is not None
     assert failed.error.kind == "internal" and reason in failed.error.message
+    assert failed.error.cause == cause  # what the client is told: no exception text
 
 
 def test_a_row_whose_forward_raises_fails_alone(
     tiny: LoadedModel, alone: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     core = make_core(tiny)
-    model = core._runner.model
+    original = ModelRunner.forward
     calls = {"batched": 0}
 
-    def forward(input_ids: torch.Tensor, *args: Any, **kw: Any) -> Any:
-        if bool((input_ids == SENTINEL).any()):
-            calls["batched"] += int(input_ids.numel() > 13)
+    def forward(self: ModelRunner, inputs: BatchInputs, attn: Any) -> torch.Tensor:
+        if bool((inputs.input_ids == SENTINEL).any()):
+            calls["batched"] += int(inputs.input_ids.numel() > 13)
             raise ValueError("a shape the kernel refuses")
-        return type(model).__call__(model, input_ids, *args, **kw)
+        return original(self, inputs, attn)
 
-    monkeypatch.setattr(core._runner, "model", forward)
+    monkeypatch.setattr(ModelRunner, "forward", forward)
     rec = _run_beside_the_bad_one(core)
     assert calls["batched"] >= 1, "the failing row was never in a batch with others"
-    _check(rec, alone, "ValueError: a shape the kernel refuses")
+    _check(rec, alone, "ValueError: a shape the kernel refuses",
+           "the forward failed on this request (ValueError)")
     assert_at_baseline(core)
 
 
@@ -82,24 +85,21 @@ def test_a_row_whose_logits_are_not_finite_fails_alone(
     tiny: LoadedModel, alone: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     core = make_core(tiny)
-    model = core._runner.model
+    original = ModelRunner.forward
     shared = {"steps": 0}
 
-    def forward(
-        input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, indices: Any, *rest: Any
-    ) -> Any:
-        logits = type(model).__call__(model, input_ids, positions, attn, indices, *rest)
-        rows = input_ids if indices is None else input_ids[indices]
-        poisoned = rows == SENTINEL
+    def forward(self: ModelRunner, inputs: BatchInputs, attn: Any) -> torch.Tensor:
+        logits = original(self, inputs, attn).clone()  # the forward's is an inference tensor
+        poisoned = inputs.input_ids[inputs.logits_indices] == SENTINEL
         if bool(poisoned.any()):
-            shared["steps"] += int(rows.numel() > 1)
+            shared["steps"] += int(poisoned.numel() > 1)
             logits[poisoned] = float("nan")
         return logits
 
-    monkeypatch.setattr(core._runner, "model", forward)
+    monkeypatch.setattr(ModelRunner, "forward", forward)
     rec = _run_beside_the_bad_one(core)
     assert shared["steps"] >= 1, "the poisoned row never shared a step"
-    _check(rec, alone, "not finite")
+    _check(rec, alone, "not finite", "the model's logits for this request are not finite")
     assert_at_baseline(core)
 
 
@@ -107,19 +107,19 @@ def test_a_row_whose_sampling_raises_fails_alone(
     tiny: LoadedModel, alone: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     core = make_core(tiny)
-    sampler = core._sampler
-    original = type(sampler).sample
+    original = Sampler.sample
     shared = {"batched": 0}
 
-    def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        result = original(sampler, logits, rows)  # draws first: the replay must undo them
+    def sample(self: Sampler, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        result = original(self, logits, rows)  # draws first: the replay must undo them
         if any(SENTINEL in r.prompt_ids for r in rows):
             shared["batched"] += int(len(rows) > 1)
             raise RuntimeError("a grammar state the sampler cannot take")
         return result
 
-    monkeypatch.setattr(sampler, "sample", sample)
+    monkeypatch.setattr(Sampler, "sample", sample)
     rec = _run_beside_the_bad_one(core)
     assert shared["batched"] >= 1, "the failing row was never sampled beside others"
-    _check(rec, alone, "RuntimeError: a grammar state the sampler cannot take")
+    _check(rec, alone, "RuntimeError: a grammar state the sampler cannot take",
+           "sampling failed on this request (RuntimeError)")
     assert_at_baseline(core)

@@ -101,6 +101,13 @@ def _finished(reason: FinishReason, error: FinishError | None = None) -> Finishe
             "QuotaFailure",
         ),
         ("error", FinishError("internal", "boom"), False, grpc.StatusCode.INTERNAL, "ENGINE"),
+        (
+            "error",
+            FinishError("internal", "ValueError: boom", cause="sampling failed (ValueError)"),
+            False,
+            grpc.StatusCode.INTERNAL,
+            "ENGINE",
+        ),
     ],
 )
 def test_finish_mapping(
@@ -115,5 +122,8 @@ def test_finish_mapping(
     if detail in ("KV_FENCE", "ENGINE"):
         assert err.detail(ErrorInfo).reason == detail
         assert "boom" not in err.message and "stale" not in err.message
+        if error is not None and error.kind == "internal":  # the engine's words, if any
+            said = f": {error.cause}" if error.cause else ""
+            assert err.message == f"internal engine error{said}"
     elif detail is not None:
         assert type(err.details[0]).__name__ == detail or type(err.details[-1]).__name__ == detail

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from itertools import count
 
 import pytest
@@ -212,12 +213,12 @@ def test_bad_tools_are_refused_by_field(edit: object, field: str) -> None:
     ],
 )
 def test_every_field_that_reaches_the_template_counts_toward_the_chat_size(
-    edit: object, field: str
+    edit: Callable[[inference_pb2.ChatMessages, str], None], field: str
 ) -> None:
     """The field where the running total passes the limit is named; 7 MB of it is refused
     without being encoded or parsed (the limit is met on characters first)."""
     chat = _chat()
-    edit(chat, "x" * 7_000_000)  # type: ignore[operator]
+    edit(chat, "x" * 7_000_000)
     out: list[tuple[str, str]] = []
     tools.check_size(chat, "chat", 8184, out)
     assert out == [(field, "chat is longer than 8184 bytes")]
