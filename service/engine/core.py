@@ -247,6 +247,9 @@ class EngineCore:
         shape = plan.shape()  # before update advances the sequences
         start = time.perf_counter()
         ran = self._execute(plan)
+        if ran.failed:
+            failed = {id(seq) for seq, _ in ran.failed}
+            self._scheduler.charge([e for e in plan.entries if id(e.seq) in failed])
         for seq, failure in ran.failed:
             self._finish(seq, "error", failure)
         sampled = self._update(ran.entries, ran.result)

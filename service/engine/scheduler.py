@@ -212,6 +212,12 @@ class Scheduler:
         refused = tuple((by_id[e.seq_id].seq, violation) for e, violation in plan.refused)
         return good, plan.attn, refused
 
+    def charge(self, entries: Sequence[ScheduledSeq]) -> None:
+        """Entries whose rows ran and failed: their tenants are charged the tokens processed,
+        as ``update`` charges them (a tenant whose requests fail gets no free steps)."""
+        for e in entries:
+            self.fair.counter.charge(e.seq.tenant, e.num_new)
+
     def update(self, entries: tuple[ScheduledSeq, ...]) -> None:
         """After the forward: the entries' new tokens have KV (full pages enter the cache),
         and each tenant is charged the tokens it had processed."""

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from service.engine.fairness import TokenCounter
 from service.engine.runner import BatchInputs, ModelRunner
 from service.engine.sampler import Sampler, SampleResult, SampleRow
 from service.engine.types import SamplingParams
@@ -96,10 +97,21 @@ def test_a_row_whose_logits_are_not_finite_fails_alone(
             logits[poisoned] = float("nan")
         return logits
 
+    charged: dict[str, int] = {}
+    charge = TokenCounter.charge
+
+    def counted(self: TokenCounter, tenant: str, tokens: int) -> None:
+        charged[tenant] = charged.get(tenant, 0) + tokens
+        charge(self, tenant, tokens)
+
     monkeypatch.setattr(ModelRunner, "forward", forward)
+    monkeypatch.setattr(TokenCounter, "charge", counted)
     rec = _run_beside_the_bad_one(core)
     assert shared["steps"] >= 1, "the poisoned row never shared a step"
     _check(rec, alone, "not finite", "the model's logits for this request are not finite")
+    # The failed prompt's tokens were processed: its tenant is charged for them, or a tenant
+    # whose requests always fail would always be owed the next step.
+    assert charged.get("attacker", 0) == len(_bad().prompt_ids)
     assert_at_baseline(core)
 
 

@@ -2,8 +2,8 @@
 its own while tenant ``victim`` sends short greedy requests over gRPC: an adapter on PEFT's
 default targets for Llama (``q_proj`` and ``v_proj``), and a finite adapter whose products
 overflow float32 in any row they enter. The victim's requests must not fail, its tokens must
-be its tokens alone, and its gap and TTFT stay within ``_judge``'s bounds; an adapter with
-NaN weights is refused by name at start."""
+be its tokens alone, and its gap (p50 and p90) and TTFT stay within ``_judge_flood``'s bounds;
+an adapter with NaN weights is refused by name at start."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from protos.kvfence.v1 import inference_pb2_grpc
 from service.config import ConfigError
-from tests.isolation.test_noisy_neighbour import _judge, _sizing, _vocab
+from tests.isolation.test_noisy_neighbour import _sizing, _vocab
+from tests.isolation.test_redteam_neighbours import _judge_flood
 from tests.model.test_lora_stack import write_adapter
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import collect, gen_request
@@ -128,7 +129,7 @@ def test_an_adapter_on_pefts_default_targets_beside_the_victim(
     differing = sum(a != b for a, b in zip(alone, beside, strict=True))
     ok &= record("victim requests with tokens differing from alone", differing, "== 0",
                  differing == 0)
-    _judge(record, base, under, stats)
+    _judge_flood(record, base, under, stats)
     assert ok
 
 
@@ -145,7 +146,7 @@ def test_an_overflowing_adapter_beside_the_victim(
     internal = stats.codes["INTERNAL"]
     ok &= record("attacker's overflowing requests failed INTERNAL", f"{internal}/{stats.calls}",
                  "all", internal == stats.calls and internal >= 1)
-    _judge(record, base, under, stats)
+    _judge_flood(record, base, under, stats)
     assert ok
 
 

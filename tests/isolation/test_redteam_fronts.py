@@ -10,6 +10,8 @@ short run. Each row also checks the mechanism that bounds the attack, at both si
 - a wrong-key request is answered 401 and its connection closed: nothing pipelined behind
   it is read;
 - a ``logit_bias`` of 700k entries (7.7 MB) is refused without its entries being parsed;
+- a chat history with 7 MB of tool-call arguments is refused from its size, and one within
+  the body bound by the chat's byte limit, before any of it is tokenized;
 - INVALID_ARGUMENT answers on gRPC are paced per tenant, as HTTP's 4xx are;
 - thousands of idle connections from many addresses deny no authenticated HTTP call.
 """
@@ -30,6 +32,8 @@ import httpx
 
 from protos.kvfence.v1 import inference_pb2_grpc
 from service.http.body import MAX_BODY_BYTES
+from service.request_prep.fields import prompt_token_limit
+from service.request_size import JSON_BYTES_PER_TOKEN, request_limit
 from tests.isolation import test_redteam_neighbours as neighbours
 from tests.isolation.test_noisy_neighbour import _judge
 from tests.isolation.test_redteam_neighbours import _judge_flood, _url, _victim
@@ -213,6 +217,73 @@ def test_huge_logit_bias(hsrv: ServerHandle, base: Latency, record: Recorder) ->
     # Receiving 7.7 MB over loopback takes a few ms; parsing and sorting the entries took
     # about a second on 2 cores.
     ok &= record("one refusal on a quiet server (s)", round(alone, 3), "< 0.15", alone < 0.15)
+    _judge_flood(record, base, under, stats)
+    assert ok
+
+
+def _tool_history_body(model: str, arguments: int) -> bytes:
+    """A chat whose assistant message carries one tool call of ``arguments`` bytes."""
+    return json.dumps({
+        "model": model, "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "look it up"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "lookup", "arguments": '{"q": "' + "x" * arguments + '"}'},
+            }]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "none"},
+        ],
+    }).encode()  # fmt: skip
+
+
+def test_huge_tool_call_arguments(hsrv: ServerHandle, base: Latency, record: Recorder) -> None:
+    """Two threads posting chats whose history holds one tool call's arguments: 7 MB (past
+    the body bound, refused from its size) and, taking turns, the largest body the bound
+    lets through (refused by the chat's byte limit, which counts tool calls, before any of it
+    is tokenized)."""
+    key = hsrv.keys["attacker"]
+    model = str(hsrv.stack.model.name)
+    tokens = prompt_token_limit(hsrv.server.prep.model, 0)
+    # Just under the body bound; far over the chat's tokens x 8 bytes.
+    within = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES) - 1024
+    bodies = [_tool_history_body(model, 7_000_000), _tool_history_body(model, within)]
+    url = _url(hsrv, "/v1/chat/completions")
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    slowest = [0.0, 0.0]
+    params: set[str] = set()
+
+    def work(_: grpc.Channel, stats: AttackStats, stop: threading.Event, i: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            n = 0
+            while not stop.is_set():
+                which = (i + n) % 2
+                n += 1
+                start = time.monotonic()
+                try:
+                    r = client.post(url, content=bodies[which], headers=headers)
+                except httpx.HTTPError:
+                    stats.codes["cut off"] += 1
+                    stats.calls += 1
+                    continue
+                slowest[which] = max(slowest[which], time.monotonic() - start)
+                stats.codes[f"{r.status_code}"] += 1
+                stats.calls += 1
+                if r.status_code == 400:
+                    params.add(str(r.json()["error"].get("param")))
+
+    with attack(hsrv.target, work, 2, SETTLE_S) as stats:
+        under = _victim(hsrv).run(VICTIM_N)
+    record.info("body bytes (over the bound / within it)", f"{len(bodies[0])} / {len(bodies[1])}")
+    record.info("refused fields", sorted(params))
+    record.info("attacker's slowest answer (s), over / within", f"{slowest[0]:.3f} / {slowest[1]:.3f}")
+    served = stats.calls - stats.codes["413"] - stats.codes["400"] - stats.codes["cut off"]
+    ok = record("tool-call histories answered other than 413 / 400", served, "== 0", served == 0)
+    ok &= record("the 400s name the call's arguments", sorted(params),
+                 "messages[1].tool_calls[0].function.arguments",
+                 params == {"messages[1].tool_calls[0].function.arguments"})
+    # Tokenizing 7 MB of arguments took 31.6 s; refused on its size it takes milliseconds.
+    ok &= record("attacker's slowest refusal (s)", round(max(slowest), 3), "< 1.0",
+                 max(slowest) < 1.0)
     _judge_flood(record, base, under, stats)
     assert ok
 
