@@ -219,4 +219,12 @@ MUTANTS = (
              "floor = min(others) if others else 0.0"),
         tests="tests/engine/test_fairness.py::test_a_returning_tenant_gets_no_credit_for_idle_time",
     ),
+    mutant(
+        "failed-rows-uncharged",
+        "a request whose rows ran and failed is charged the tokens they processed",
+        edit("service/engine/core.py",
+             "            self._scheduler.charge([e for e in plan.entries if id(e.seq) in failed])",
+             "            self._scheduler.charge([])"),
+        tests="tests/engine/test_blast_radius.py::test_a_row_whose_logits_are_not_finite_fails_alone",
+    ),
 )
