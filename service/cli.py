@@ -53,6 +53,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p = add_command(sub, "serve", "run the gRPC inference server")
     _add(p, "--model", "default",
          "a .gguf file, an HF directory, 'default', or a name from `kvfence models list`")
+    # NOTE: argparse directly, not ``_add``: an environment default cannot be appended to.
+    p.add_argument("--served-model-name", action="append", metavar="NAME",
+                   help="a name clients use for the model, in `model` fields and model lists "
+                   "(the first is the name answers report; default: the model file's name)")
     _add(p, "--host", "127.0.0.1", "address to bind")
     _add(p, "--port", 50051, "port to bind (0 = any free port)", type=int)
     _add(p, "--tenants", "tenants.toml", "tenants file (TOML; `kvfence tenants add` writes it)")

@@ -76,6 +76,9 @@ class ServerOptions:
     otlp_endpoint: str | None = None  # None = no tracing (opentelemetry is not even imported)
     max_lora_rank: int = 64  # --max-lora-rank: adapters of a higher rank are refused
     max_loras_per_tenant: int = 4  # --max-loras-per-tenant: resident adapters per tenant
+    # --served-model-name: the names clients use for the base model, the first one its name
+    # (in answers, model lists and tenants' ``models``); () = the model file's name.
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         otlp_endpoint=args.otlp_endpoint,
         max_lora_rank=args.max_lora_rank,
         max_loras_per_tenant=args.max_loras_per_tenant,
+        served_model_names=tuple(args.served_model_name or ()),
         http_guard=_http_guard(args),
     )
     sizing = EngineSizing(

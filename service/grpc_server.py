@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -103,6 +103,9 @@ class KVFenceServer:
         clock: Callable[[], float] = time.monotonic,
         grammars: GrammarCompiler | None = None,
     ) -> None:
+        names = options.served_model_names
+        if names:  # --served-model-name: the first is the model's name from here on
+            model = replace(model, name=names[0])
         self._engine = engine
         self._grammars = grammars
         self._model = model
@@ -133,7 +136,9 @@ class KVFenceServer:
         adapters = self.adapters.prepare(registry)  # LoraError: refuse to start
         self._apply(registry, self.adapters.reserved_pages(adapters))
         self.adapters.commit(adapters)
-        limits = ModelLimits(model.name, model.vocab_size, model.max_model_len)
+        limits = ModelLimits(
+            model.name, model.vocab_size, model.max_model_len, tuple(dict.fromkeys(names[1:]))
+        )
         # Tokenizer time is charged to the tenant's fair share of the engine, like compiles.
         self._tokenizer_pool = TokenizerPool(options.tokenizer_threads, on_cost=engine.charge_cpu)
         self.prep = RequestPrep(

@@ -118,7 +118,7 @@ class InferenceServicer:
         fields = self._prep.read(tenant, request)
         which = fields.input.which
         max_tokens = fields.stopping.max_tokens
-        adapter = await self._adapters.select(tenant, request.model)
+        adapter = await self._adapters.select(tenant, self._prep.model.resolve(request.model))
         try:
             # Charged before any work (tokenizing included): the input by its size.
             limit = await self._limiter.admit(tenant.name, fields.input.cost + max_tokens)
@@ -266,6 +266,11 @@ class InferenceServicer:
         if not tenant.may_use_model(base.name):
             return inference_pb2.ListModelsResponse()
         models = model_infos(base, self._adapters.names(tenant))
+        for alias in reversed(self._prep.model.aliases):  # the model under its other names
+            info = inference_pb2.ModelInfo()
+            info.CopyFrom(base)
+            info.name = alias
+            models.insert(1, info)
         return inference_pb2.ListModelsResponse(models=models)
 
 

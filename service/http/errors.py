@@ -13,7 +13,8 @@
 | UNAVAILABLE         | 503  | service_unavailable      | ``Retry-After``; draining or stopped    |
 | DEADLINE_EXCEEDED   | 504  | timeout                  | ``X-Kvfence-Timeout`` passed            |
 
-The message is the gRPC status message: it never carries prompt or output text.
+The message is the gRPC status message (it never carries prompt or output text), with what
+names a gRPC method said the HTTP way (``HTTP_WORDS``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ _MAP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+
+
+#: gRPC words in shared error texts -> what an HTTP client can act on.
+HTTP_WORDS = (("(see ListModels)", "(see GET /v1/models)"),)
+
+
+def http_words(text: str) -> str:
+    for grpc_words, http in HTTP_WORDS:
+        text = text.replace(grpc_words, http)
+    return text
 
 
 def http_status(err: ServiceError) -> int:
@@ -73,7 +84,8 @@ def error_body(err: ServiceError) -> dict[str, Any]:
             if isinstance(d, error_details_pb2.BadRequest)
             for v in d.field_violations
         ) or message
-    return {"error": {"message": message, "type": kind, "param": param, "code": reason}}
+    return {"error": {"message": http_words(message), "type": kind, "param": param,
+                      "code": reason}}
 
 
 def error_response(

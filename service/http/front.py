@@ -108,8 +108,9 @@ class OpenAIFront:
         if not tenant.may_use_model(model.name):
             return JSONResponse({"object": "list", "data": []})
         data = [
-            {"id": model.name, "object": "model", "created": 0, "owned_by": "kvfence",
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvfence",
              "max_model_len": model.max_model_len}
+            for name in (model.name, *model.aliases)
         ] + [
             {"id": name, "object": "model", "created": 0, "owned_by": tenant.name,
              "parent": model.name, "max_model_len": model.max_model_len}
@@ -149,8 +150,8 @@ class OpenAIFront:
             )
             raw = await read_body(request, *self._body_limit(tenant))
             message, opts = parse(load_body(raw))
-            fields = self._d.prep.read(tenant, message)
-            adapter = await self._adapters.select(tenant, message.model)
+            fields = self._d.prep.read(tenant, message, to_context_end=True)
+            adapter = await self._adapters.select(tenant, self._d.prep.model.resolve(message.model))
             # Charged before any work (tokenizing included), as the gRPC front does: the
             # input by its size, for each of the n sequences.
             cost = fields.input.cost + fields.stopping.max_tokens

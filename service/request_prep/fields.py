@@ -54,6 +54,12 @@ class ModelLimits:
     name: str
     vocab_size: int
     max_model_len: int
+    aliases: tuple[str, ...] = ()  # other names clients may use for it (--served-model-name)
+
+    def resolve(self, requested: str) -> str:
+        """``requested`` with an alias of the model replaced by its name (adapter names and
+        unknown names are left for ``service.adapters.Adapters.select`` to resolve)."""
+        return self.name if requested in self.aliases else requested
 
 
 def prompt_token_limit(model: ModelLimits, tenant_max_prompt_tokens: int) -> int:
@@ -268,6 +274,9 @@ class Fields:
     tool_plan: tools.ToolPlan | None  # how the output is read for tool calls
     grammar: GrammarSpec | None  # what the output is constrained to (compiled in step 4)
     grammar_field: str  # the field a compile failure is reported on
+    # max_tokens was left unset by an HTTP caller: ``stopping.max_tokens`` is an upper bound,
+    # lowered to what the context leaves once the prompt is tokenized (``RequestPrep.build``).
+    to_context_end: bool = False
 
 
 def read_fields(

@@ -5,6 +5,8 @@ tenant pays for its tokenizing before it runs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from protos.kvfence.v1 import inference_pb2
 from service.engine.grammar import GrammarCompiler
 from service.engine.types import Request
@@ -41,9 +43,26 @@ class RequestPrep:
     def token_text(self, token_id: int) -> str:
         return self.prompts.token_text(token_id)
 
-    def read(self, tenant: Tenant, request: inference_pb2.GenerateRequest) -> Fields:
-        """Step 1: the model and every field, with no tokenizer."""
-        return read_fields(tenant, request, self.model, self._tool_format)
+    def read(
+        self, tenant: Tenant, request: inference_pb2.GenerateRequest, to_context_end: bool = False
+    ) -> Fields:
+        """Step 1: the model and every field, with no tokenizer. ``to_context_end`` (the HTTP
+        front, as OpenAI and vLLM do): a request without ``max_tokens`` may run to the end of
+        the context, and no further than the tenant's ``tokens_per_minute`` allows one
+        request (it is charged before it runs); otherwise the wire's default (16) applies."""
+        if not to_context_end or request.stopping.HasField("max_tokens"):
+            return read_fields(tenant, request, self.model, self._tool_format)
+        bounded = inference_pb2.GenerateRequest()
+        bounded.CopyFrom(request)
+        bounded.stopping.max_tokens = self.model.max_model_len - 1  # one prompt token at least
+        fields = read_fields(tenant, bounded, self.model, self._tool_format)
+        cap = fields.stopping.max_tokens
+        tpm = tenant.quotas.tokens_per_minute
+        if tpm > 0:
+            cap = max(1, min(cap, tpm - fields.input.cost))
+        return replace(
+            fields, stopping=replace(fields.stopping, max_tokens=cap), to_context_end=True
+        )
 
     async def build(
         self,
@@ -56,7 +75,14 @@ class RequestPrep:
         """Steps 2 to 5 for a request that passed ``read``."""
         inp = fields.input
         ids = await self.prompts.prompt_ids(tenant.name, inp.which, request)
-        check_limits(len(ids), inp.which, inp.limit, fields.stopping.max_tokens, self.model)
+        stopping = fields.stopping
+        if fields.to_context_end:
+            left = max(1, self.model.max_model_len - len(ids))  # a full prompt is refused below
+            stopping = replace(stopping, max_tokens=min(stopping.max_tokens, left))
+            if stopping.min_tokens > stopping.max_tokens:
+                raise_if([("stopping.min_tokens",
+                           f"must be at most the {stopping.max_tokens} tokens the context leaves")])
+        check_limits(len(ids), inp.which, inp.limit, stopping.max_tokens, self.model)
         grammar = await compile_grammar(
             self._grammars, tenant.name, fields.grammar, fields.grammar_field
         )
@@ -65,7 +91,7 @@ class RequestPrep:
             tenant=tenant.name,
             prompt_ids=tuple(ids),
             sampling=fields.sampling,
-            stopping=fields.stopping,
+            stopping=stopping,
             logprobs=request.logprobs,
             deadline=deadline,
             bypass_prefix_cache=request.bypass_prefix_cache,

@@ -56,6 +56,7 @@ EVERY_FLAG = [
     "--limits-on-redis-failure", "closed", "--stream-lease-ttl", "4",
     "--http-max-per-peer", "500", "--http-peer-rate", "200",
     "--otlp-endpoint", "http://o:4317", "--max-lora-rank", "16", "--max-loras-per-tenant", "2",
+    "--served-model-name", "smol", "--served-model-name", "smol-chat",
 ]
 
 
@@ -86,6 +87,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             otlp_endpoint="http://o:4317",
             max_lora_rank=16,
             max_loras_per_tenant=2,
+            served_model_names=("smol", "smol-chat"),
             cluster_limits=ClusterLimitsConfig("redis://r:6379/0", "closed", lease_ttl_s=4.0),
             http_guard=HttpGuard(max_per_peer=500, paced_per_s=200.0, paced_burst=400),
         ),
