@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -212,16 +212,22 @@ def load_for_serving(
     from service.model import load_model, open_model
     from service.model.catalog import CATALOG, ensure_model
     from service.model.default import ensure_default_model
+    from service.model.hub import parse_hub_name, resolve_hub_model
 
     registry = load_tenants(config.tenants)
     named = config.model in CATALOG and not Path(str(config.model)).exists()
     path = Path(config.model) if config.model not in (None, "", "default") else None
+    hub = None
     if path is not None and not named and not path.exists():
-        raise ConfigError(f"--model: {path} does not exist")
+        hub = parse_hub_name(str(config.model))
+        if hub is None:
+            raise ConfigError(f"--model: {path} does not exist")
     template = None
     if named:
         model_path = ensure_model(str(config.model))
         template = CATALOG[str(config.model)].chat_template
+    elif hub is not None:
+        model_path = resolve_hub_model(hub, revision=config.revision, progress=sys.stderr.isatty())
     else:
         model_path = path if path is not None else ensure_default_model()
     log.info("model.loading", path=str(model_path))
@@ -236,6 +242,9 @@ def load_for_serving(
         progress=sys.stderr.isatty(),
         chat_template=template,
     )
+    if hub is not None and model_path.is_dir():
+        # A snapshot directory is named by its commit hash: the repository names the model.
+        loaded = replace(loaded, name=hub.repo_id)
     return loaded, registry
 
 

@@ -35,7 +35,8 @@ _add_switch = add_switch
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 # Top-level modules of the `server` extra: missing one means the client-only install.
 SERVER_MODULES = {"torch", "gguf", "numpy", "tokenizers", "safetensors", "jinja2",
-                  "prometheus_client", "grpc_health", "grpc_reflection", "cryptography"}
+                  "prometheus_client", "grpc_health", "grpc_reflection", "cryptography",
+                  "huggingface_hub"}
 
 
 def check_device(text: str) -> str:
@@ -52,7 +53,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     tuning = SchedulerTuning()  # the one source of the scheduling flags' defaults
     p = add_command(sub, "serve", "run the gRPC inference server")
     _add(p, "--model", "default",
-         "a .gguf file, an HF directory, 'default', or a name from `kvfence models list`")
+         "a .gguf file, an HF directory, 'default', a name from `kvfence models list`, or a "
+         "Hugging Face repository ORG/NAME[:FILE.gguf] (fetched into the HF cache)")
+    _add(p, "--revision", None, "the branch, tag or commit of an ORG/NAME --model (default main)")
     # NOTE: argparse directly, not ``_add``: an environment default cannot be appended to.
     p.add_argument("--served-model-name", action="append", metavar="NAME",
                    help="a name clients use for the model, in `model` fields and model lists "

@@ -112,11 +112,12 @@ class EngineSizing:
 class ServeConfig:
     """Everything ``kvfence serve`` was told: the one config object, built by ``serve_config``."""
 
-    model: str | None  # a path, or None / "" / "default" for the default model
+    model: str | None  # a path, a catalog name, ORG/NAME[:FILE], or None / "" / "default"
     tenants: Path
     options: ServerOptions
     sizing: EngineSizing
     log_format: Literal["json", "console", "auto"] = "auto"
+    revision: str | None = None  # --revision: the Hugging Face revision of an ORG/NAME model
 
 
 def _path(value: str | None) -> Path | None:
@@ -197,6 +198,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         options=options,
         sizing=sizing,
         log_format=args.log_format,
+        revision=args.revision,
     )
 
 

@@ -131,15 +131,33 @@ def check_tenants(path: Path) -> None:
                           + hint)
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, revision: str | None = None) -> None:
+    """A path that exists, a catalog name, or a Hugging Face repository name; under
+    ``HF_HUB_OFFLINE`` the repository is looked up in the cache now (no network, quick)."""
     if model in (None, "", "default") or Path(model).exists():
         return
     from service.model.catalog import CATALOG  # imports torch: only for a name given
+    from service.model.errors import ModelLoadError
+    from service.model.hub import parse_hub_name, resolve_hub_model
 
-    if model not in CATALOG:
+    if model in CATALOG:
+        return
+    try:
+        hub = parse_hub_name(model)
+        if hub is not None and _hub_offline():
+            resolve_hub_model(hub, revision=revision, progress=False)
+    except ModelLoadError as err:
+        raise ConfigError(str(err)) from None
+    if hub is None:
         raise ConfigError(f"--model {model}: no such file or directory; give a .gguf file, a "
-                          "Hugging Face directory, 'default' or a name `kvfence models list` "
-                          "shows")
+                          "Hugging Face directory or repository (ORG/NAME[:FILE]), 'default' "
+                          "or a name `kvfence models list` shows")
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE
 
 
 def check_all(config: ServeConfig) -> None:
@@ -147,7 +165,7 @@ def check_all(config: ServeConfig) -> None:
     flag pairs were checked when ``serve_config`` built ``config``.)"""
     opts = config.options
     check_tenants(config.tenants)
-    check_model(config.model)
+    check_model(config.model, config.revision)
     check_tls_files(config)
     check_numbers(config)
     check_port(opts.host, opts.port)

@@ -45,7 +45,8 @@ def test_second_server_on_a_used_port_fails_in_one_line_under_3s(
     (["--page-size", "-4"], "--page-size -4: must be at least 1"),
     (["--model", "/nonexistent/model.gguf"],
      "--model /nonexistent/model.gguf: no such file or directory; give a .gguf file, "
-     "a Hugging Face directory, 'default' or a name `kvfence models list` shows"),
+     "a Hugging Face directory or repository (ORG/NAME[:FILE]), 'default' or a name "
+     "`kvfence models list` shows"),
     (["--tls-cert", "README.md", "--tls-key", "README.md"],
      "--tls-cert README.md --tls-key README.md: not a PEM certificate and its key "
      "(no PEM data found)"),

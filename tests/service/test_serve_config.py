@@ -44,7 +44,7 @@ def test_cache_config_carries_page_size_scrub_and_ttl() -> None:
 
 # Every `kvfence serve` flag with a value other than its default.
 EVERY_FLAG = [
-    "--model", "m.gguf", "--host", "0.0.0.0", "--port", "1234", "--tenants", "t.toml",
+    "--model", "m.gguf", "--revision", "v1.0", "--host", "0.0.0.0", "--port", "1234", "--tenants", "t.toml",
     "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
     "--metrics-port", "9100", "--metrics-host", "0.0.0.1", "--http-port", "8080",
     "--grace-seconds", "3", "--reflection", "--log-content", "--log-format", "json",
@@ -71,6 +71,7 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
         model="m.gguf",
         tenants=Path("t.toml"),
         log_format="json",
+        revision="v1.0",
         options=ServerOptions(
             host="0.0.0.0",
             port=1234,
