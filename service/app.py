@@ -309,6 +309,8 @@ async def serve(config: ServeConfig, log: FilteringBoundLogger) -> int:
                 f"{scheme}://{opts.http_host or opts.host}:{server.http.port}/v1",
                 flush=True,
             )
+        if opts.otlp_endpoint:
+            print(f"kvfence: tracing: OTLP spans to {opts.otlp_endpoint}", flush=True)
         log.info("server.serving", model=loaded.name, host=opts.host, port=port, tls=tls)
         await stop.wait()
         await server.drain()

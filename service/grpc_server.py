@@ -147,7 +147,7 @@ class KVFenceServer:
             grammars,
         )
         self.tracing = (
-            Tracing.otlp(options.otlp_endpoint) if options.otlp_endpoint else Tracing.off()
+            Tracing.otlp(options.otlp_endpoint, log) if options.otlp_endpoint else Tracing.off()
         )
         self.inference = InferenceServicer(
             engine,

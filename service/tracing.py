@@ -13,11 +13,17 @@ id, token counts and the outcome: never prompt or output text.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from structlog.typing import FilteringBoundLogger
+
 from service.engine.types import Finished
+
+# The OTLP/gRPC exporter's own logger: it logs every retry and every failed batch.
+_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.grpc.exporter"
 
 
 class RequestTrace:
@@ -55,12 +61,19 @@ class Tracing:
         return cls()
 
     @classmethod
-    def otlp(cls, endpoint: str) -> Tracing:
-        """Spans batched and exported over OTLP/gRPC to ``endpoint`` (host:port or URL)."""
+    def otlp(cls, endpoint: str, log: FilteringBoundLogger) -> Tracing:
+        """Spans batched and exported over OTLP/gRPC to ``endpoint`` (host:port or URL).
+        Failed exports are reported by :class:`ExportReporter`, not by the exporter's own
+        per-batch and per-retry log lines (filtered out)."""
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        logger = logging.getLogger(_EXPORTER_LOGGER)
+        if not any(isinstance(f, _ExportNoise) for f in logger.filters):
+            logger.addFilter(_ExportNoise())
+        # NOTE: Any: the reporter is a SpanExporter by shape, not by base class (see there).
+        reporter: Any = ExportReporter(OTLPSpanExporter(endpoint=endpoint), endpoint, log)
+        return cls.with_processor(BatchSpanProcessor(reporter))
 
     @classmethod
     def with_processor(cls, processor: Any) -> Tracing:
@@ -87,6 +100,75 @@ class Tracing:
 
 
 _OFF = RequestTrace()
+
+
+class ExportReporter:
+    """A span exporter around another that reports failed exports as one structured line
+    (``tracing.export_failed``: the endpoint, failed batches and spans dropped since the last
+    line) at most every ``every_s`` seconds, and ``tracing.export_recovered`` once exports
+    succeed again. An unreachable collector costs one line a minute, not a line per batch
+    and per retry. Duck-types the SDK's ``SpanExporter`` (export, shutdown, force_flush) so
+    that nothing imports opentelemetry while tracing is off."""
+
+    def __init__(
+        self,
+        inner: Any,
+        endpoint: str,
+        log: FilteringBoundLogger,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        every_s: float = 60.0,
+    ) -> None:
+        self._inner = inner
+        self._endpoint = endpoint
+        self._log = log
+        self._clock = clock
+        self._every_s = every_s
+        self._last_line: float | None = None  # when export_failed was last logged
+        self._batches = 0  # failed since the last line
+        self._spans = 0
+        self._failing = False
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        try:
+            result = self._inner.export(spans)
+        except Exception:  # the exporter's bug must not kill the processor's thread
+            result = SpanExportResult.FAILURE
+        if result == SpanExportResult.SUCCESS:
+            if self._failing:
+                self._log.info("tracing.export_recovered", endpoint=self._endpoint)
+            self._failing, self._batches, self._spans = False, 0, 0
+            return result
+        self._failing = True
+        self._batches += 1
+        self._spans += len(spans)
+        now = self._clock()
+        if self._last_line is None or now - self._last_line >= self._every_s:
+            self._log.warning(
+                "tracing.export_failed",
+                endpoint=self._endpoint,
+                batches=self._batches,
+                spans_dropped=self._spans,
+                next_report_s=self._every_s,
+            )
+            self._last_line, self._batches, self._spans = now, 0, 0
+        return result
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return bool(self._inner.force_flush(timeout_millis))
+
+
+class _ExportNoise(logging.Filter):
+    """Drops the OTLP exporter's per-batch failure and per-retry lines (ExportReporter
+    reports them); its other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Failed to export", "Transient error"))
 
 
 class _OtelTrace(RequestTrace):
