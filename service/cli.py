@@ -69,6 +69,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     _add(p, "--metrics-port", None, "serve Prometheus /metrics on this port", type=int)
     _add(p, "--metrics-host", "127.0.0.1", "address for /metrics")
     _add(p, "--http-port", None, "serve the OpenAI-compatible HTTP API on this port", type=int)
+    _add_switch(p, "--metrics-on-http",
+                "also serve Prometheus /metrics on the HTTP port (unauthenticated, paced per "
+                "peer; it names every tenant: expose it to operators only, docs/openai.md)")
     _add(p, "--grace-seconds", 10.0, "on SIGTERM, time in-flight streams get to finish", type=float)
     _add_switch(p, "--reflection", "enable gRPC server reflection (authenticated)")
     _add_switch(p, "--log-content", "DEBUG ONLY: log prompt and output text")

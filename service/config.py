@@ -71,6 +71,7 @@ class ServerOptions:
     kv_overcommit: bool = False  # allow KV shares that add up to more than the pool
     http_host: str | None = None  # None = ``host``
     http_port: int | None = None  # None = no OpenAI-compatible HTTP front; 0 = any free port
+    metrics_on_http: bool = False  # --metrics-on-http: /metrics on the HTTP port too
     cluster_limits: ClusterLimitsConfig | None = None  # None = limits local to this process
     http_guard: HttpGuard | None = None  # None = HttpGuard(): the HTTP front's bounds
     otlp_endpoint: str | None = None  # None = no tracing (opentelemetry is not even imported)
@@ -168,6 +169,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         alert_request_kv_pages=args.alert_request_kv_pages,
         kv_overcommit=args.kv_overcommit,
         http_port=args.http_port,
+        metrics_on_http=args.metrics_on_http,
         cluster_limits=cluster,
         otlp_endpoint=args.otlp_endpoint,
         max_lora_rank=args.max_lora_rank,

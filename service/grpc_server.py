@@ -255,6 +255,7 @@ class KVFenceServer:
                 alert=PageAlert(self._engine.page_size, opts.alert_request_kv_pages),
                 tracing=self.tracing,
                 adapters=self.adapters,
+                metrics_on_http=opts.metrics_on_http,
             )
         )
         tls = opts.tls

@@ -1,5 +1,8 @@
 """The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models`` and ``GET /health``.
+``POST /v1/responses`` (``service.http.responses_api``), ``GET /v1/models``,
+``POST /tokenize`` and ``/detokenize`` (``service.http.tokens``), ``POST /v1/embeddings``
+(refused: the served models are decoder LMs), ``GET /health``, and ``GET /metrics`` with
+``--metrics-on-http``.
 
 The tenant comes only from ``Authorization: Bearer <key>``, checked by the same
 ``Authenticator`` (same key hashes) as gRPC; no body field can name a tenant. A request is
@@ -15,10 +18,11 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,7 +33,7 @@ from protos.kvfence.v1 import inference_pb2
 from service.adapters import Adapters, BoundLease
 from service.auth import Authenticator
 from service.errors import ServiceError, internal, invalid_argument, unavailable
-from service.http import render
+from service.http import render, responses_api, tokens
 from service.http.body import MAX_BODY_BYTES, BodyTooLarge, read_body, until_disconnect
 from service.http.errors import error_response
 from service.http.generation import Generation, admit_all
@@ -43,6 +47,7 @@ from service.request_prep.fields import prompt_token_limit
 from service.request_prep.prep import RequestPrep
 from service.request_size import JSON_BYTES_PER_TOKEN, request_limit, too_large
 from service.tenants import Tenant
+from service.tools import ToolPlan
 from service.tracing import RequestTrace, Tracing
 
 TIMEOUT_HEADER = "x-kvfence-timeout"
@@ -67,6 +72,23 @@ class FrontDeps:
     # Keys the hashed end-user ids in the log: stable for the process's life, and without it
     # a log reader cannot confirm a guessed user id.
     user_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    metrics_on_http: bool = False  # --metrics-on-http: GET /metrics here too
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """A generation admitted and submitted, and what its answer needs."""
+
+    gen: Generation
+    head: render.ChunkHeader
+    opts: HttpOptions
+    recorder: RequestMetrics
+    method: str
+    log: FilteringBoundLogger
+    plan: ToolPlan | None
+
+
+Parse = Callable[[Mapping[str, Any]], tuple[inference_pb2.GenerateRequest, HttpOptions]]
 
 
 class OpenAIFront:
@@ -78,15 +100,25 @@ class OpenAIFront:
         )
 
     def app(self) -> Starlette:
-        return Starlette(
-            routes=[
-                Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-            ],
-            exception_handlers={404: _not_found, 405: _not_allowed},
-        )
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        if self._d.metrics_on_http:
+            routes.append(Route("/metrics", self.metrics, methods=["GET"]))
+        return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+
+    async def metrics(self, request: HttpRequest) -> Response:
+        """The Prometheus exposition, as ``--metrics-port`` serves it: unauthenticated (a
+        scraper holds no tenant key, and any tenant's key would show it every tenant's
+        series), paced per peer like ``/health``."""
+        return Response(generate_latest(self._d.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self, request: HttpRequest) -> Response:
         if self._d.is_draining():
@@ -124,14 +156,49 @@ class OpenAIFront:
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generate(request, "completion", parse_completion)
 
-    async def _generate(
-        self,
-        request: HttpRequest,
-        endpoint: render.Endpoint,
-        parse: Callable[[Mapping[str, Any]], tuple[inference_pb2.GenerateRequest, HttpOptions]],
-    ) -> Response:
-        request_id = uuid.uuid4().hex
+    async def responses(self, request: HttpRequest) -> Response:
+        translation = responses_api.ResponsesRequest()
+        started = await self._start(request, "chat", "responses", translation.parse)
+        if isinstance(started, Response):
+            return started
+        head = responses_api.ResponseHead(
+            "resp_" + started.head.ident.removeprefix("chatcmpl-"), started.head.created,
+            started.head.model, translation.echo,
+        )
+        s = started
+        if s.opts.stream:
+            chunks = self._replies.chunks(s.gen, s.head, s.opts, s.recorder, s.method, s.log, s.plan)
+            return StreamingResponse(
+                responses_api.events(chunks, head), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        body = await self._collect(request, started)
+        if isinstance(body, Response):
+            return body
+        return JSONResponse(responses_api.response_object(body, head))
+
+    async def _generate(self, request: HttpRequest, endpoint: render.Endpoint, parse: Parse
+                        ) -> Response:
         method = "chat.completions" if endpoint == "chat" else "completions"
+        started = await self._start(request, endpoint, method, parse)
+        if isinstance(started, Response):
+            return started
+        s = started
+        if s.opts.stream:
+            return StreamingResponse(
+                self._replies.sse(s.gen, s.head, s.opts, s.recorder, s.method, s.log, s.plan),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        body = await self._collect(request, started)
+        return body if isinstance(body, Response) else JSONResponse(body)
+
+    async def _start(
+        self, request: HttpRequest, endpoint: render.Endpoint, method: str, parse: Parse
+    ) -> _Started | Response:
+        """Authenticate, parse, admit and submit: the started generation, or the error's
+        answer (nothing held then)."""
+        request_id = uuid.uuid4().hex
         tenant_name = ""
         log = self._d.log.bind(request_id=request_id, front="http")
         trace: RequestTrace = RequestTrace()
@@ -171,7 +238,6 @@ class OpenAIFront:
                     lease.release()
                 raise
             gen = Generation(self._d.engine, base, leases)
-            plan = fields.tool_plan
             trace.submitted()
             await gen.start()
         except ServiceError as err:
@@ -184,7 +250,7 @@ class OpenAIFront:
             self._d.log.error("http.failed", request_id=request_id, **where(exc))
             recorder.done(method, "INTERNAL")
             return error_response(internal("SERVER"))
-        log.info("http.accepted", endpoint=endpoint, prompt_tokens=len(base.prompt_ids),
+        log.info("http.accepted", endpoint=method, prompt_tokens=len(base.prompt_ids),
                  max_tokens=base.stopping.max_tokens, n=opts.n, stream=opts.stream,
                  end_user=self._end_user(tenant_name, opts.user))
         ident = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id
@@ -192,30 +258,93 @@ class OpenAIFront:
             endpoint, ident, int(self._d.wall()), message.model or self._d.prep.model.name,
             opts.include_usage,
         )
-        if opts.stream:
-            return StreamingResponse(
-                self._replies.sse(gen, head, opts, recorder, method, log, plan),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+        return _Started(gen, head, opts, recorder, method, log, fields.tool_plan)
+
+    async def _collect(self, request: HttpRequest, s: _Started) -> dict[str, Any] | Response:
+        """The non-streaming body, or the answer of its failure (or of a client gone)."""
         try:
             body = await until_disconnect(
-                request.receive, self._replies.collect(gen, head, opts, recorder, plan)
+                request.receive, self._replies.collect(s.gen, s.head, s.opts, s.recorder, s.plan)
             )
         except ServiceError as err:
-            recorder.done(method, err.code.name, err)
+            s.recorder.done(s.method, err.code.name, err)
             return error_response(err)
         except Exception as exc:
-            log.error("http.failed", **where(exc))
-            recorder.done(method, "INTERNAL")
+            s.log.error("http.failed", **where(exc))
+            s.recorder.done(s.method, "INTERNAL")
             return error_response(internal("SERVER"))
         finally:
-            gen.close()
+            s.gen.close()
         if body is None:  # the client went away; its pages are already being freed
-            recorder.done(method, "CANCELLED")
+            s.recorder.done(s.method, "CANCELLED")
             return Response(status_code=499)
-        recorder.done(method, "OK")
-        return JSONResponse(body)
+        s.recorder.done(s.method, "OK")
+        return body
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
+            prep = self._d.prep
+            req, strs = tokens.tokenize_request(raw, prep.model, self._adapters.names(tenant))
+            inp = prep.read_tokenize(tenant, req)
+            # Limited like gRPC Tokenize: a concurrency slot, the input charged by its size.
+            lease = await self._d.limiter.admit(tenant.name, inp.cost)
+            try:
+                ids = await prep.tokenize(tenant, req, inp)
+            finally:
+                lease.release()
+            return {"count": len(ids), "max_model_len": prep.model.max_model_len, "tokens": ids,
+                    "token_strs": [prep.token_text(t) for t in ids] if strs else None}
+
+        return await self._token_call(request, "tokenize", work)
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
+            prep = self._d.prep
+            ids = tokens.detokenize_ids(raw, prep.model, self._adapters.names(tenant))
+            lease = await self._d.limiter.admit(tenant.name, len(ids))
+            try:
+                return {"prompt": await prep.prompts.text_of(tenant.name, ids)}
+            finally:
+                lease.release()
+
+        return await self._token_call(request, "detokenize", work)
+
+    async def _token_call(
+        self, request: HttpRequest, method: str,
+        work: Callable[[Tenant, bytes], Awaitable[dict[str, Any]]],
+    ) -> Response:
+        code, tenant_name = "OK", ""
+        try:
+            tenant = self._tenant(request)
+            tenant_name = tenant.name
+            raw = await read_body(request, *self._body_limit(tenant))
+            return JSONResponse(await work(tenant, raw))
+        except ServiceError as err:
+            code = err.code.name
+            return error_response(err)
+        except BodyTooLarge as big:
+            code = big.error.code.name
+            return error_response(big.error, status=413, close=True)
+        except Exception as exc:
+            code = "INTERNAL"
+            self._d.log.error("http.failed", method=method, **where(exc))
+            return error_response(internal("SERVER"))
+        finally:
+            label = self._d.metrics.label(tenant_name)
+            self._d.metrics.requests.labels(label, method, code, "http").inc()
+
+    async def embeddings(self, request: HttpRequest) -> Response:
+        """Refused after authentication: a decoder LM's hidden states pooled into a vector
+        are not embeddings any model was trained to give, so none are invented."""
+        try:
+            self._tenant(request)
+        except ServiceError as err:
+            return error_response(err)
+        message = (f"{self._d.prep.model.name} is a decoder language model, not an embedding "
+                   "model: kvfence serves no embeddings")
+        body = {"error": {"message": message, "type": "invalid_request_error",
+                          "param": "model", "code": "embeddings_not_supported"}}
+        return JSONResponse(body, status_code=400)
 
     def _body_limit(self, tenant: Tenant) -> tuple[int, Callable[[int], str]]:
         """The most body bytes ``tenant`` may send (``service/request_size.py``), and the

@@ -53,7 +53,10 @@ from service.http.errors import error_body, http_status
 from service.refusal_pace import RefusalPace
 
 # Routes whose requests need a tenant: refused from their headers when the key is wrong.
-GATED_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/models"})
+GATED_PATHS = frozenset({
+    b"/v1/chat/completions", b"/v1/completions", b"/v1/responses", b"/v1/models",
+    b"/v1/embeddings", b"/tokenize", b"/detokenize",
+})
 # The ``Authorization`` values of a request -> the refusal, or None to serve it.
 Gate = Callable[[list[tuple[str, str]]], ServiceError | None]
 

@@ -8,8 +8,9 @@ authenticated ``/v1/models`` and 400s each stretched another tenant's inter-toke
 tenfold. gRPC paces its refusals (``RefusalPace``); this middleware does the same for HTTP,
 holding the answer (never the work of a generation) until the key's token bucket allows it:
 
-- ``/health``, 401 and 403: keyed by the peer address (nobody is authenticated);
-- any other 4xx, and ``/v1/models``: keyed by the tenant the ``Authorization`` header names,
+- ``/health``, ``/metrics``, 401 and 403: keyed by the peer address (nobody is
+  authenticated);
+- any other 4xx, and ``/v1/models``, ``/tokenize``, ``/detokenize``: keyed by the tenant the ``Authorization`` header names,
   or by the peer when it names none.
 
 Generations are not paced here: the tenant's limits and the fair scheduler charge them. A
@@ -29,6 +30,10 @@ from service.refusal_pace import RefusalPace
 from service.tenants import Tenant
 
 Authenticate = Callable[[list[tuple[str, str]]], Tenant]
+# Unauthenticated routes: paced by the peer address (``/metrics`` only with --metrics-on-http).
+PEER_PACED = frozenset({"/health", "/metrics"})
+# Cheap authenticated answers: paced per tenant (their token work is also charged).
+TENANT_PACED = frozenset({"/v1/models", "/tokenize", "/detokenize"})
 
 
 class PacedAnswers:
@@ -65,9 +70,9 @@ class PacedAnswers:
         client = scope.get("client")
         peer = f"http:{client[0]}" if client else "http:?"
         path = scope.get("path", "")
-        if path == "/health" or status in (401, 403):
+        if path in PEER_PACED or status in (401, 403):
             return self._peers, peer
-        if not (400 <= status < 500 or path == "/v1/models"):
+        if not (400 <= status < 500 or path in TENANT_PACED):
             return None, ""
         headers = [
             ("authorization", value.decode("latin-1"))

@@ -7,9 +7,10 @@ gRPC) and are counted by the request's metrics exactly as the gRPC front counts 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from structlog.typing import FilteringBoundLogger
@@ -84,6 +85,29 @@ class Replies:
         plan: ToolPlan | None,
     ) -> AsyncIterator[bytes]:
         """The event stream; it closes ``gen`` and records the outcome however it ends."""
+        failed = False
+        # aclosing: a client gone mid-stream closes the chunks too (gen closed, outcome recorded).
+        async with contextlib.aclosing(
+            self.chunks(gen, head, opts, recorder, method, log, plan)
+        ) as chunks:
+            async for chunk in chunks:
+                failed = "error" in chunk
+                yield sse_data(chunk)
+        if not failed:
+            yield b"data: [DONE]\n\n"
+
+    async def chunks(
+        self,
+        gen: Generation,
+        head: render.ChunkHeader,
+        opts: HttpOptions,
+        recorder: RequestMetrics,
+        method: str,
+        log: FilteringBoundLogger,
+        plan: ToolPlan | None,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The stream's chunks as objects, an error body last when it fails (headers are
+        out by then); it closes ``gen`` and records the outcome however it ends."""
         code = "CANCELLED"
         error: ServiceError | None = None
         choices = [render.Choice(i) for i in range(len(gen.requests))]
@@ -105,32 +129,31 @@ class Replies:
                         choice.prompt_tokens = event.prompt_tokens
                     elif isinstance(event, Delta):
                         choice.completion_tokens += len(event.token_ids)
-                        yield sse_data(render.delta_chunk(
+                        yield render.delta_chunk(
                             head, choice, event, opts, text, offsets[i], live(choices)
-                        ))
+                        )
                         offsets[i] += sum(len(text(lp.token_id)) for lp in event.logprobs)
                     elif isinstance(event, CallsMade):
                         for chunk in render.tool_call_chunks(
                             head, choice, event.calls, live(choices)
                         ):
-                            yield sse_data(chunk)
+                            yield chunk
                     else:
                         self._check_finish(event)
                         choice.finish = event
-                        yield sse_data(render.finish_chunk(head, choice, event, live(choices)))
+                        yield render.finish_chunk(head, choice, event, live(choices))
             if opts.include_usage:
-                yield sse_data(head.wrap([], render.total_usage(choices)))
-            yield b"data: [DONE]\n\n"
+                yield head.wrap([], render.total_usage(choices))
             code = "OK"
         except ServiceError as err:
             # Headers are out: the error goes in the stream, as OpenAI's API does.
             code = err.code.name
             error = err
-            yield sse_data(error_body(err))
+            yield error_body(err)
         except Exception as exc:
             log.error("http.failed", **where(exc))
             code = "INTERNAL"
-            yield sse_data(error_body(internal("SERVER")))
+            yield error_body(internal("SERVER"))
         finally:
             gen.close()
             recorder.done(method, code, error)

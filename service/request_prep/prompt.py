@@ -87,3 +87,12 @@ class PromptBuilder:
 
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token_bytes(token_id).decode("utf-8", "replace")
+
+    async def text_of(self, tenant: str, ids: Sequence[int]) -> str:
+        """The text of ``ids``: their bytes joined, then decoded (a token may hold part of a
+        character), on the tenant's share of the tokenizer pool."""
+        tok = self._tok
+        return await self._pool.run(
+            tenant,
+            lambda: b"".join(tok.id_to_token_bytes(t) for t in ids).decode("utf-8", "replace"),
+        )

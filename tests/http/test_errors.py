@@ -154,7 +154,7 @@ def test_deadline_is_504(srv: ServerHandle) -> None:
 
 
 def test_unknown_route_is_404_and_health_is_open(srv: ServerHandle) -> None:
-    r = httpx.get(base_url(srv) + "/embeddings")
+    r = httpx.get(base_url(srv) + "/audio/speech")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     health = httpx.get(base_url(srv).removesuffix("/v1") + "/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}

@@ -1,0 +1,107 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, on the gRPC ``Tokenize``
+path: the same input checks (``RequestPrep.read_tokenize``), the same tokenizer pool, and
+limited like it (a concurrency slot, the input charged by its size).
+
+- ``/tokenize``: ``{"model"?, "prompt": str, "add_special_tokens"?: true}`` or
+  ``{"model"?, "messages": [...], "tools"?, "add_generation_prompt"?: true}`` ->
+  ``{"tokens": [...], "count": n, "max_model_len": m, "token_strs": [...] | null}``
+  (``token_strs`` with ``"return_token_strs": true``);
+- ``/detokenize``: ``{"model"?, "tokens": [...]}`` -> ``{"prompt": str}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from protos.kvfence.v1 import inference_pb2
+from service.adapters import UNKNOWN_MODEL
+from service.errors import Violations, invalid_argument
+from service.http import chat_parse
+from service.http.parse import load_body
+from service.request_prep.fields import ModelLimits
+
+TOKENIZE_TEXT = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+TOKENIZE_CHAT = frozenset({"model", "messages", "tools", "add_generation_prompt",
+                           "add_special_tokens", "return_token_strs"})
+DETOKENIZE = frozenset({"model", "tokens"})
+
+
+def _model(body: Mapping[str, Any], model: ModelLimits, adapters: tuple[str, ...],
+           out: Violations) -> None:
+    """The base model's names and the caller's adapters tokenize alike; others are unknown."""
+    name = body.get("model")
+    if name is None or name == "":
+        return
+    if not isinstance(name, str):
+        out.append(("model", "must be a string"))
+    elif model.resolve(name) != model.name and name not in adapters:
+        out.append(UNKNOWN_MODEL)
+
+
+def _unknown(body: Mapping[str, Any], allowed: frozenset[str], out: Violations) -> None:
+    out.extend((name, "unknown or unsupported field") for name in sorted(body)
+               if name not in allowed and body[name] is not None)
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool, out: Violations) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        out.append((name, "must be a boolean"))
+        return default
+    return value
+
+
+def tokenize_request(
+    raw: bytes, model: ModelLimits, adapters: tuple[str, ...]
+) -> tuple[inference_pb2.TokenizeRequest, bool]:
+    """The body as a ``TokenizeRequest`` and whether token strings were asked for; raises
+    INVALID_ARGUMENT."""
+    body = load_body(raw)
+    out: Violations = []
+    req = inference_pb2.TokenizeRequest()
+    _model(body, model, adapters, out)
+    if body.get("messages") is not None:
+        _unknown(body, TOKENIZE_CHAT, out)
+        if not isinstance(body["messages"], list):
+            out.append(("messages", "must be an array"))
+        else:
+            chat_parse.messages(body["messages"], req.chat, out)
+            chat_parse.tools(body, req.chat, out)
+            req.chat.add_generation_prompt = _flag(body, "add_generation_prompt", True, out)
+            req.chat.SetInParent()
+        # The chat template spells out its own special tokens.
+        req.add_special_tokens = _flag(body, "add_special_tokens", False, out)
+    elif isinstance(body.get("prompt"), str):
+        _unknown(body, TOKENIZE_TEXT, out)
+        req.text = body["prompt"]
+        req.add_special_tokens = _flag(body, "add_special_tokens", True, out)
+    else:
+        out.append(("prompt", "send a prompt string, or messages"))
+    strs = _flag(body, "return_token_strs", False, out)
+    if out:
+        raise invalid_argument(out)
+    return req, strs
+
+
+def detokenize_ids(raw: bytes, model: ModelLimits, adapters: tuple[str, ...]) -> list[int]:
+    """The body's token ids, each inside the vocabulary, at most a context's worth; raises
+    INVALID_ARGUMENT."""
+    body = load_body(raw)
+    out: Violations = []
+    _model(body, model, adapters, out)
+    _unknown(body, DETOKENIZE, out)
+    ids = body.get("tokens")
+    if not isinstance(ids, list):
+        out.append(("tokens", "must be an array of token ids"))
+    elif len(ids) > model.max_model_len:
+        out.append(("tokens", f"at most {model.max_model_len} token ids (the context length)"))
+    elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < model.vocab_size
+                 for t in ids):
+        out.append(("tokens", f"must be token ids in [0, {model.vocab_size})"))
+    if out:
+        raise invalid_argument(out)
+    assert isinstance(ids, list)
+    return ids
