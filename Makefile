@@ -9,6 +9,10 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.stamp-install
+# The container images `make image` and `make image-cuda` build (Dockerfile); the manifests
+# in deploy/ and the Helm chart's values name the CUDA one.
+IMAGE ?= kvfence:0.1.0
+IMAGE_CUDA ?= $(IMAGE)-cuda
 HOST ?= 127.0.0.1
 PORT ?= 50051
 HTTP_PORT ?= 8000
@@ -17,7 +21,7 @@ DEV_TENANTS ?= dev/tenants.toml
 ARGS ?=
 
 .PHONY: install protos lint typecheck test test-slow test-fast sanitize serve parity verify mutants bench peers docs model clean gpu-wheels \
-	gpu-check cluster cluster-down cluster-verify cluster-deps
+	gpu-check cluster cluster-down cluster-verify cluster-deps image image-cuda
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -150,6 +154,15 @@ gpu-check:
 			--upgrade --target $(GPU_SITE) $(WHEEL_DIR)/*.whl; fi
 	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
 		$(GPU_PYTHON) tools/gpu_check.py
+
+# The server image (Dockerfile): CPU torch and the server + tracing extras; the CUDA variant
+# takes PyPI's (CUDA) torch and adds the gpu extra.
+image:
+	docker build --build-arg TORCH_SPEC="$(TORCH_SPEC)" -t $(IMAGE) .
+
+image-cuda:
+	docker build --build-arg TORCH_SPEC="$(TORCH_SPEC)" --build-arg TORCH_INDEX= \
+		--build-arg EXTRAS=server,tracing,gpu -t $(IMAGE_CUDA) .
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis .cluster
