@@ -42,7 +42,8 @@ def parse_hub_name(text: str) -> HubModel | None:
     """The repository ``text`` names, or None where it is not of the form ``ORG/NAME[:FILE]``
     (a local path that exists is never passed here: ``serve`` checks paths first)."""
     match = _SPEC.match(text)
-    if match is None:
+    # NOTE: "models/tiny.gguf" is a mistyped path far more often than a repository's name.
+    if match is None or match.group("repo").endswith(".gguf"):
         return None
     file = match.group("file")
     if file is not None and not file.endswith(".gguf"):
@@ -128,7 +129,8 @@ def _explain(err: Exception, model: HubModel, revision: str | None) -> str:
     if "GatedRepoError" in names:
         return "the repository is gated: accept its terms on huggingface.co and set HF_TOKEN"
     if "RepositoryNotFoundError" in names:
-        return "no such repository on the Hugging Face Hub (a private one needs HF_TOKEN)"
+        return ("no such local path, nor repository on the Hugging Face Hub (a private one "
+                "needs HF_TOKEN)")
     if "RevisionNotFoundError" in names:
         return f"the repository has no revision {revision!r}"
     if "LocalEntryNotFoundError" in names:

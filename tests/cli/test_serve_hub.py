@@ -12,6 +12,7 @@ import pytest
 
 from clients import Client
 from service.model import load_model
+from service.model.hub import HubModel, parse_hub_name
 from tests.cli.conftest import clean_env, free_port, kvfence
 from tests.fixtures.hub_cache import write_hub_repo
 from tests.serverutil import TenantSpec, start_server_process, write_tenants_file
@@ -117,6 +118,13 @@ def test_a_repo_missing_offline_is_refused_in_one_line(hf_home: Path, tmp_path: 
         f"kvfence: error: --model org/tiny:absent.gguf: not in the Hugging Face cache ({cache}) "
         f"at revision {PINNED} and HF_HUB_OFFLINE is set; fetch it first with "
         f"`hf download org/tiny absent.gguf --revision {PINNED}` (or unset HF_HUB_OFFLINE)"])
+
+
+def test_which_names_are_repositories() -> None:
+    assert parse_hub_name("org/name") == HubModel("org/name")
+    assert parse_hub_name("Org-1/Name_2.5B:sub/x.gguf") == HubModel("Org-1/Name_2.5B", "sub/x.gguf")
+    for path in ("models/tiny.gguf", "./org/name", "/org/name", "~/org/name", "a/b/c", "name"):
+        assert parse_hub_name(path) is None, path
 
 
 def test_file_must_be_a_gguf(hf_home: Path, tmp_path: Path) -> None:
