@@ -31,7 +31,8 @@ from service.engine import TenantCachePolicy, TenantSchedPolicy
 from service.engine.grammar import GrammarCompiler
 from service.errors import ServiceError
 from service.health import BoundedHealth
-from service.http.front import FrontDeps, OpenAIFront
+from service.http.deps import FrontDeps
+from service.http.front import OpenAIFront
 from service.http.guard import HttpGuard
 from service.http.pacing import PacedAnswers
 from service.http.server import HttpServer

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/responses`` (``service.http.responses_api``), ``GET /v1/models``,
+``POST /v1/responses`` (``service.http.responses_request``, ``responses_reply``), ``GET /v1/models``,
 ``POST /tokenize`` and ``/detokenize`` (``service.http.tokens``), ``POST /v1/embeddings``
 (refused: the served models are decoder LMs), ``GET /health``, and ``GET /metrics`` with
 ``--metrics-on-http``.
@@ -15,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,48 +30,20 @@ from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
 from service.adapters import Adapters, BoundLease
-from service.auth import Authenticator
-from service.errors import ServiceError, internal, invalid_argument, unavailable
-from service.http import render, responses_api, tokens
-from service.http.body import MAX_BODY_BYTES, BodyTooLarge, read_body, until_disconnect
+from service.errors import ServiceError, internal, invalid_argument
+from service.http import render, responses_reply, responses_request
+from service.http.body import BodyTooLarge, read_body, until_disconnect
+from service.http.deps import FrontDeps, body_limit, tenant_of
 from service.http.errors import error_response
 from service.http.generation import Generation, admit_all
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
 from service.http.replies import Replies, where
-from service.limits import Limiter
-from service.metrics import Metrics
-from service.protocols import EngineLike
-from service.request_metrics import PageAlert, RequestMetrics
-from service.request_prep.fields import prompt_token_limit
-from service.request_prep.prep import RequestPrep
-from service.request_size import JSON_BYTES_PER_TOKEN, request_limit, too_large
-from service.tenants import Tenant
+from service.http.tokens import TokenRoutes
+from service.request_metrics import RequestMetrics
 from service.tools import ToolPlan
-from service.tracing import RequestTrace, Tracing
+from service.tracing import RequestTrace
 
 TIMEOUT_HEADER = "x-kvfence-timeout"
-
-
-@dataclass(frozen=True, slots=True)
-class FrontDeps:
-    """Everything the HTTP front shares with the gRPC server."""
-
-    engine: EngineLike
-    prep: RequestPrep
-    limiter: Limiter
-    authenticator: Authenticator
-    metrics: Metrics
-    log: FilteringBoundLogger
-    is_draining: Callable[[], bool]
-    clock: Callable[[], float] = time.monotonic
-    alert: PageAlert = field(default_factory=lambda: PageAlert(page_size=1))  # off
-    tracing: Tracing = field(default_factory=Tracing.off)
-    adapters: Adapters | None = None  # None = the base model alone
-    wall: Callable[[], float] = time.time
-    # Keys the hashed end-user ids in the log: stable for the process's life, and without it
-    # a log reader cannot confirm a guessed user id.
-    user_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
-    metrics_on_http: bool = False  # --metrics-on-http: GET /metrics here too
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +69,7 @@ class OpenAIFront:
         self._replies = Replies(
             deps.prep.token_text, deps.is_draining, deps.clock, self._adapters
         )
+        self._tokens = TokenRoutes(deps, self._adapters)
 
     def app(self) -> Starlette:
         routes = [
@@ -106,8 +78,8 @@ class OpenAIFront:
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenize", self._tokens.tokenize, methods=["POST"]),
+            Route("/detokenize", self._tokens.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         if self._d.metrics_on_http:
@@ -125,15 +97,9 @@ class OpenAIFront:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    def _tenant(self, request: HttpRequest) -> Tenant:
-        if self._d.is_draining():
-            raise unavailable("server is shutting down")
-        headers = [("authorization", v) for v in request.headers.getlist("authorization")]
-        return self._d.authenticator.authenticate(headers, {})
-
     async def models(self, request: HttpRequest) -> Response:
         try:
-            tenant = self._tenant(request)
+            tenant = tenant_of(self._d, request)
         except ServiceError as err:
             return error_response(err)
         model = self._d.prep.model
@@ -157,11 +123,11 @@ class OpenAIFront:
         return await self._generate(request, "completion", parse_completion)
 
     async def responses(self, request: HttpRequest) -> Response:
-        translation = responses_api.ResponsesRequest()
+        translation = responses_request.ResponsesRequest()
         started = await self._start(request, "chat", "responses", translation.parse)
         if isinstance(started, Response):
             return started
-        head = responses_api.ResponseHead(
+        head = responses_reply.ResponseHead(
             "resp_" + started.head.ident.removeprefix("chatcmpl-"), started.head.created,
             started.head.model, translation.echo,
         )
@@ -169,13 +135,13 @@ class OpenAIFront:
         if s.opts.stream:
             chunks = self._replies.chunks(s.gen, s.head, s.opts, s.recorder, s.method, s.log, s.plan)
             return StreamingResponse(
-                responses_api.events(chunks, head), media_type="text/event-stream",
+                responses_reply.events(chunks, head), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         body = await self._collect(request, started)
         if isinstance(body, Response):
             return body
-        return JSONResponse(responses_api.response_object(body, head))
+        return JSONResponse(responses_reply.response_object(body, head))
 
     async def _generate(self, request: HttpRequest, endpoint: render.Endpoint, parse: Parse
                         ) -> Response:
@@ -205,7 +171,7 @@ class OpenAIFront:
         recorder = RequestMetrics(self._d.metrics, "", "http", self._d.alert, log)
         try:
             auth_start = time.time_ns()
-            tenant = self._tenant(request)
+            tenant = tenant_of(self._d, request)
             tenant_name = tenant.name
             log = log.bind(tenant=tenant.name)
             # NOTE: the trace starts once the tenant is known (it is the trace's attribute);
@@ -215,7 +181,7 @@ class OpenAIFront:
             recorder = RequestMetrics(
                 self._d.metrics, tenant.name, "http", self._d.alert, log, trace
             )
-            raw = await read_body(request, *self._body_limit(tenant))
+            raw = await read_body(request, *body_limit(self._d, tenant))
             message, opts = parse(load_body(raw))
             fields = self._d.prep.read(tenant, message, to_context_end=True)
             adapter = await self._adapters.select(tenant, self._d.prep.model.resolve(message.model))
@@ -281,63 +247,11 @@ class OpenAIFront:
         s.recorder.done(s.method, "OK")
         return body
 
-    async def tokenize(self, request: HttpRequest) -> Response:
-        async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
-            prep = self._d.prep
-            req, strs = tokens.tokenize_request(raw, prep.model, self._adapters.names(tenant))
-            inp = prep.read_tokenize(tenant, req)
-            # Limited like gRPC Tokenize: a concurrency slot, the input charged by its size.
-            lease = await self._d.limiter.admit(tenant.name, inp.cost)
-            try:
-                ids = await prep.tokenize(tenant, req, inp)
-            finally:
-                lease.release()
-            return {"count": len(ids), "max_model_len": prep.model.max_model_len, "tokens": ids,
-                    "token_strs": [prep.token_text(t) for t in ids] if strs else None}
-
-        return await self._token_call(request, "tokenize", work)
-
-    async def detokenize(self, request: HttpRequest) -> Response:
-        async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
-            prep = self._d.prep
-            ids = tokens.detokenize_ids(raw, prep.model, self._adapters.names(tenant))
-            lease = await self._d.limiter.admit(tenant.name, len(ids))
-            try:
-                return {"prompt": await prep.prompts.text_of(tenant.name, ids)}
-            finally:
-                lease.release()
-
-        return await self._token_call(request, "detokenize", work)
-
-    async def _token_call(
-        self, request: HttpRequest, method: str,
-        work: Callable[[Tenant, bytes], Awaitable[dict[str, Any]]],
-    ) -> Response:
-        code, tenant_name = "OK", ""
-        try:
-            tenant = self._tenant(request)
-            tenant_name = tenant.name
-            raw = await read_body(request, *self._body_limit(tenant))
-            return JSONResponse(await work(tenant, raw))
-        except ServiceError as err:
-            code = err.code.name
-            return error_response(err)
-        except BodyTooLarge as big:
-            code = big.error.code.name
-            return error_response(big.error, status=413, close=True)
-        except Exception as exc:
-            code = "INTERNAL"
-            self._d.log.error("http.failed", method=method, **where(exc))
-            return error_response(internal("SERVER"))
-        finally:
-            label = self._d.metrics.label(tenant_name)
-            self._d.metrics.requests.labels(label, method, code, "http").inc()
-
     async def embeddings(self, request: HttpRequest) -> Response:
         """Refused after authentication: a decoder LM's hidden states pooled into a vector
         are not embeddings any model was trained to give, so none are invented."""
         try:
-            self._tenant(request)
+            tenant_of(self._d, request)
         except ServiceError as err:
             return error_response(err)
         message = (f"{self._d.prep.model.name} is a decoder language model, not an embedding "
@@ -345,13 +259,6 @@ class OpenAIFront:
         body = {"error": {"message": message, "type": "invalid_request_error",
                           "param": "model", "code": "embeddings_not_supported"}}
         return JSONResponse(body, status_code=400)
-
-    def _body_limit(self, tenant: Tenant) -> tuple[int, Callable[[int], str]]:
-        """The most body bytes ``tenant`` may send (``service/request_size.py``), and the
-        words of the refusal past it."""
-        tokens = prompt_token_limit(self._d.prep.model, tenant.quotas.max_prompt_tokens)
-        limit = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES)
-        return limit, lambda size: too_large(size, limit, tokens, JSON_BYTES_PER_TOKEN)
 
     def _deadline(self, request: HttpRequest) -> float | None:
         value = request.headers.get(TIMEOUT_HEADER)

@@ -11,15 +11,23 @@ limited like it (a concurrency slot, the input charged by its size).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+
 from protos.kvfence.v1 import inference_pb2
-from service.adapters import UNKNOWN_MODEL
-from service.errors import Violations, invalid_argument
+from service.adapters import UNKNOWN_MODEL, Adapters
+from service.errors import ServiceError, Violations, internal, invalid_argument
 from service.http import chat_parse
+from service.http.body import BodyTooLarge, read_body
+from service.http.deps import FrontDeps, body_limit, tenant_of
+from service.http.errors import error_response
 from service.http.parse import load_body
+from service.http.replies import where
 from service.request_prep.fields import ModelLimits
+from service.tenants import Tenant
 
 TOKENIZE_TEXT = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT = frozenset({"model", "messages", "tools", "add_generation_prompt",
@@ -105,3 +113,64 @@ def detokenize_ids(raw: bytes, model: ModelLimits, adapters: tuple[str, ...]) ->
         raise invalid_argument(out)
     assert isinstance(ids, list)
     return ids
+
+
+class TokenRoutes:
+    """The two routes' handlers; ``adapters`` names the caller's adapters (they tokenize as
+    the base does)."""
+
+    def __init__(self, deps: FrontDeps, adapters: Adapters) -> None:
+        self._d = deps
+        self._adapters = adapters
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
+            prep = self._d.prep
+            req, strs = tokenize_request(raw, prep.model, self._adapters.names(tenant))
+            inp = prep.read_tokenize(tenant, req)
+            # Limited like gRPC Tokenize: a concurrency slot, the input charged by its size.
+            lease = await self._d.limiter.admit(tenant.name, inp.cost)
+            try:
+                ids = await prep.tokenize(tenant, req, inp)
+            finally:
+                lease.release()
+            return {"count": len(ids), "max_model_len": prep.model.max_model_len, "tokens": ids,
+                    "token_strs": [prep.token_text(t) for t in ids] if strs else None}
+
+        return await self._call(request, "tokenize", work)
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
+            prep = self._d.prep
+            ids = detokenize_ids(raw, prep.model, self._adapters.names(tenant))
+            lease = await self._d.limiter.admit(tenant.name, len(ids))
+            try:
+                return {"prompt": await prep.prompts.text_of(tenant.name, ids)}
+            finally:
+                lease.release()
+
+        return await self._call(request, "detokenize", work)
+
+    async def _call(
+        self, request: HttpRequest, method: str,
+        work: Callable[[Tenant, bytes], Awaitable[dict[str, Any]]],
+    ) -> Response:
+        code, tenant_name = "OK", ""
+        try:
+            tenant = tenant_of(self._d, request)
+            tenant_name = tenant.name
+            raw = await read_body(request, *body_limit(self._d, tenant))
+            return JSONResponse(await work(tenant, raw))
+        except ServiceError as err:
+            code = err.code.name
+            return error_response(err)
+        except BodyTooLarge as big:
+            code = big.error.code.name
+            return error_response(big.error, status=413, close=True)
+        except Exception as exc:
+            code = "INTERNAL"
+            self._d.log.error("http.failed", method=method, **where(exc))
+            return error_response(internal("SERVER"))
+        finally:
+            label = self._d.metrics.label(tenant_name)
+            self._d.metrics.requests.labels(label, method, code, "http").inc()
