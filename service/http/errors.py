@@ -43,7 +43,10 @@ _MAP: dict[grpc.StatusCode, tuple[int, str]] = {
 
 
 #: gRPC words in shared error texts -> what an HTTP client can act on.
-HTTP_WORDS = (("(see ListModels)", "(see GET /v1/models)"),)
+HTTP_WORDS = (
+    ("(see ListModels)", "(see GET /v1/models)"),
+    ("send text or token_ids", "send a prompt to /v1/completions"),
+)
 
 
 def http_words(text: str) -> str:

@@ -98,3 +98,19 @@ def test_the_unknown_model_error_points_http_clients_at_get_v1_models(
     message = err.body["message"] if isinstance(err.body, dict) else ""
     assert message == "model: is not served here (see GET /v1/models)"
     assert "ListModels" not in str(err)
+
+
+def test_shared_error_texts_name_http_routes_and_fields_on_http() -> None:
+    """The texts both fronts share say what an HTTP client can do, not a gRPC method or
+    field."""
+    from service.adapters import UNKNOWN_MODEL
+    from service.errors import invalid_argument
+    from service.http.errors import error_body
+
+    no_template = ("chat", "the model has no chat template; send text or token_ids")
+    body = error_body(invalid_argument([no_template, UNKNOWN_MODEL]))["error"]
+    assert body["message"] == (
+        "messages: the model has no chat template; send a prompt to /v1/completions; "
+        "model: is not served here (see GET /v1/models)"
+    )
+    assert body["param"] == "messages"
