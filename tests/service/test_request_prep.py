@@ -96,3 +96,39 @@ def test_a_refused_request_stops_at_the_step_that_refused_it(
     assert entered == list(steps)
     assert isinstance(result, ServiceError)
     assert result.detail(error_details_pb2.BadRequest).field_violations[0].field == field
+
+
+def _built(request: inference_pb2.GenerateRequest, tenant: Tenant, to_context_end: bool
+           ) -> tuple[int, Request]:
+    """(max_tokens charged before tokenizing, the built request)."""
+    prep = _prep()
+
+    async def prepare() -> tuple[int, Request]:
+        fields = prep.read(tenant, request, to_context_end=to_context_end)
+        return fields.stopping.max_tokens, await prep.build(tenant, request, fields, "r1", None)
+
+    return asyncio.run(prepare())
+
+
+def test_an_unset_max_tokens_runs_to_the_context_end_only_when_asked() -> None:
+    from service.tenants import Quotas
+
+    unset = inference_pb2.GenerateRequest(text="x" * 10)
+    charged, req = _built(unset, Tenant("acme"), to_context_end=True)
+    assert (charged, req.stopping.max_tokens) == (MODEL.max_model_len - 1, 64 - 10)
+    assert _built(unset, Tenant("acme"), to_context_end=False)[1].stopping.max_tokens == 16
+    # A set max_tokens is never changed.
+    assert _built(_request("x" * 10, 5), Tenant("acme"), True)[1].stopping.max_tokens == 5
+    # The tenant's tokens_per_minute bounds what one open-ended request is charged.
+    slow = Tenant("slow", quotas=Quotas(tokens_per_minute=30))
+    charged, req = _built(unset, slow, to_context_end=True)
+    assert charged == req.stopping.max_tokens and 16 < charged < 30
+
+
+def test_min_tokens_past_what_the_context_leaves_is_refused_by_name() -> None:
+    request = inference_pb2.GenerateRequest(
+        text="x" * 40, stopping=inference_pb2.StoppingParams(min_tokens=30))
+    with pytest.raises(ServiceError) as caught:
+        _built(request, Tenant("acme"), to_context_end=True)
+    violation = caught.value.details[0].field_violations[0]
+    assert violation.field == "stopping.min_tokens" and "24 tokens" in violation.description
