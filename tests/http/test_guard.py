@@ -32,7 +32,7 @@ GUARD = HttpGuard(
 @pytest.fixture(scope="module")
 def guarded(tiny_model: Any) -> Iterator[ServerHandle]:
     tenants = {"acme": TenantSpec(), "globex": TenantSpec()}
-    options = ServerOptions(http_port=0, http_guard=GUARD)
+    options = ServerOptions(http_port=0, http_guard=GUARD, metrics_on_http=True)
     with running_server(tiny_model, tenants, options=options) as handle:
         yield handle
 
@@ -131,16 +131,18 @@ PACED_S = (FLOOD - GUARD.paced_burst) / GUARD.paced_per_s
         ("GET", "/health", None, None, 200),
         ("GET", "/v1/models", "acme", None, 200),
         ("POST", "/v1/completions", "acme", b"{not json", 400),
+        ("GET", "/metrics", None, None, 200),
+        ("POST", "/detokenize", "acme", b'{"tokens": []}', 200),
     ],
-    ids=["wrong-key", "health", "models", "bad-request"],
+    ids=["wrong-key", "health", "models", "bad-request", "metrics", "detokenize"],
 )
 def test_floods_of_cheap_answers_are_paced(
     guarded: ServerHandle, method: str, path: str, who: str | None, body: bytes | None,
     code: int, request: pytest.FixtureRequest,
 ) -> None:
     key = None if who is None else "sk-wrong-key" if who == "wrong" else guarded.keys[who]
-    local = {"wrong-key": "127.0.0.3", "health": "127.0.0.4"}.get(request.node.callspec.id,
-                                                                   "127.0.0.1")
+    local = {"wrong-key": "127.0.0.3", "health": "127.0.0.4", "metrics": "127.0.0.5"}.get(
+        request.node.callspec.id, "127.0.0.1")
     elapsed, codes = _flood(_port(guarded), FLOOD, method, path, key, body, local)
     assert codes == {code}
     assert elapsed >= PACED_S * 0.9, elapsed
