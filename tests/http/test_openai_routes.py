@@ -145,16 +145,21 @@ def test_a_function_tool_call_and_its_output_follow_up(served: ServerHandle) -> 
 
 
 def test_a_streamed_function_call_arrives_as_call_events(served: ServerHandle) -> None:
-    events = list(client(served).responses.create(
+    """Through the SDK's ``responses.stream`` helper, which rebuilds the response from the
+    events and refuses a stream whose events do not add up."""
+    with client(served).responses.stream(
         model=_model(served), input="Weather in Oslo?", tools=[WEATHER],
-        tool_choice={"type": "function", "name": "get_weather"}, stream=True, temperature=0,
-    ))
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
     added = [e.item for e in events if e.type == "response.output_item.added"]
     assert [i.type for i in added] == ["function_call"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and set(json.loads(done[0].arguments)) == {"city"}
-    assert events[-1].type == "response.completed"
-    assert events[-1].response.output[0].arguments == done[0].arguments
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    call = final.output[0]
+    assert call.type == "function_call" and call.arguments == done[0].arguments
 
 
 @pytest.mark.parametrize(("field", "value"), [("store", True), ("previous_response_id", "r1")])
