@@ -83,7 +83,7 @@ def test_a_wrong_key_is_401_from_the_headers_and_nothing_behind_it_is_read(
     ok = httpx.get(f"http://127.0.0.1:{_port(srv)}/v1/models", timeout=30,
                    headers={"Authorization": f"Bearer {srv.keys['acme']}"})
     assert ok.status_code == 200
-    assert httpx.get(f"http://127.0.0.1:{_port(srv)}/v1/embeddings").status_code == 404
+    assert httpx.get(f"http://127.0.0.1:{_port(srv)}/v1/audio/speech").status_code == 404
 
 
 def test_idle_connections_make_room_for_new_ones(srv: ServerHandle) -> None:
