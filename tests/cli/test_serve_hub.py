@@ -14,6 +14,7 @@ from clients import Client
 from service.model import load_model
 from service.model.hub import HubModel, parse_hub_name
 from tests.cli.conftest import clean_env, free_port, kvfence
+from tests.fixtures.fake_hub import fake_hub
 from tests.fixtures.hub_cache import write_hub_repo
 from tests.serverutil import TenantSpec, start_server_process, write_tenants_file
 
@@ -44,17 +45,23 @@ def offline(hf_home: Path) -> dict[str, str]:
     return clean_env({"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
 
 
-def resolve(hf_home: Path, name: str, revision: str | None = None) -> str:
-    """What service.model.hub resolves ``name`` to, in a process whose huggingface_hub reads
-    this module's HF_HOME and HF_HUB_OFFLINE at import (as `kvfence serve`'s does)."""
+def resolve(hf_home: Path, *names: str, endpoint: str | None = None) -> list[str]:
+    """What service.model.hub resolves each name (``ORG/NAME[:FILE][@REVISION]``) to, in one
+    process whose huggingface_hub reads this module's HF_HOME and HF_HUB_OFFLINE (or, with
+    ``endpoint``, HF_ENDPOINT and no offline mode) at import, as `kvfence serve`'s does."""
+    env = offline(hf_home) if endpoint is None else clean_env(
+        {"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
     code = ("import sys\nfrom service.model.hub import parse_hub_name, resolve_hub_model\n"
             "from service.model.errors import ModelLoadError\n"
-            "hub = parse_hub_name(sys.argv[1])\nassert hub is not None\n"
-            "try:\n    print(resolve_hub_model(hub, revision=sys.argv[2] or None, progress=False))\n"
-            "except ModelLoadError as e:\n    print('refused:', e)\n")
-    run = subprocess.run([sys.executable, "-c", code, name, revision or ""], env=offline(hf_home),
+            "for arg in sys.argv[1:]:\n"
+            "    name, _, revision = arg.partition('@')\n"
+            "    hub = parse_hub_name(name)\n    assert hub is not None\n"
+            "    try:\n"
+            "        print(resolve_hub_model(hub, revision=revision or None, progress=False))\n"
+            "    except ModelLoadError as e:\n        print('refused:', e)\n")
+    run = subprocess.run([sys.executable, "-c", code, *names], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
-    return run.stdout.strip()
+    return run.stdout.splitlines()
 
 
 def test_serve_org_name_serves_the_cached_directory_model(tmp_path: Path, hf_home: Path) -> None:
@@ -74,7 +81,8 @@ def test_serve_org_name_serves_the_cached_directory_model(tmp_path: Path, hf_hom
 
 
 def test_file_picks_a_gguf_and_it_loads(hf_home: Path) -> None:
-    path = Path(resolve(hf_home, "org/ggufs:tiny-f.gguf"))
+    [resolved] = resolve(hf_home, "org/ggufs:tiny-f.gguf")
+    path = Path(resolved)
     assert path == hf_home / "hub" / "models--org--ggufs" / "snapshots" / MAIN / "tiny-f.gguf"
     loaded = load_model(path, dtype="float32", progress=False)
     assert (loaded.name, loaded.model.config.arch) == ("tiny-f.gguf", "llama")
@@ -82,13 +90,13 @@ def test_file_picks_a_gguf_and_it_loads(hf_home: Path) -> None:
 
 def test_a_repo_with_one_gguf_is_that_file_and_revision_pins(hf_home: Path) -> None:
     snapshots = hf_home / "hub" / "models--org--one-gguf" / "snapshots"
-    assert resolve(hf_home, "org/one-gguf") == str(snapshots / MAIN / "only.gguf")
-    assert resolve(hf_home, "org/one-gguf", PINNED) == str(snapshots / PINNED / "pinned.gguf")
+    assert resolve(hf_home, "org/one-gguf", f"org/one-gguf@{PINNED}") == [
+        str(snapshots / MAIN / "only.gguf"), str(snapshots / PINNED / "pinned.gguf")]
 
 
 def test_a_repo_with_safetensors_is_a_directory(hf_home: Path) -> None:
-    assert resolve(hf_home, "org/tiny") == str(hf_home / "hub" / "models--org--tiny"
-                                               / "snapshots" / MAIN)
+    assert resolve(hf_home, "org/tiny") == [str(hf_home / "hub" / "models--org--tiny"
+                                                / "snapshots" / MAIN)]
 
 
 def serve_refusal(hf_home: Path, tmp_path: Path, *flags: str) -> tuple[int, list[str]]:
@@ -131,3 +139,24 @@ def test_file_must_be_a_gguf(hf_home: Path, tmp_path: Path) -> None:
     assert serve_refusal(hf_home, tmp_path, "--model", "org/tiny:config.json") == (2, [
         "kvfence: error: --model org/tiny:config.json: FILE must be a .gguf file inside "
         "org/tiny"])
+
+
+def test_online_the_hub_is_listed_and_downloads_land_in_its_cache(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    files = {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir() if p.is_file()}
+    repos = {"org/tiny": files, "org/ggufs": {"a.gguf": b"GGUF-a", "b.gguf": b"GGUF-b"}}
+    home = tmp_path / "hf-home"
+    with fake_hub(repos, commit=MAIN) as endpoint:
+        several, picked, directory, absent = resolve(
+            home, "org/ggufs", "org/ggufs:b.gguf", "org/tiny", "org/absent", endpoint=endpoint)
+    assert several == ("refused: --model org/ggufs: the repository holds 2 GGUF files; pick "
+                       "one with --model org/ggufs:FILE, FILE one of a.gguf, b.gguf")
+    assert absent == ("refused: --model org/absent: no such local path, nor repository on the "
+                      "Hugging Face Hub (a private one needs HF_TOKEN)")
+    snapshots = home / "hub" / "models--org--ggufs" / "snapshots" / MAIN
+    assert picked == str(snapshots / "b.gguf") and Path(picked).read_bytes() == b"GGUF-b"
+    assert not (snapshots / "a.gguf").exists()  # only the file asked for
+    assert directory == str(home / "hub" / "models--org--tiny" / "snapshots" / MAIN)
+    assert {p.name: p.read_bytes() for p in Path(directory).iterdir()} == files
+    # What was downloaded serves offline from the cache afterwards.
+    assert resolve(home, "org/ggufs:b.gguf") == [picked]
