@@ -33,6 +33,7 @@ from service.errors import Violations
 from service.json_input import NOT_TEXT, JsonInputError, lone_surrogate
 from service.json_input import load as load_json
 from service.model.chat_template import ToolFormat
+from service.tool_schema import closed
 
 MAX_TOOLS = 128
 #: Calls one constrained turn may make with parallel calls on: the grammar ends the turn
@@ -234,9 +235,10 @@ def grammar(
     more) of the allowed tools, in the plan's format, with arguments valid against the
     tool's schema; the output ends after the last call.
 
-    Each tool's schema is its own ``%json`` root, as the client wrote it: its local ``$ref``s
-    (``#``, ``#/$defs/...``, what Pydantic generates) resolve against it, not against a
-    wrapper. Its root is held to ``"type": "object"`` (the arguments must be an object);
+    Each tool's schema is its own ``%json`` root, as the client wrote it but closed
+    (``tool_schema.closed``: no key the schema does not allow, extra keys counted, so the
+    call always ends): its local ``$ref``s (``#``, ``#/$defs/...``, what Pydantic generates)
+    resolve against it, not against a wrapper. Its root is held to ``"type": "object"`` (the arguments must be an object);
     a schema that cannot be so constrained fails to compile, and the spec's ``line_fields``
     name that tool's ``parameters``, so the refusal names the schema."""
     key = "parameters" if tool_plan.format == "llama3_json" else "arguments"
@@ -249,7 +251,7 @@ def grammar(
         n = len(rules)
         head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "{key}": ')  # a Lark literal
         bodies.append(f'{head} args{n} "}}"')
-        schema = {**_object_root(parameters(tool)), "x-guidance": {"whitespace_flexible": False}}
+        schema = {**closed(_object_root(parameters(tool))), "x-guidance": {"whitespace_flexible": False}}
         rules.append(f"args{n}: %json {json.dumps(schema)}")  # ASCII, on one line
         line_fields.append((_GRAMMAR_HEAD_LINES + n + 1, f"{field}.tools[{i}].parameters"))
     more = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"

@@ -287,4 +287,7 @@ def test_each_tool_schema_is_its_own_root_and_its_line_names_it() -> None:
     assert lines[2] == ('body: "{\\"name\\": \\"get_weather\\", \\"arguments\\": " args0 "}" | '
                         '"{\\"name\\": \\"person\\", \\"arguments\\": " args1 "}"')
     schema = json.loads(lines[4].removeprefix("args1: %json "))
-    assert schema == {**person, "type": "object", "x-guidance": {"whitespace_flexible": False}}
+    closed_person = {"$defs": {"A": {"type": "object", "additionalProperties": False}},
+                     "properties": {"a": {"$ref": "#/$defs/A"}}, "additionalProperties": False}
+    assert schema == {**closed_person, "type": "object",
+                      "x-guidance": {"whitespace_flexible": False}}
