@@ -10,7 +10,8 @@ mkdir -p "$out/kvfence/v1"
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
   --mypy_grpc_out="$out" \
   --plugin=protoc-gen-mypy_grpc="$(dirname "$py")/protoc-gen-mypy_grpc" \
-  protos/kvfence/v1/inference.proto protos/kvfence/v1/cache.proto
+  protos/kvfence/v1/inference.proto protos/kvfence/v1/cache.proto \
+  protos/kvfence/v1/adapters.proto
 # The stubs live in the `protos` package: make their cross imports absolute to it.
 for f in "$out"/kvfence/v1/*_pb2*.py "$out"/kvfence/v1/*_pb2*.pyi; do
   sed -i -e 's/^from kvfence\.v1 import/from protos.kvfence.v1 import/' \

@@ -10,6 +10,14 @@ file. Resident adapters are bounded per tenant; past the bound the least recentl
 one is dropped and read again on its next request. A stream holds its adapter (the engine
 request references it), so a changed or removed adapter's running streams finish on the
 weights they started with.
+
+A tenant whose file entry sets ``adapter_root`` may also load and unload adapters at run time
+(``load_runtime``, ``unload_runtime``) from directories inside that root
+(``adapter_paths``), with the checks a declared adapter gets (the loader's, the rank limit,
+its memory counted against the tenant's KV share), at most ``--max-loras-per-tenant`` of
+them. They are not written anywhere: a restart loses them, and a SIGHUP keeps each one whose
+tenant still has an ``adapter_root`` holding it and whose name the file does not declare
+(the file's adapter wins), read and checked again like the file's.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,15 +33,26 @@ import torch
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import cache_pb2, inference_pb2
+from service.adapter_paths import AdapterPathError, resolve_inside
 from service.engine.types import Finished, Request
-from service.errors import ServiceError, invalid_argument, resource_exhausted, unavailable
+from service.errors import (
+    ServiceError,
+    invalid_argument,
+    permission_denied,
+    resource_exhausted,
+    unavailable,
+)
+from service.kv_shares import KVShareError
 from service.limits import LeaseLike
 from service.metrics import Metrics
 from service.model.config import ModelConfig
 from service.model.lora import LoraAdapter, LoraError, file_digest, load_lora
-from service.tenants import Tenant, TenantRegistry
+from service.tenants import Tenant, TenantRegistry, valid_name
 
 UNKNOWN_MODEL = ("model", "is not served here (see ListModels)")
+UNKNOWN_ADAPTER = ("lora_name", "names no adapter loaded at run time by this tenant")
+#: Checks the tenants' adapter memory against their KV shares (raises ``KVShareError``).
+ApplyPages = Callable[[Mapping[str, int]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +103,7 @@ class _TenantAdapters:
     sizes: dict[str, int] = field(default_factory=dict)  # bytes of each, once loaded
     resident: OrderedDict[str, LoraAdapter] = field(default_factory=OrderedDict)  # LRU first
     in_use: dict[str, int] = field(default_factory=dict)
+    runtime: set[str] = field(default_factory=set)  # loaded through the API, not the file
 
 
 class Adapters:
@@ -95,9 +115,13 @@ class Adapters:
         base_name: str,
         log: FilteringBoundLogger,
         metrics: Metrics | None = None,
+        apply_pages: ApplyPages = lambda pages: None,
     ) -> None:
-        """``settings`` None: the served model takes no adapters; declaring one fails."""
+        """``settings`` None: the served model takes no adapters; declaring one fails.
+        ``apply_pages``: the server's check of the tenants' adapter memory against their KV
+        shares, called as run-time loads and unloads change it."""
         self._settings = settings
+        self._apply_pages = apply_pages
         self._metrics = metrics
         self._base = base_name
         self._log = log
@@ -140,8 +164,30 @@ class Adapters:
                 new.sizes[name] = adapter.nbytes
                 if len(new.resident) < self._bound:
                     new.resident[name] = adapter
+            self._carry_runtime(tenant, old, new)
             out[tenant.name] = new
         return out
+
+    def _carry_runtime(self, tenant: Tenant, old: _TenantAdapters, new: _TenantAdapters) -> None:
+        """Keep the run-time adapters the new file still allows (see the module), re-read."""
+        for name in sorted(old.runtime):
+            path = old.declared[name]
+            try:
+                if tenant.adapter_root is None or name in new.declared:
+                    raise AdapterPathError("no longer allowed by the tenants file")
+                path = resolve_inside(tenant.adapter_root, str(path))
+                kept = old.resident.get(name)
+                adapter = kept if kept is not None and kept.digest == file_digest(path) \
+                    else self._load(name, path)
+            except (AdapterPathError, LoraError) as err:
+                self._log.warning("adapter.runtime_dropped", tenant=tenant.name, adapter=name,
+                                  error=str(err))
+                continue
+            new.declared[name] = path
+            new.runtime.add(name)
+            new.sizes[name] = adapter.nbytes
+            if len(new.resident) < self._bound:
+                new.resident[name] = adapter
 
     def reserved_pages(self, prepared: Mapping[str, _TenantAdapters]) -> dict[str, int]:
         """KV pages each tenant's adapters take from its share: the most memory its resident
@@ -161,6 +207,80 @@ class Adapters:
         self._tenants = prepared
         count = sum(len(t.declared) for t in prepared.values())
         self._log.info("adapters.applied", adapters=count)
+
+    async def load_runtime(self, tenant: Tenant, name: str, requested: str) -> None:
+        """Load ``requested`` (inside the tenant's ``adapter_root``) as the tenant's adapter
+        ``name``. Refuses (``ServiceError``) a tenant without a root (PERMISSION_DENIED), a
+        name it already uses, a path outside the root, an adapter the loader refuses, one past
+        ``--max-loras-per-tenant`` run-time adapters or past its KV share."""
+        if tenant.adapter_root is None:
+            raise permission_denied(
+                "this tenant may not load adapters at run time (no adapter_root in the tenants "
+                "file)", "NO_ADAPTER_ROOT")
+        if self._settings is None:
+            raise invalid_argument([("lora_name", "this server's model takes no adapters")])
+        if not valid_name(name):
+            raise invalid_argument([("lora_name", "letters, digits, '_', '.', '-' (at most 64)")])
+        self._check_free(tenant, name)
+        try:
+            path = resolve_inside(tenant.adapter_root, requested)
+            adapter = await asyncio.to_thread(self._load, name, path)
+        except AdapterPathError as err:
+            raise invalid_argument([("lora_path", str(err))]) from None
+        except LoraError as err:  # its words name the resolved path: name the adapter
+            text = str(err).replace(f"adapter {path}", f"adapter {name!r}", 1)
+            raise invalid_argument([("lora_path", text)]) from None
+        self._check_free(tenant, name)  # checked again: another load may have taken it
+        entry = self._tenants.setdefault(tenant.name, _TenantAdapters())
+        sizes = {**entry.sizes, name: adapter.nbytes}
+        try:
+            self._apply_pages(self.reserved_pages(
+                {**self._tenants, tenant.name: dataclasses.replace(entry, sizes=sizes)}))
+        except KVShareError as err:
+            raise resource_exhausted("kv_memory", str(err)) from None
+        entry.declared[name] = path
+        entry.sizes[name] = adapter.nbytes
+        entry.runtime.add(name)
+        idle = [n for n in entry.resident if not entry.in_use.get(n)]
+        if len(entry.resident) >= self._bound and idle:
+            del entry.resident[idle[0]]
+        if len(entry.resident) < self._bound:
+            entry.resident[name] = adapter
+        self._log.info("adapter.loaded", tenant=tenant.name, adapter=name, rank=adapter.rank)
+
+    def _check_free(self, tenant: Tenant, name: str) -> None:
+        entry = self._tenants.get(tenant.name, _TenantAdapters())
+        if name == self._base or name in entry.declared:
+            raise invalid_argument([("lora_name", f"this tenant already serves a model {name!r}")])
+        if len(entry.runtime) >= self._bound:
+            raise resource_exhausted(
+                "adapters", f"this tenant has {self._bound} adapters loaded at run time, the "
+                "most it may (--max-loras-per-tenant); unload one first")
+
+    def unload_runtime(self, tenant: Tenant, name: str) -> None:
+        """Drop the tenant's run-time adapter ``name``; its running streams finish on it.
+        An unknown name, another tenant's and a file-declared one get the same refusal."""
+        if tenant.adapter_root is None:
+            raise permission_denied(
+                "this tenant may not load adapters at run time (no adapter_root in the tenants "
+                "file)", "NO_ADAPTER_ROOT")
+        entry = self._tenants.get(tenant.name)
+        if entry is None or name not in entry.runtime:
+            raise invalid_argument([UNKNOWN_ADAPTER])
+        entry.runtime.discard(name)
+        del entry.declared[name]
+        entry.sizes.pop(name, None)
+        entry.resident.pop(name, None)
+        entry.in_use.pop(name, None)
+        self._apply_pages(self.reserved_pages(self._tenants))
+        self._log.info("adapter.unloaded", tenant=tenant.name, adapter=name)
+
+    def listing(self, tenant: Tenant) -> list[tuple[str, bool, bool]]:
+        """(name, loaded at run time, resident) of each of the caller's adapters."""
+        entry = self._tenants.get(tenant.name)
+        if entry is None:
+            return []
+        return [(n, n in entry.runtime, n in entry.resident) for n in sorted(entry.declared)]
 
     def names(self, tenant: Tenant) -> tuple[str, ...]:
         """The caller's own adapter names (what its model lists show)."""

@@ -21,8 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from structlog.typing import FilteringBoundLogger
 
-from protos.kvfence.v1 import cache_pb2, inference_pb2
+from protos.kvfence.v1 import adapters_pb2, cache_pb2, inference_pb2
 from service.adapters import Adapters, LoraSettings
+from service.adapters_servicer import AdaptersServicer
 from service.auth import Authenticator
 from service.cache_servicer import CacheServicer
 from service.cluster_limits import build_cluster_limiter
@@ -51,11 +52,12 @@ from service.request_prep.prompt import ChatTemplateLike, PromptBuilder, Tokeniz
 from service.tenants import Tenant, TenantRegistry, TenantsFileError, load_tenants
 from service.tokenizer_pool import TokenizerPool
 from service.tracing import Tracing
-from service.wire import add_cache_service, add_inference_service
+from service.wire import add_adapters_service, add_cache_service, add_inference_service
 
 SERVICE_NAMES = (
     inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
     cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name,
+    adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name,
 )
 
 
@@ -133,7 +135,9 @@ class KVFenceServer:
         self.port = 0
         self.http: HttpServer | None = None
         self.http_front: OpenAIFront | None = None
-        self.adapters = Adapters(model.lora, model.name, log, self.metrics)
+        self.adapters = Adapters(
+            model.lora, model.name, log, self.metrics, apply_pages=self.apply_adapter_pages
+        )
         adapters = self.adapters.prepare(registry)  # LoraError: refuse to start
         self._apply(registry, self.adapters.reserved_pages(adapters))
         self.adapters.commit(adapters)
@@ -213,6 +217,9 @@ class KVFenceServer:
                 self.adapters,
             ),
             server,
+        )
+        add_adapters_service(
+            AdaptersServicer(self.adapters, self.metrics), server
         )
         self._health_service = BoundedHealth(self._health, opts.max_health_watches)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_service, server)
@@ -317,6 +324,11 @@ class KVFenceServer:
         if self._grammars is not None:
             self._grammars.forget(tenant)
         return await self._engine.purge(tenant)
+
+    def apply_adapter_pages(self, adapter_pages: Mapping[str, int]) -> None:
+        """``_apply`` with the tenants in force: a run-time adapter load or unload changed
+        what the tenants' adapters take from their shares."""
+        self._apply(self.authenticator.registry, adapter_pages)
 
     def _apply(self, registry: TenantRegistry, adapter_pages: Mapping[str, int]) -> None:
         """Push the tenants' limits to the limiter and the engine. Raises ``KVShareError``

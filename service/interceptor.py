@@ -53,7 +53,8 @@ REFLECTION_PREFIX = "/grpc.reflection."
 KVFENCE_PREFIX = "/kvfence."  # handlers of these services take the tenant explicitly
 # Calls that cost the server little and touch no engine work: paced per tenant (``cheap``),
 # so a tenant answering each with the next cannot keep a core busy with them.
-CHEAP_METHODS = frozenset({"/kvfence.v1.Inference/ListModels", "/kvfence.v1.Cache/GetUsage"})
+CHEAP_METHODS = frozenset({"/kvfence.v1.Inference/ListModels", "/kvfence.v1.Cache/GetUsage",
+                           "/kvfence.v1.Adapters/ListAdapters"})
 # Handlers that trace their requests: they also get ``auth_ns``, the (start, end) wall-clock
 # nanoseconds of the tenant check, so the trace's ``auth`` span is timed as it ran.
 TRACED_METHODS = frozenset({"/kvfence.v1.Inference/Generate"})

@@ -14,6 +14,8 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
     prefix_cache_ttl_seconds = 600             # 0 = no prefix caching for this tenant
     models = ["SmolLM2-135M-Instruct"]         # models the tenant may use; absent = all
     allow_reflection = false                   # may call server reflection (--reflection)
+    adapter_root = "/srv/adapters/acme"        # where the tenant may load adapters from at
+                                               # run time (absent: it may not; docs/lora.md)
 
     [tenants.acme.adapters]                    # LoRA adapters only this tenant sees
     sql = "/srv/adapters/acme-sql"             # name = PEFT LoRA directory (docs/lora.md)
@@ -55,6 +57,7 @@ _KNOWN_KEYS = frozenset(
         "models",
         "allow_reflection",
         "adapters",
+        "adapter_root",
     }
 )
 
@@ -87,6 +90,7 @@ class Tenant:
     models: tuple[str, ...] | None = None  # None = every served model
     allow_reflection: bool = False
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory)
+    adapter_root: str | None = None  # absolute directory run-time loads resolve in; None = none
 
     def may_use_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -204,6 +208,9 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
     if not isinstance(reflection, bool):
         raise TenantsFileError(f"{where}: allow_reflection must be true or false")
     adapters = _adapters(raw.get("adapters", {}), where)
+    root = raw.get("adapter_root")
+    if root is not None and not (isinstance(root, str) and Path(root).is_absolute()):
+        raise TenantsFileError(f"{where}: adapter_root must be an absolute directory path")
     quotas = Quotas(
         max_concurrent_streams=_int(raw, "max_concurrent_streams", 16, where, minimum=1),
         max_kv_pages=_int(raw, "max_kv_pages", 0, where),
@@ -220,7 +227,14 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
         models=None if models is None else tuple(models),
         allow_reflection=reflection,
         adapters=adapters,
+        adapter_root=root,
     )
+
+
+def valid_name(name: str) -> bool:
+    """A tenant or adapter name: letters, digits, '_', '.', '-' (at most 64, a letter or
+    digit first)."""
+    return _NAME_RE.match(name) is not None
 
 
 def _adapters(raw: object, where: str) -> tuple[tuple[str, str], ...]:

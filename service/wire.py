@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from protos.kvfence.v1 import cache_pb2, inference_pb2
+from protos.kvfence.v1 import adapters_pb2, cache_pb2, inference_pb2
 from service.errors import abort, invalid_argument
 from service.tenants import Tenant
 
@@ -104,4 +104,23 @@ def add_cache_service(servicer: Any, server: grpc.aio.Server) -> None:
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("kvfence.v1.Cache", handlers),)
+    )
+
+
+def add_adapters_service(servicer: Any, server: grpc.aio.Server) -> None:
+    handlers = {
+        "ListAdapters": _unary_handler(
+            servicer.ListAdapters, adapters_pb2.ListAdaptersRequest,
+            adapters_pb2.ListAdaptersResponse,
+        ),
+        "LoadAdapter": _unary_handler(
+            servicer.LoadAdapter, adapters_pb2.LoadAdapterRequest, adapters_pb2.LoadAdapterResponse
+        ),
+        "UnloadAdapter": _unary_handler(
+            servicer.UnloadAdapter, adapters_pb2.UnloadAdapterRequest,
+            adapters_pb2.UnloadAdapterResponse,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvfence.v1.Adapters", handlers),)
     )

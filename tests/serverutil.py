@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -75,6 +76,7 @@ class TenantSpec:
     api_key: str | None = None
     with_key: bool = True  # False: mTLS identity only
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory)
+    adapter_root: str | None = None  # run-time adapter loads (None: not allowed)
 
 
 def write_tenants_file(path: Path, tenants: Mapping[str, TenantSpec]) -> dict[str, str]:
@@ -98,6 +100,8 @@ def write_tenants_file(path: Path, tenants: Mapping[str, TenantSpec]) -> dict[st
         if spec.models is not None:
             lines.append(f"models = {_toml_list(spec.models)}")
         lines.append(f"allow_reflection = {'true' if spec.allow_reflection else 'false'}")
+        if spec.adapter_root is not None:
+            lines.append(f"adapter_root = {json.dumps(spec.adapter_root)}")
         if spec.adapters:
             lines.append(f'[tenants."{name}".adapters]')
             lines.extend(f'"{a}" = "{path}"' for a, path in spec.adapters)

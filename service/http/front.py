@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/responses`` (``service.http.responses_request``, ``responses_reply``), ``GET /v1/models``,
 ``POST /tokenize`` and ``/detokenize`` (``service.http.tokens``), ``POST /v1/embeddings``
-(refused: the served models are decoder LMs), ``GET /health``, and ``GET /metrics`` with
+(refused: the served models are decoder LMs), ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (``service.http.adapter_routes``), ``GET /health``, and ``GET /metrics`` with
 ``--metrics-on-http``.
 
 The tenant comes only from ``Authorization: Bearer <key>``, checked by the same
@@ -32,6 +33,7 @@ from protos.kvfence.v1 import inference_pb2
 from service.adapters import Adapters, BoundLease
 from service.errors import ServiceError, internal, invalid_argument
 from service.http import render, responses_reply, responses_request
+from service.http.adapter_routes import AdapterRoutes
 from service.http.body import BodyTooLarge, read_body, until_disconnect
 from service.http.deps import FrontDeps, body_limit, tenant_of
 from service.http.errors import error_response
@@ -70,6 +72,7 @@ class OpenAIFront:
             deps.prep.token_text, deps.is_draining, deps.clock, self._adapters
         )
         self._tokens = TokenRoutes(deps, self._adapters)
+        self._adapter_routes = AdapterRoutes(deps, self._adapters)
 
     def app(self) -> Starlette:
         routes = [
@@ -80,6 +83,8 @@ class OpenAIFront:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/tokenize", self._tokens.tokenize, methods=["POST"]),
             Route("/detokenize", self._tokens.detokenize, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self._adapter_routes.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self._adapter_routes.unload, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         if self._d.metrics_on_http:

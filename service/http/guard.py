@@ -56,6 +56,7 @@ from service.refusal_pace import RefusalPace
 GATED_PATHS = frozenset({
     b"/v1/chat/completions", b"/v1/completions", b"/v1/responses", b"/v1/models",
     b"/v1/embeddings", b"/tokenize", b"/detokenize",
+    b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter",
 })
 # The ``Authorization`` values of a request -> the refusal, or None to serve it.
 Gate = Callable[[list[tuple[str, str]]], ServiceError | None]
