@@ -110,6 +110,8 @@ def _common_parser() -> argparse.ArgumentParser:
 def _sampling_parser(max_tokens: int | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     g = p.add_argument_group("sampling (unset: the server's default, shown in brackets)")
+    g.add_argument("--model", default=None,
+                   help="the served model or one of your LoRA adapters, by name [the base]")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"most tokens to generate [{SERVER_MAX_TOKENS}]")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy [1.0]")
@@ -123,6 +125,8 @@ def _sampling_parser(max_tokens: int | None) -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace) -> GenerateOptions:
     options = GenerateOptions(stop=list(args.stop))
+    if args.model is not None:
+        options["model"] = args.model
     if args.max_tokens is not None:
         options["max_tokens"] = args.max_tokens
     if args.temperature is not None:

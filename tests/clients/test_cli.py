@@ -133,6 +133,8 @@ def test_generate_flags_reach_the_request(
             "b",
             "--timeout",
             "30",
+            "--model",
+            "sql",
         ],
         capsys,
     )
@@ -140,6 +142,7 @@ def test_generate_flags_reach_the_request(
     sent = fake.seen.requests[0]
     assert isinstance(sent, inference_pb2.GenerateRequest)
     assert (sent.text, sent.stopping.max_tokens, list(sent.stopping.stop)) == ("hi", 9, ["a", "b"])
+    assert sent.model == "sql"
     assert sent.sampling.HasField("temperature") and sent.sampling.temperature == 0.0
     assert (sent.sampling.top_p, sent.sampling.top_k, sent.sampling.seed) == (0.5, 4, 11)
     timeout = fake.seen.timeouts[0]
