@@ -14,7 +14,11 @@ call, finish ``length``). So, for the constrained call only:
   ``MAX_EXTRA_PROPERTIES`` beyond the declared ones (``maxProperties``, lowered, never
   raised). llguidance counts keys only where every declared key is required; an object
   with optional keys and explicit extras is compiled without the extras (a call without
-  them is still valid against the schema).
+  them is still valid against the schema);
+- a string without ``maxLength`` is held to ``MAX_STRING_CHARS`` characters (or its
+  ``minLength``, if larger): a small model can loop inside a string value (the default
+  SmolLM2-135M wrote ``"2019_2019_..."`` until ``max_tokens`` for one of twenty greedy
+  requests), and a call whose string never closes is no call.
 
 An object schema that composes others (``$ref``, ``allOf``, ``anyOf``, ``oneOf`` beside its
 own keys) is left as written: closing it would refuse the keys its parts declare. The parts
@@ -28,6 +32,8 @@ from typing import Any
 
 #: Keys an object with explicitly allowed extras may carry beyond its declared properties.
 MAX_EXTRA_PROPERTIES = 8
+#: Characters a string value without its own ``maxLength`` may hold in a constrained call.
+MAX_STRING_CHARS = 1024
 
 _COMPOSED = ("$ref", "allOf", "anyOf", "oneOf")
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
@@ -46,6 +52,7 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
     while stack:
         node = stack.pop()
         _close_object(node)
+        _bound_string(node)
         for key in _ONE:
             if isinstance(node.get(key), dict):
                 node[key] = dict(node[key])
@@ -66,6 +73,14 @@ def _is_object(node: dict[str, Any]) -> bool:
     if kind == "object" or (isinstance(kind, list) and "object" in kind):
         return True
     return kind is None and "properties" in node
+
+
+def _bound_string(node: dict[str, Any]) -> None:
+    kind = node.get("type")
+    if (kind == "string" or (isinstance(kind, list) and "string" in kind)) \
+            and "maxLength" not in node:
+        least = node.get("minLength")
+        node["maxLength"] = max(MAX_STRING_CHARS, least if isinstance(least, int) else 0)
 
 
 def _close_object(node: dict[str, Any]) -> None:

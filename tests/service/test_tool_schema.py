@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from protos.kvfence.v1 import inference_pb2
 from service import tools
 from service.engine.grammar import GrammarCompiler, GrammarLimits, GrammarMatcher, Vocabulary
-from service.tool_schema import MAX_EXTRA_PROPERTIES, closed
+from service.tool_schema import MAX_EXTRA_PROPERTIES, MAX_STRING_CHARS, closed
 from service.tools import ToolPlan
 
 EOS = 256
@@ -38,6 +38,9 @@ def test_objects_without_additional_properties_are_closed_and_refs_left_as_writt
     before = json.dumps(schema)
     out = closed(schema)
     assert out["additionalProperties"] is False
+    assert out["properties"]["name"]["maxLength"] == MAX_STRING_CHARS
+    assert out["properties"]["nickname"]["anyOf"][0] == {"type": "string",
+                                                          "maxLength": MAX_STRING_CHARS}
     assert out["$defs"]["Address"]["additionalProperties"] is False
     assert out["properties"]["address"] == {"$ref": "#/$defs/Address"}
     assert json.dumps(schema) == before  # the client's schema is not changed
@@ -100,3 +103,14 @@ def test_the_call_grammar_stops_allowed_extra_keys_at_the_bound() -> None:
     more, done = _call_matcher(schema), _call_matcher(schema)
     assert _feed(more, head) and not more.accept(ord(","))
     assert _feed(done, head + '}}\n</tool_call>') and done.finished
+
+
+def test_strings_are_bounded_unless_the_schema_bounds_them() -> None:
+    assert closed({"type": "string"}) == {"type": "string", "maxLength": MAX_STRING_CHARS}
+    assert closed({"type": "string", "maxLength": 3}) == {"type": "string", "maxLength": 3}
+    long = {"type": "string", "minLength": MAX_STRING_CHARS + 5}
+    assert closed(long)["maxLength"] == MAX_STRING_CHARS + 5
+    m = _call_matcher({"type": "object", "properties": {"s": {"type": "string"}},
+                       "required": ["s"]})
+    assert _feed(m, '<tool_call>\n{"name": "f", "arguments": {"s":"' + "a" * MAX_STRING_CHARS)
+    assert not m.accept(ord("a"))
