@@ -188,7 +188,7 @@ class OpenAIFront:
             )
             raw = await read_body(request, *body_limit(self._d, tenant))
             message, opts = parse(load_body(raw))
-            fields = self._d.prep.read(tenant, message, to_context_end=True)
+            fields = self._d.prep.read(tenant, message, to_context_end=True, sequences=opts.n)
             adapter = await self._adapters.select(tenant, self._d.prep.model.resolve(message.model))
             # Charged before any work (tokenizing included), as the gRPC front does: the
             # input by its size, for each of the n sequences.

@@ -44,12 +44,17 @@ class RequestPrep:
         return self.prompts.token_text(token_id)
 
     def read(
-        self, tenant: Tenant, request: inference_pb2.GenerateRequest, to_context_end: bool = False
+        self,
+        tenant: Tenant,
+        request: inference_pb2.GenerateRequest,
+        to_context_end: bool = False,
+        sequences: int = 1,
     ) -> Fields:
         """Step 1: the model and every field, with no tokenizer. ``to_context_end`` (the HTTP
         front, as OpenAI and vLLM do): a request without ``max_tokens`` may run to the end of
-        the context, and no further than the tenant's ``tokens_per_minute`` allows one
-        request (it is charged before it runs); otherwise the wire's default (16) applies."""
+        the context, and no further than the tenant's ``tokens_per_minute`` allows its
+        ``sequences`` (each is charged before it runs); otherwise the wire's default (16)
+        applies."""
         if not to_context_end or request.stopping.HasField("max_tokens"):
             return read_fields(tenant, request, self.model, self._tool_format)
         bounded = inference_pb2.GenerateRequest()
@@ -59,7 +64,7 @@ class RequestPrep:
         cap = fields.stopping.max_tokens
         tpm = tenant.quotas.tokens_per_minute
         if tpm > 0:
-            cap = max(1, min(cap, tpm - fields.input.cost))
+            cap = max(1, min(cap, tpm // max(1, sequences) - fields.input.cost))
         return replace(
             fields, stopping=replace(fields.stopping, max_tokens=cap), to_context_end=True
         )

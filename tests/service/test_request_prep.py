@@ -98,13 +98,13 @@ def test_a_refused_request_stops_at_the_step_that_refused_it(
     assert result.detail(error_details_pb2.BadRequest).field_violations[0].field == field
 
 
-def _built(request: inference_pb2.GenerateRequest, tenant: Tenant, to_context_end: bool
-           ) -> tuple[int, Request]:
+def _built(request: inference_pb2.GenerateRequest, tenant: Tenant, to_context_end: bool,
+           sequences: int = 1) -> tuple[int, Request]:
     """(max_tokens charged before tokenizing, the built request)."""
     prep = _prep()
 
     async def prepare() -> tuple[int, Request]:
-        fields = prep.read(tenant, request, to_context_end=to_context_end)
+        fields = prep.read(tenant, request, to_context_end=to_context_end, sequences=sequences)
         return fields.stopping.max_tokens, await prep.build(tenant, request, fields, "r1", None)
 
     return asyncio.run(prepare())
@@ -123,6 +123,9 @@ def test_an_unset_max_tokens_runs_to_the_context_end_only_when_asked() -> None:
     slow = Tenant("slow", quotas=Quotas(tokens_per_minute=30))
     charged, req = _built(unset, slow, to_context_end=True)
     assert charged == req.stopping.max_tokens and 16 < charged < 30
+    # n sequences are each charged: they share it.
+    two, _ = _built(unset, slow, to_context_end=True, sequences=2)
+    assert two == 15 - (30 - charged)  # the input's charge taken off each half
 
 
 def test_min_tokens_past_what_the_context_leaves_is_refused_by_name() -> None:
