@@ -62,9 +62,9 @@ MUTANTS = (
     mutant(
         "http-body-bound-is-the-front-cap",
         "an HTTP body is judged against its tenant's prompt limit before it is parsed",
-        edit("service/http/front.py",
-             "        limit = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES)",
-             "        limit = MAX_BODY_BYTES"),
+        edit("service/http/deps.py",
+             "    limit = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES)",
+             "    limit = MAX_BODY_BYTES"),
         tests="tests/http/test_front_bounds.py::test_a_body_past_the_tenants_limit_is_413_from_its_declared_length",
     ),
     mutant(
