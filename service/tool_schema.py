@@ -18,7 +18,8 @@ call, finish ``length``). So, for the constrained call only:
 - a string without ``maxLength`` is held to ``MAX_STRING_CHARS`` characters (or its
   ``minLength``, if larger): a small model can loop inside a string value (the default
   SmolLM2-135M wrote ``"2019_2019_..."`` until ``max_tokens`` for one of twenty greedy
-  requests), and a call whose string never closes is no call.
+  requests), and a call whose string never closes is no call. A schema that needs longer
+  strings says so with ``maxLength``.
 
 An object schema that composes others (``$ref``, ``allOf``, ``anyOf``, ``oneOf`` beside its
 own keys) is left as written: closing it would refuse the keys its parts declare. The parts
@@ -33,7 +34,7 @@ from typing import Any
 #: Keys an object with explicitly allowed extras may carry beyond its declared properties.
 MAX_EXTRA_PROPERTIES = 8
 #: Characters a string value without its own ``maxLength`` may hold in a constrained call.
-MAX_STRING_CHARS = 1024
+MAX_STRING_CHARS = 256
 
 _COMPOSED = ("$ref", "allOf", "anyOf", "oneOf")
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
