@@ -27,7 +27,7 @@ from pathlib import Path
 from clients import cli as client_cli
 from clients.cli_parser import add_command, new_parser, parse
 from service.engine.tuning import SchedulerTuning
-from service.env_flags import UsageError, add_flag, add_switch, resolve_env
+from service.env_flags import UsageError, add_flag, add_repeated_flag, add_switch, resolve_env
 
 # Short names for the flag table in _add_serve.
 _add = add_flag
@@ -56,10 +56,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
          "a .gguf file, an HF directory, 'default', a name from `kvfence models list`, or a "
          "Hugging Face repository ORG/NAME[:FILE.gguf] (fetched into the HF cache)")
     _add(p, "--revision", None, "the branch, tag or commit of an ORG/NAME --model (default main)")
-    # NOTE: argparse directly, not ``_add``: an environment default cannot be appended to.
-    p.add_argument("--served-model-name", action="append", metavar="NAME",
-                   help="a name clients use for the model, in `model` fields and model lists "
-                   "(the first is the name answers report; default: the model file's name)")
+    add_repeated_flag(p, "--served-model-name",
+                      "a name clients use for the model, in `model` fields and model lists, "
+                      "repeatable (the first is the name answers report; default: the model "
+                      "file's name; in the environment, names separated by commas)", "NAME")
     _add(p, "--host", "127.0.0.1", "address to bind")
     _add(p, "--port", 50051, "port to bind (0 = any free port)", type=int)
     _add(p, "--tenants", "tenants.toml", "tenants file (TOML; `kvfence tenants add` writes it)")

@@ -73,6 +73,30 @@ def add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
                         help=f"{help} [env {env_name(flag)}]")
 
 
+class _Repeated(argparse.Action):
+    """A repeatable flag whose given values replace its environment default (a tuple)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        given = list(current) if isinstance(current, list) else []
+        setattr(namespace, self.dest, [*given, values])
+
+
+def add_repeated_flag(parser: argparse.ArgumentParser, flag: str, help: str, metavar: str) -> None:
+    """A flag that may be given several times; without it, ``KVFENCE_<FLAG>`` (values
+    separated by commas) or none."""
+    env = os.environ.get(env_name(flag))
+    default = None if env is None else tuple(v.strip() for v in env.split(",") if v.strip())
+    parser.add_argument(flag, action=_Repeated, default=default, metavar=metavar,
+                        help=f"{help} [env {env_name(flag)}]")
+
+
 def resolve_env(args: argparse.Namespace) -> argparse.Namespace:
     """Convert every ``EnvDefault`` left in ``args``; raises ``UsageError``."""
     for dest, value in vars(args).items():

@@ -80,6 +80,10 @@ def test_every_serve_flag_reads_its_env_var(monkeypatch: pytest.MonkeyPatch) -> 
     args = cli.parse_args(["serve", "--max-num-seqs", "9"])
     assert args.max_num_seqs == 9  # the flag wins
     assert (args.kv_memory, args.log_content, args.tls_client_ca) == ("0.25", True, "/ca.pem")
+    assert cli.parse_args(["serve"]).served_model_name is None
+    monkeypatch.setenv("KVFENCE_SERVED_MODEL_NAME", "smol, small")
+    assert cli.parse_args(["serve"]).served_model_name == ("smol", "small")
+    assert cli.parse_args(["serve", "--served-model-name", "x"]).served_model_name == ["x"]
     serve = dict(commands(cli.build_parser()))["kvfence serve"]
     for action in actions(serve):
         if action.option_strings and action.dest != "help":
