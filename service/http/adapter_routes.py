@@ -6,19 +6,17 @@ and every refusal are ``Adapters``' (``load_runtime``, ``unload_runtime``), the 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from service.adapters import Adapters
-from service.errors import ServiceError, Violations, internal, invalid_argument
-from service.http.body import BodyTooLarge, read_body
-from service.http.deps import FrontDeps, tenant_of
-from service.http.errors import error_response
+from service.errors import Violations, invalid_argument
+from service.http.deps import FrontDeps
+from service.http.json_route import answer_json
 from service.http.parse import load_body
-from service.http.replies import where
 from service.tenants import Tenant
 
 MAX_BODY_BYTES = 8 * 1024  # a name and a path
@@ -50,7 +48,7 @@ class AdapterRoutes:
             await self._adapters.load_runtime(tenant, name, path)
             return {"lora_name": name, "loaded": True}
 
-        return await self._call(request, "LoadAdapter", work)
+        return await answer_json(self._d, request, "LoadAdapter", work, _small_body)
 
     async def unload(self, request: HttpRequest) -> Response:
         async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
@@ -58,28 +56,8 @@ class AdapterRoutes:
             self._adapters.unload_runtime(tenant, name)
             return {"lora_name": name, "unloaded": True}
 
-        return await self._call(request, "UnloadAdapter", work)
+        return await answer_json(self._d, request, "UnloadAdapter", work, _small_body)
 
-    async def _call(
-        self, request: HttpRequest, method: str,
-        work: Callable[[Tenant, bytes], Awaitable[dict[str, Any]]],
-    ) -> Response:
-        code, tenant_name = "OK", ""
-        try:
-            tenant = tenant_of(self._d, request)
-            tenant_name = tenant.name
-            raw = await read_body(request, MAX_BODY_BYTES)
-            return JSONResponse(await work(tenant, raw))
-        except ServiceError as err:
-            code = err.code.name
-            return error_response(err)
-        except BodyTooLarge as big:
-            code = big.error.code.name
-            return error_response(big.error, status=413, close=True)
-        except Exception as exc:
-            code = "INTERNAL"
-            self._d.log.error("http.failed", method=method, **where(exc))
-            return error_response(internal("SERVER"))
-        finally:
-            label = self._d.metrics.label(tenant_name)
-            self._d.metrics.requests.labels(label, method, code, "http").inc()
+
+def _small_body(_: Tenant) -> tuple[int, None]:
+    return MAX_BODY_BYTES, None

@@ -11,21 +11,19 @@ limited like it (a concurrency slot, the input charged by its size).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from protos.kvfence.v1 import inference_pb2
 from service.adapters import UNKNOWN_MODEL, Adapters
-from service.errors import ServiceError, Violations, internal, invalid_argument
+from service.errors import Violations, invalid_argument
 from service.http import chat_parse
-from service.http.body import BodyTooLarge, read_body
-from service.http.deps import FrontDeps, body_limit, tenant_of
-from service.http.errors import error_response
+from service.http.deps import FrontDeps, body_limit
+from service.http.json_route import answer_json
 from service.http.parse import load_body
-from service.http.replies import where
 from service.request_prep.fields import ModelLimits
 from service.tenants import Tenant
 
@@ -137,7 +135,7 @@ class TokenRoutes:
             return {"count": len(ids), "max_model_len": prep.model.max_model_len, "tokens": ids,
                     "token_strs": [prep.token_text(t) for t in ids] if strs else None}
 
-        return await self._call(request, "tokenize", work)
+        return await answer_json(self._d, request, "tokenize", work, self._limit)
 
     async def detokenize(self, request: HttpRequest) -> Response:
         async def work(tenant: Tenant, raw: bytes) -> dict[str, Any]:
@@ -149,28 +147,7 @@ class TokenRoutes:
             finally:
                 lease.release()
 
-        return await self._call(request, "detokenize", work)
+        return await answer_json(self._d, request, "detokenize", work, self._limit)
 
-    async def _call(
-        self, request: HttpRequest, method: str,
-        work: Callable[[Tenant, bytes], Awaitable[dict[str, Any]]],
-    ) -> Response:
-        code, tenant_name = "OK", ""
-        try:
-            tenant = tenant_of(self._d, request)
-            tenant_name = tenant.name
-            raw = await read_body(request, *body_limit(self._d, tenant))
-            return JSONResponse(await work(tenant, raw))
-        except ServiceError as err:
-            code = err.code.name
-            return error_response(err)
-        except BodyTooLarge as big:
-            code = big.error.code.name
-            return error_response(big.error, status=413, close=True)
-        except Exception as exc:
-            code = "INTERNAL"
-            self._d.log.error("http.failed", method=method, **where(exc))
-            return error_response(internal("SERVER"))
-        finally:
-            label = self._d.metrics.label(tenant_name)
-            self._d.metrics.requests.labels(label, method, code, "http").inc()
+    def _limit(self, tenant: Tenant) -> tuple[int, Callable[[int], str]]:
+        return body_limit(self._d, tenant)
