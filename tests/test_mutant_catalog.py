@@ -28,3 +28,26 @@ def test_mutant_applies_to_the_current_tree(m: Mutant) -> None:
 def test_mutant_names_are_unique() -> None:
     names = [m.name for m in ALL]
     assert len(names) == len(set(names))
+
+
+def test_a_mutant_whose_tests_all_skip_here_is_not_run_and_fails_nothing(tmp_path: Path) -> None:
+    """A guarding test that runs, passes and lets a mutant live is SURVIVED; guarding tests
+    that all skip on this machine (code it does not run) make the mutant "not run": reported,
+    neither killed nor survived, and the run still passes."""
+    from tools.mutants.mutant import edit, mutant
+    from tools.mutants.run import run_mutant
+
+    (tmp_path / "code.py").write_text("VALUE = 1\n")
+    (tmp_path / "test_runs.py").write_text("def test_runs():\n    assert True\n")
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n\n@pytest.mark.skip(reason='no tile unit on this CPU')\n"
+        "def test_skips():\n    assert False\n"
+    )
+    change = edit("code.py", "VALUE = 1", "VALUE = 2")
+    env = {"PATH": "/usr/bin:/bin"}
+    survived = run_mutant(tmp_path, mutant("m1", "g", change, tests="test_runs.py"), env, 60)
+    skipped = run_mutant(tmp_path, mutant("m2", "g", change, tests="test_skips.py"), env, 60)
+    assert (survived.result, survived.passed) == ("SURVIVED", False)
+    assert (skipped.result, skipped.passed, skipped.killed) == ("not run", True, False)
+    assert "no tile unit on this CPU" in skipped.why
+    assert (tmp_path / "code.py").read_text() == "VALUE = 1\n"  # restored

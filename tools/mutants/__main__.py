@@ -5,8 +5,10 @@
     python -m tools.mutants --list          # the catalogue, nothing run
     python -m tools.mutants --markdown out.md
 
-Prints one row per mutant (killed, and by which test, or SURVIVED / STALE / BROKEN) and exits
-non-zero unless every selected mutant is killed. The catalogue is ``tools/mutants/catalog``.
+Prints one row per mutant (killed, and by which test, or SURVIVED / not run / STALE / BROKEN)
+and exits non-zero unless every selected mutant is killed or not run: a mutant whose guarding
+tests all skip on this machine (code it does not run) is reported as not run, never as killed
+or survived. The catalogue is ``tools/mutants/catalog``.
 """
 
 from __future__ import annotations
@@ -42,9 +44,8 @@ contain `a` or `b`; `--list` prints the catalogue. A mutant is a few lines in
 
 
 def markdown(rows: Sequence[Row]) -> str:
-    killed = sum(r.killed for r in rows)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lines = [MARKDOWN_HEAD, f"Run {when}: {killed}/{len(rows)} killed.", "",
+    lines = [MARKDOWN_HEAD, f"Run {when}: {_tally(rows)}.", "",
              "| mutant | guarantee switched off | result | killed by |", "|---|---|---|---|"]
     for r in rows:
         cells = (f"`{r.mutant.name}`", r.mutant.guarantee, r.result,
@@ -80,12 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in render(rows):
         print(line)
-    killed = sum(r.killed for r in rows)
-    print(f"\nmutants: {killed}/{len(rows)} killed"
-          + ("" if killed == len(rows) else f"; NOT killed: {[r.mutant.name for r in rows if not r.killed]}"))
+    failed = [r.mutant.name for r in rows if not r.passed]
+    print(f"\nmutants: {_tally(rows)}" + (f"; NOT killed: {failed}" if failed else ""))
     if args.markdown:
         args.markdown.write_text(markdown(rows), encoding="utf-8")
-    return 0 if killed == len(rows) else 1
+    return 1 if failed else 0
+
+
+def _tally(rows: Sequence[Row]) -> str:
+    """``K/N killed`` and, where some mutated code does not run on this machine, how many
+    were not run (their tests skip here) and which."""
+    killed = sum(r.killed for r in rows)
+    skipped = [r.mutant.name for r in rows if r.result == "not run"]
+    ran = len(rows) - len(skipped)
+    tally = f"{killed}/{ran} killed"
+    if skipped:
+        tally += f", {len(skipped)} not run on this machine (their tests skip here: {', '.join(skipped)})"
+    return tally
 
 
 if __name__ == "__main__":

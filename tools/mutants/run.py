@@ -33,12 +33,14 @@ class RunResult:
     failed: tuple[str, ...]  # failing test ids, first failure first
     seconds: float
     why: str = ""  # the first failure's message
+    ran: int = -1  # tests that ran (not skipped); -1 when unknown
+    skipped: str = ""  # the first skip's reason
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
     mutant: Mutant
-    result: str  # killed | timeout | SURVIVED | STALE | BROKEN
+    result: str  # killed | timeout | SURVIVED | not run | STALE | BROKEN
     by: str
     seconds: float
     why: str = ""
@@ -46,6 +48,12 @@ class Row:
     @property
     def killed(self) -> bool:
         return self.result in ("killed", "timeout")
+
+    @property
+    def passed(self) -> bool:
+        """Killed, or not run: every guarding test skips on this machine (code it does not
+        run, such as a tile-unit kernel on a CPU without one): neither killed nor survived."""
+        return self.killed or self.result == "not run"
 
 
 def scratch_copy(root: Path, dest: Path) -> None:
@@ -107,7 +115,21 @@ def run_pytest(
     if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failed):
         tail = "\n".join(output.splitlines()[-15:])
         return RunResult(proc.returncode, (f"pytest exit {proc.returncode}: {tail}",), seconds)
-    return RunResult(proc.returncode, failed, seconds, failures[0][1] if failures else "")
+    ran, skipped = _ran(junit) if junit.exists() else (-1, "")
+    return RunResult(proc.returncode, failed, seconds, failures[0][1] if failures else "",
+                     ran, skipped)
+
+
+def _ran(junit: Path) -> tuple[int, str]:
+    """How many test cases ran (were not skipped), and the first skip's reason."""
+    ran, reason = 0, ""
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        skip = case.find("skipped")
+        if skip is None:
+            ran += 1
+        elif not reason:
+            reason = _reason(skip.get("message") or "")
+    return ran, reason
 
 
 def _failures(junit: Path) -> list[tuple[str, str]]:
@@ -151,6 +173,8 @@ def run_mutant(
             path.write_text(text, encoding="utf-8")
     if result.code == -1:
         return Row(m, "timeout", f"no result in {timeout:.0f} s", result.seconds)
+    if result.code == 0 and result.ran == 0:
+        return Row(m, "not run", "", result.seconds, f"its tests skip here: {result.skipped}")
     if result.code == 0:
         return Row(m, "SURVIVED", "", result.seconds)
     if result.code == 1:
