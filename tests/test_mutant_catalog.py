@@ -51,3 +51,26 @@ def test_a_mutant_whose_tests_all_skip_here_is_not_run_and_fails_nothing(tmp_pat
     assert (skipped.result, skipped.passed, skipped.killed) == ("not run", True, False)
     assert "no tile unit on this CPU" in skipped.why
     assert (tmp_path / "code.py").read_text() == "VALUE = 1\n"  # restored
+
+
+def test_a_mutant_of_code_for_hardware_this_machine_lacks_is_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mutant that needs hardware (the tile unit) the machine's kernel lacks is reported as
+    not run without running its tests; where the kernel has it, the tests decide."""
+    from tools.mutants import mutant as mutant_module
+    from tools.mutants.mutant import edit, mutant
+    from tools.mutants.run import run_mutant
+
+    (tmp_path / "code.py").write_text("VALUE = 1\n")
+    (tmp_path / "test_runs.py").write_text("def test_runs():\n    assert False\n")
+    m = mutant("m", "g", edit("code.py", "VALUE = 1", "VALUE = 2"), tests="test_runs.py",
+               needs="amx")
+    env = {"PATH": "/usr/bin:/bin"}
+    monkeypatch.setitem(mutant_module.HARDWARE, "amx", "False")
+    lacking = run_mutant(tmp_path, m, env, 60)
+    assert (lacking.result, lacking.passed) == ("not run", True)
+    monkeypatch.setitem(mutant_module.HARDWARE, "amx", "True")
+    assert run_mutant(tmp_path, m, env, 60).result == "killed"
+    with pytest.raises(ValueError, match="needs 'gpu'"):
+        mutant("m", "g", tests="t.py", needs="gpu")

@@ -6,9 +6,10 @@
     python -m tools.mutants --markdown out.md
 
 Prints one row per mutant (killed, and by which test, or SURVIVED / not run / STALE / BROKEN)
-and exits non-zero unless every selected mutant is killed or not run: a mutant whose guarding
-tests all skip on this machine (code it does not run) is reported as not run, never as killed
-or survived. The catalogue is ``tools/mutants/catalog``.
+and exits non-zero unless every selected mutant is killed or not run: a mutant of code this
+machine does not run (its guarding tests all skip here, or it needs hardware, ``needs``, the
+kernel lacks) is reported as not run, never as killed or survived. The catalogue is
+``tools/mutants/catalog``.
 """
 
 from __future__ import annotations
@@ -90,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tally(rows: Sequence[Row]) -> str:
     """``K/N killed`` and, where some mutated code does not run on this machine, how many
-    were not run (their tests skip here) and which."""
+    were not run (code this machine does not run: its tests skip, or it needs hardware the
+    kernel lacks) and which."""
     killed = sum(r.killed for r in rows)
     skipped = [r.mutant.name for r in rows if r.result == "not run"]
     ran = len(rows) - len(skipped)
     tally = f"{killed}/{ran} killed"
     if skipped:
-        tally += f", {len(skipped)} not run on this machine (their tests skip here: {', '.join(skipped)})"
+        names = ", ".join(skipped)
+        tally += f", {len(skipped)} not run (code this machine does not run: {names})"
     return tally
 
 

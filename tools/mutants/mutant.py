@@ -26,15 +26,29 @@ class Mutant:
     guarantee: str
     edits: tuple[Edit, ...]
     tests: tuple[str, ...]
+    # Hardware the mutated code runs on (``HARDWARE``); where this machine's kernel lacks it
+    # the mutant is not run: its tests would pass whatever the edit.
+    needs: str = ""
+
+
+# What a mutant may need, and the Python expression (run in the scratch copy) that is true
+# where this machine's kernels have it: the kernel's own detection, not a list of CPUs.
+HARDWARE = {
+    "amx": "__import__('service.model.native_gemv', fromlist=['kernel']).kernel().amx",
+}
 
 
 def edit(path: str, old: str, new: str) -> Edit:
     return Edit(path, old, new)
 
 
-def mutant(name: str, guarantee: str, *edits: Edit, tests: tuple[str, ...] | str) -> Mutant:
+def mutant(
+    name: str, guarantee: str, *edits: Edit, tests: tuple[str, ...] | str, needs: str = ""
+) -> Mutant:
     """Shorthand for the catalogue: ``mutant(name, guarantee, edit(...), ..., tests=...)``."""
-    return Mutant(name, guarantee, edits, (tests,) if isinstance(tests, str) else tests)
+    if needs and needs not in HARDWARE:
+        raise ValueError(f"mutant {name}: needs {needs!r} is not one of {sorted(HARDWARE)}")
+    return Mutant(name, guarantee, edits, (tests,) if isinstance(tests, str) else tests, needs)
 
 
 class StaleAnchor(Exception):

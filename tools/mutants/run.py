@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.mutants.mutant import Mutant, StaleAnchor, mutated_sources
+from tools.mutants.mutant import HARDWARE, Mutant, StaleAnchor, mutated_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvcache", "service", "clients", "protos", "tests")
@@ -156,9 +156,19 @@ def _reason(message: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in first)
 
 
+def machine_has(scratch: Path, needs: str, env: dict[str, str]) -> bool:
+    """Whether this machine's kernels, built from the scratch copy, have ``needs``."""
+    code = f"import sys; sys.exit(0 if {HARDWARE[needs]} else 1)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=scratch, env=env,
+                          capture_output=True, check=False)
+    return done.returncode == 0
+
+
 def run_mutant(
     scratch: Path, m: Mutant, env: dict[str, str], timeout: float
 ) -> Row:
+    if m.needs and not machine_has(scratch, m.needs, env):
+        return Row(m, "not run", "", 0.0, f"this machine's kernels have no {m.needs}")
     try:
         sources = mutated_sources(scratch, m)
     except StaleAnchor as err:

@@ -223,6 +223,7 @@ MUTANTS = (
              "panel_amx_tile(p, xb, plane, r0, live, k, groups, dm + (size_t)(q - c0) * 32 * groups,",
              "panel_amx_tile(p, xb, plane, r0, live, k, groups, dm,"),
         tests="tests/model/test_native_gemv_panels.py",
+        needs="amx",
     ),
     mutant(
         "batch-invariant-tile-odd-blocks-from-even-tiles",
@@ -231,6 +232,7 @@ MUTANTS = (
              "        if (h & 1) {\n            _tile_stored(5, sums[0], 64);",
              "        if (!(h & 1)) {\n            _tile_stored(5, sums[0], 64);"),
         tests="tests/model/test_native_gemv_panels.py",
+        needs="amx",
     ),
     mutant(
         "batch-invariant-prefill-through-sdpa",
