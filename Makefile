@@ -108,9 +108,11 @@ bench: $(STAMP) model peers
 	$(PY) -m bench.run_all
 	$(PY) -m tools.benchmarks_doc
 
-# The generated pages under docs/ (tests/test_docs.py fails while configuration.md is stale).
+# The generated pages under docs/ (tests/test_docs.py fails while configuration.md or
+# interfaces.md is stale).
 docs: $(STAMP)
 	$(PY) -m tools.configuration_doc
+	$(PY) -m tools.interfaces_doc
 	$(PY) -m tools.benchmarks_doc
 
 # Scale-out: 3 replicas + HAProxy (deploy/haproxy/haproxy.cfg) + Redis on 127.0.0.1.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from tools import benchmarks_doc, configuration_doc
+import pytest
+
+from tools import benchmarks_doc, configuration_doc, interfaces_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,6 +16,50 @@ def test_configuration_page_is_regenerated_from_the_argparse_definitions() -> No
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert committed == configuration_doc.render(), (
         "docs/configuration.md is stale: run `make docs`")
+
+
+def test_interfaces_page_is_regenerated_from_the_code() -> None:
+    committed = (ROOT / "docs" / "interfaces.md").read_text()
+    assert committed == interfaces_doc.render(), (
+        "docs/interfaces.md is stale: run `python -m tools.interfaces_doc` (or `make docs`)")
+
+
+def test_the_interfaces_page_changes_with_a_field_or_a_signature(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.model
+    from kvcache.manager import KVCacheManager
+
+    page = interfaces_doc.render()
+    assert "    def free(self, seq_id: str) -> None: ..." in page
+    assert "    eos_token_ids: tuple[int, ...]\n" in page
+
+    grown = dataclasses.make_dataclass(
+        "ModelConfig", [("draft_heads", int, dataclasses.field(default=0))],
+        bases=(service.model.ModelConfig,), frozen=True, slots=True)
+    monkeypatch.setattr(service.model, "ModelConfig", grown)
+
+    def free(self, seq_id: str, *, scrub: bool = False) -> None:
+        """Release the sequence's pages."""
+
+    free.__qualname__ = "KVCacheManager.free"
+    monkeypatch.setattr(KVCacheManager, "free", free)
+
+    changed = interfaces_doc.render()
+    assert changed != page
+    assert "    draft_heads: int = 0\n" in changed
+    assert "    def free(self, seq_id: str, *, scrub: bool = False) -> None: ...\n" in changed
+
+
+def test_a_symbol_that_moved_fails_the_interfaces_page_by_its_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.model
+
+    monkeypatch.delattr(service.model, "ModelConfig")
+    with pytest.raises(interfaces_doc.InterfaceDocError, match=r"service\.model:ModelConfig"):
+        interfaces_doc.render()
+    gone = interfaces_doc.Section("gone", "A module that moved.", ("kvcache.nowhere:Thing",))
+    with pytest.raises(interfaces_doc.InterfaceDocError, match=r"kvcache\.nowhere:Thing"):
+        interfaces_doc.render((gone,))
 
 
 def test_every_serve_flag_is_on_the_configuration_page() -> None:
