@@ -85,7 +85,7 @@ sanitize: $(STAMP) model
 	done
 
 serve: $(STAMP) model
-	$(PY) -m service.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
+	$(PY) -m service.serve.dev --tenants $(DEV_TENANTS) --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) $(ARGS)
 
 parity: $(STAMP) model
 	$(PY) -m tools.parity

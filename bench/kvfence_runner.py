@@ -23,7 +23,7 @@ from bench.common import Work
 from bench.traces import RequestTrace
 from kvcache import CacheConfig
 from kvcache.config import ScrubPolicy
-from service.app import EngineSizing, build_server
+from service.admission.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
 from service.engine.engine import Engine
 from service.engine.factory import build_engine
 from service.engine.tuning import SchedulerTuning
@@ -36,10 +36,10 @@ from service.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from service.grpc_server import ServerOptions
-from service.logging import make_logger
+from service.serve.kvfence_server import ServerOptions
 from service.model.loader import LoadedModel, load_model
-from service.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
+from service.serve.app import EngineSizing, build_server
+from service.telemetry.logs import make_logger
 
 GREEDY = SamplingParams(temperature=0.0)
 # Every tenant may hold more streams than any suite sends, so the gRPC path is never throttled
@@ -109,7 +109,7 @@ def started_engine(loaded: LoadedModel, sizing: Sizing = Sizing()) -> Iterator[E
         sampler_seed=0,
     )
     engine.start()
-    gc.freeze()  # as `kvfence serve` does once it serves (service/app.py)
+    gc.freeze()  # as `kvfence serve` does once it serves (service/serve/app.py)
     try:
         yield engine
     finally:
@@ -137,7 +137,7 @@ async def grpc_server(
     )
     try:
         port = await stack.server.start()
-        gc.freeze()  # as `kvfence serve` does once it serves (service/app.py)
+        gc.freeze()  # as `kvfence serve` does once it serves (service/serve/app.py)
         yield f"127.0.0.1:{port}", keys, stack.engine
     finally:
         await stack.server.close()

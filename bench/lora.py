@@ -49,8 +49,8 @@ from bench.kvfence_runner import GREEDY, Sizing, drive, started_engine
 from bench.traces import RequestTrace
 from service.engine.engine import Engine
 from service.engine.types import Delta, Finished, Request, StoppingParams
-from service.model.config import ModelConfig
 from service.model.lora import TARGETS, LoraAdapter, load_lora
+from service.model.model_config import ModelConfig
 
 SUITE = "lora"
 RANK = 16

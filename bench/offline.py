@@ -50,7 +50,7 @@ from bench.offline_llama import (
     run_batched,
     run_server,
 )
-from service.config import EngineSizing
+from service.serve.settings import EngineSizing
 
 SUITE = "offline"
 HF_BATCHES = (8, 32)

@@ -77,10 +77,10 @@ async def both_fronts(
     loaded: Any, tenants: Sequence[str], sizing: Sizing | None = None
 ) -> AsyncIterator[tuple[str, str, dict[str, str]]]:
     """One in-process server with gRPC and HTTP on; yields (gRPC target, HTTP base URL, keys)."""
-    from service.app import build_server
-    from service.grpc_server import ServerOptions
-    from service.logging import make_logger
-    from service.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
+    from service.admission.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
+    from service.serve.kvfence_server import ServerOptions
+    from service.serve.app import build_server
+    from service.telemetry.logs import make_logger
 
     keys = {t: new_api_key() for t in tenants}
     registry = TenantRegistry({

@@ -1,6 +1,6 @@
 """Client verbs of the `kvfence` command: generate, chat, tokenize, usage, purge.
 
-service/cli.py builds the top-level parser and calls `register`; `python -m clients.cli`
+service/serve/commands.py builds the top-level parser and calls `register`; `python -m clients.cli`
 runs the same verbs on their own.
 
 Exit codes:

@@ -10,7 +10,7 @@
 |   of range, NaN/out-of-range sampling, max_tokens <= 0,  |                     |                               |
 |   prompt + max_tokens over context, bad stop strings,    |                     |                               |
 |   huge chat messages, unknown model, request bytes that  |                     |                               |
-|   do not parse (service/wire.py)                         |                     |                               |
+|   do not parse (service/grpc/wire.py)                         |                     |                               |
 | concurrency quota, tokens-per-minute, tenant queue full, | RESOURCE_EXHAUSTED  | QuotaFailure, RetryInfo (when |
 |   KV page quota, request larger than the KV pool         |                     |   waiting can help)           |
 | message larger than the receive limit (8 MiB)            | RESOURCE_EXHAUSTED  | (set by gRPC itself)          |

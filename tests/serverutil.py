@@ -50,11 +50,11 @@ from typing import Any
 import grpc
 
 from kvcache.stats import CacheStats, TenantUsage
-from service.app import EngineSizing, Stack, build_server
+from service.admission.tenants import hash_key, load_tenants, new_api_key
 from service.engine import Engine
-from service.grpc_server import KVFenceServer, ServerOptions
-from service.logging import make_logger
-from service.tenants import hash_key, load_tenants, new_api_key
+from service.serve.app import EngineSizing, Stack, build_server
+from service.serve.kvfence_server import KVFenceServer, ServerOptions
+from service.telemetry.logs import make_logger
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING_RE = re.compile(r"^kvfence: serving (\S+) on ([\d.]+):(\d+) .*metrics=(\d+|off)\)")
@@ -279,12 +279,12 @@ def start_server_process(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
 ) -> ServerProcess:
-    """``python -m service.cli serve`` on 127.0.0.1:0; returns once it prints its serving
+    """``python -m service.serve.commands serve`` on 127.0.0.1:0; returns once it prints its serving
     line. stdout is read on a thread into ``output``; logs (stderr) go to ``output`` too."""
     args = [
         sys.executable,
         "-m",
-        "service.cli",
+        "service.serve.commands",
         "serve",
         "--model",
         str(model_path),

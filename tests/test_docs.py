@@ -63,7 +63,7 @@ def test_a_symbol_that_moved_fails_the_interfaces_page_by_its_path(
 
 
 def test_every_serve_flag_is_on_the_configuration_page() -> None:
-    from service.cli import build_parser
+    from service.serve.commands import build_parser
 
     serve = dict(configuration_doc.commands(build_parser()))["kvfence serve"]
     page = configuration_doc.render()

@@ -47,17 +47,83 @@ def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
         ("protos", ("service", "kvcache", "clients", "torch")),
         ("service/model", ("grpc", "protos", "service.engine", "clients")),
         ("service/engine", ("grpc", "protos", "clients")),
-        # Request preparation serves both fronts and knows neither.
-        ("service/request_prep", ("grpc", "service.http", "service.inference_servicer",
-                                  "service.grpc_server")),
+        # Admission serves both fronts and knows neither.
+        ("service/admission", ("grpc", "service.grpc", "service.http", "service.serve")),
+        ("service/structured", ("grpc", "service.grpc", "service.http", "service.serve",
+                                "service.admission")),
+        ("service/telemetry", ("service.grpc", "service.http", "service.serve",
+                               "service.admission")),
+        # The two fronts keep their wire format and share admission; neither imports the other.
+        ("service/grpc", ("service.http", "service.serve")),
+        ("service/http", ("service.grpc", "service.serve")),
     ],
 )
 def test_import_arrows(package: str, forbidden: tuple[str, ...]) -> None:
     assert _offenders(package, forbidden) == []
 
 
+#: Which service packages each may import (its own always); ``serve`` (the composition root)
+#: may import them all, and nothing imports ``serve``.
+_SERVICE_ARROWS = {
+    "model": (),
+    "structured": ("engine.types", "model", "errors", "json_input", "held_work"),
+    "engine": ("model", "structured.grammar", "structured.grammar_depth",
+               "structured.compile_executor"),
+    "telemetry": ("engine", "errors"),
+    "admission": ("engine", "model", "structured", "telemetry", "errors", "protocols",
+                  "json_input", "held_work"),
+    "grpc": ("admission", "engine", "model", "structured", "telemetry", "errors", "protocols"),
+    "http": ("admission", "engine", "model", "structured", "telemetry", "errors", "protocols",
+             "json_input"),
+}
+
+#: The grammar runtime the engine runs sits below it: it imports nothing else of ``service``.
+_GRAMMAR_RUNTIME = ("grammar.py", "grammar_depth.py", "compile_executor.py")
+
+
+def _service_arrow_offenders() -> list[str]:
+    bad = []
+    for pkg, allowed in _SERVICE_ARROWS.items():
+        for file, mods in _package_imports(f"service/{pkg}").items():
+            ok = () if Path(file).name in _GRAMMAR_RUNTIME and pkg == "structured" else allowed
+            for mod in mods:
+                if not mod.startswith("service.") or mod.startswith(f"service.{pkg}"):
+                    continue
+                rest = mod.removeprefix("service.")
+                if not any(rest == a or rest.startswith(a + ".") for a in ok):
+                    bad.append(f"{file} imports {mod}")
+    return bad
+
+
+def test_service_packages_import_only_their_arrows() -> None:
+    """The arrows between the service packages (docs/architecture.md): the engine reaches
+    only the model and the grammar runtime, admission knows no front, the fronts know
+    neither each other nor the process setup."""
+    assert _service_arrow_offenders() == []
+
+
+def test_service_packages_cover_the_tree() -> None:
+    """Every service package has its arrows written down, and the top level stays small."""
+    packages = {p.name for p in (ROOT / "service").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == {*_SERVICE_ARROWS, "serve"}
+    top = sorted(p.name for p in (ROOT / "service").glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_nothing_imports_the_process_setup() -> None:
+    bad = []
+    for package in ("service", "kvcache", "clients"):
+        for file, mods in _package_imports(package).items():
+            if file.startswith("service/serve/"):
+                continue
+            bad.extend(f"{file} imports {m}" for m in mods if m.startswith("service.serve"))
+    assert bad == []
+
+
 def test_service_model_and_engine_do_not_import_the_server_layer() -> None:
-    allowed = ("service.model", "service.engine")
+    allowed = ("service.model", "service.engine", "service.structured.grammar",
+               "service.structured.compile_executor")
     bad = []
     for package in ("service/model", "service/engine"):
         for file, mods in _package_imports(package).items():
@@ -65,6 +131,18 @@ def test_service_model_and_engine_do_not_import_the_server_layer() -> None:
                 if mod.startswith("service.") and not mod.startswith(allowed):
                     bad.append(f"{file} imports {mod}")
     assert bad == []
+
+
+def test_no_two_service_modules_share_a_name() -> None:
+    """A module's name says what it holds: within ``service/`` (its families aside, one file
+    per architecture) no two modules share a name."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if path.name in ("__init__.py", "__main__.py") or "families" in rel.parts:
+            continue
+        seen.setdefault(path.name, []).append(str(rel))
+    assert {n: f for n, f in seen.items() if len(f) > 1} == {}
 
 
 def test_flashinfer_is_imported_only_inside_its_backend() -> None:
@@ -78,7 +156,7 @@ def test_flashinfer_is_imported_only_inside_its_backend() -> None:
 
 def test_client_side_imports_need_no_torch() -> None:
     code = (
-        "import sys, clients, service.cli\n"
+        "import sys, clients, service.serve.commands\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'kvcache') "
         "or m.startswith(('service.model', 'service.engine.')) "
         "and m != 'service.engine.tuning']\n"
@@ -142,13 +220,24 @@ def test_reach_in_check_catches_each_form() -> None:
     assert _reach_ins("mgr._tables\n", "kvcache/probe.py") == []
 
 
-def test_service_top_level_reaches_kvcache_only_at_the_composition_root() -> None:
-    """The servicers see the engine's API (which re-exports the few cache value types);
-    only the composition root names kvcache: ``app.py``, which builds the stack, and
-    ``config.py``, which derives kvcache's ``CacheConfig`` from the flags."""
+def test_service_reaches_kvcache_only_at_the_composition_root() -> None:
+    """The fronts and admission see the engine's API (which re-exports the few cache value
+    types); outside the engine and the model only the composition root names kvcache:
+    ``serve/app.py``, which builds the stack, and ``serve/settings.py``, which derives
+    kvcache's ``CacheConfig`` from the flags."""
     bad = []
-    for path in sorted((ROOT / "service").glob("*.py")):
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith(("service/engine/", "service/model/")):
+            continue
         mods = {m for m in _imports(path) if m == "kvcache" or m.startswith("kvcache.")}
-        if mods and path.name not in ("app.py", "config.py"):
-            bad.append(f"{path.name} imports {sorted(mods)}")
+        if mods and rel not in ("service/serve/app.py", "service/serve/settings.py"):
+            bad.append(f"{rel} imports {sorted(mods)}")
     assert bad == []
+
+
+def test_arrow_check_catches_a_wrong_arrow(tmp_path: Path) -> None:
+    """The arrow check reads real imports: a front importing the other front is caught."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from service.http.front import OpenAIFront\nimport service.grpc.wire\n")
+    assert _imports(probe) == {"service.http.front", "service.grpc.wire"}

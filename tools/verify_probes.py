@@ -29,9 +29,9 @@ from tools.mutants.mutant import Edit, Mutant, StaleAnchor, edit, mutated_source
 from tools.mutants.run import ROOT, scratch_copy, scratch_env
 
 MANAGER = "kvcache/manager.py"
-RESPONSES = "service/responses.py"
-SERVICER = "service/inference_servicer.py"
-GRAMMAR = "service/engine/grammar.py"
+RESPONSES = "service/grpc/stream_messages.py"
+SERVICER = "service/grpc/inference_service.py"
+GRAMMAR = "service/structured/grammar.py"
 DIFFERENTIAL = "tests/isolation/test_differential.py"
 DRAINING = '            if self._is_draining():\n                raise unavailable("server is shutting down")\n'
 SHUTDOWN = "        await asyncio.to_thread(stack.engine.shutdown)\n    return 0"
@@ -80,17 +80,17 @@ PROBES: tuple[Probe, ...] = (
           "denials log the call's metadata", mutant="auth-logs-key"),
     probe("test_auth_matrix::health without credentials", "test_api_key_matrix",
           "health set NOT_SERVING at start",
-          edit("service/grpc_server.py", "health_pb2.HealthCheckResponse.SERVING)",
+          edit("service/serve/kvfence_server.py", "health_pb2.HealthCheckResponse.SERVING)",
                "health_pb2.HealthCheckResponse.NOT_SERVING)")),
     probe("test_auth_matrix::GetUsage shows exactly the caller's own cache", "test_cache_rpcs",
           "GetUsage answers with tenant acme's usage",
-          edit("service/cache_servicer.py", "usage = await self._usage(tenant.name)",
+          edit("service/grpc/cache_service.py", "usage = await self._usage(tenant.name)",
                'usage = await self._usage("acme")')),
     probe("test_auth_matrix::pages purged by A == A's cached pages", "test_cache_rpcs",
           "Purge drops nothing", mutant="purge-noop"),
     probe("test_auth_matrix::B's cache untouched by A's Purge", "test_cache_rpcs",
           "Purge also purges globex",
-          edit("service/cache_servicer.py", "purged = await self._purge(tenant.name)",
+          edit("service/grpc/cache_service.py", "purged = await self._purge(tenant.name)",
                'purged = await self._purge(tenant.name)\n        await self._purge("globex")')),
     probe("test_auth_matrix::B's cached tokens after A's Purge", "test_cache_rpcs",
           "globex's lookups never hit",
@@ -103,7 +103,7 @@ PROBES: tuple[Probe, ...] = (
                "        for page_id in list(pages)[:0]:\n            if page_id in self.evictable:")),
     probe("test_auth_matrix::TLS/mTLS cases with the expected status and log line",
           "test_tls_and_mtls", "a key wins over a disagreeing client certificate",
-          edit("service/auth.py",
+          edit("service/admission/auth.py",
                "if identities and (by_cert is None or by_cert.name != by_key.name):", "if False:")),
     # test_tenant_source
     probe("test_tenant_source::calls served as the credential's tenant despite a spoofed tenant "
@@ -141,11 +141,11 @@ PROBES: tuple[Probe, ...] = (
                '            self._finish(seq, "abort")')),
     # test_drain
     probe("test_drain::SIGHUP reload revokes a key", "test_sigterm_drains", "SIGHUP ignored",
-          edit("service/app.py",
+          edit("service/serve/app.py",
                "lambda: [s.reload_tenants() for s in servers])", "lambda: None)")),
     probe("test_drain::in flight at SIGTERM (server log)", "test_sigterm_drains",
           "server.draining logs in_flight=0",
-          edit("service/grpc_server.py", "in_flight=self.limiter.total_active(), grace_s=grace",
+          edit("service/serve/kvfence_server.py", "in_flight=self.limiter.total_active(), grace_s=grace",
                "in_flight=0, grace_s=grace")),
     probe("test_drain::short streams complete and untruncated", "test_sigterm_drains",
           "each chunk loses its first token", DROP_TOKEN),
@@ -157,15 +157,15 @@ PROBES: tuple[Probe, ...] = (
           "draining admits new RPCs", mutant="drain-admits-new"),
     probe("test_drain::new RPCs accepted after the first refusal", "test_sigterm_drains",
           "draining refuses only half of new RPCs",
-          *(edit("service/interceptor.py", DRAINING + nxt, DRAINING.replace(
+          *(edit("service/grpc/interceptor.py", DRAINING + nxt, DRAINING.replace(
               "self._is_draining():",
               'self._is_draining() and __import__("random").random() < 0.5:') + nxt)
             for nxt in ("            self._auth.precheck(", "            tenant = "))),
     probe("test_drain::exit status", "test_sigterm_drains", "serve returns 1",
-          edit("service/app.py", SHUTDOWN, SHUTDOWN.replace("return 0", "return 1"))),
+          edit("service/serve/app.py", SHUTDOWN, SHUTDOWN.replace("return 0", "return 1"))),
     probe("test_drain::seconds from SIGTERM to exit", "test_sigterm_drains",
           "6 s sleep before exit",
-          edit("service/app.py", SHUTDOWN, SHUTDOWN.replace(
+          edit("service/serve/app.py", SHUTDOWN, SHUTDOWN.replace(
               "return 0", '__import__("time").sleep(6)\n    return 0'))),
     # test_soak (its references use logprobs; the soak's own streams do not)
     probe("test_soak::lost chunks", "test_soak", "soak streams lose a token per chunk",
@@ -204,22 +204,22 @@ PROBES: tuple[Probe, ...] = (
     # test_noisy_neighbour (the TTFT / gap p50 bounds are checks only at full sizes)
     probe("test_noisy_neighbour::victim requests failed", "test_tokenizer_flood",
           "the victim's KV share is one page",
-          edit("service/kv_shares.py", "        shares[name] = math.floor(left * weight / total_weight)",
+          edit("service/admission/kv_shares.py", "        shares[name] = math.floor(left * weight / total_weight)",
                '        shares[name] = 1 if name == "victim" else '
                "math.floor(left * weight / total_weight)")),
     probe("test_noisy_neighbour::health Watch streams refused past the cap",
           "test_unauthenticated_flood", "no Watch cap",
-          edit("service/health.py", "if self._watching >= self._max_watches:", "if False:")),
+          edit("service/grpc/health_service.py", "if self._watching >= self._max_watches:", "if False:")),
     probe("test_noisy_neighbour::unauthenticated calls answered other than UNAUTHENTICATED",
           "test_unauthenticated_flood", "a call without credentials is the first tenant's",
-          edit("service/auth.py", "        raise unauthenticated(_MISSING)\n\n    def precheck(",
+          edit("service/admission/auth.py", "        raise unauthenticated(_MISSING)\n\n    def precheck(",
                "        return next(iter(registry.tenants.values()))\n\n    def precheck("),
-          edit("service/auth.py",
+          edit("service/admission/auth.py",
                "        if _by_header(self._registry, metadata) is None and not client_certs:",
                "        if False:")),
     probe("test_noisy_neighbour::hog request over its KV share", "test_kv_pool_hog",
           "no fits-the-share check at admission",
-          edit("service/engine/kv_limits.py",
+          edit("service/engine/kv_quota.py",
                "return RequestTooLarge(needed, limit, what) if needed > limit else None",
                "return None")),
     probe("test_noisy_neighbour::spy's largest observed change in its cached pages",
@@ -303,7 +303,7 @@ PROBES: tuple[Probe, ...] = (
           "one freed page orphaned", ORPHAN_ONE),
     probe("test_structured_outputs::JSON-schema completions that parse and validate (default "
           "model)", "test_json_schema_completions", "response_format ignored",
-          edit("service/request_prep/fields.py",
+          edit("service/admission/request_fields.py",
                "    spec: GrammarSpec | None = _format_spec(request)\n",
                "    spec: GrammarSpec | None = None\n")),
 )

@@ -11,7 +11,7 @@ Modules (one noun each):
 - ``step_budget``: how much a step may carry (token budget, time bound, decode stretch).
 - ``scheduler``: the scheduling loop and preemption; the engine's only caller of
   ``kvcache.KVCacheManager`` (allocate, fence, commit, free). ``plan``: the step plan it
-  returns; ``kv_limits``: what can never fit, and whose pages an overcommitted pool takes.
+  returns; ``kv_quota``: what can never fit, and whose pages an overcommitted pool takes.
 - ``runner``: batch inputs and the model forward.
 - ``sampler``: batched sampling and logprobs.
 - ``stop``/``detokenizer``: stop strings and UTF-8-safe text deltas.

@@ -26,7 +26,6 @@ from kvcache.manager import KVCacheManager
 from kvcache.stats import TenantUsage
 from service.engine.cost_model import Regime
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.grammar import GrammarMatcher
 from service.engine.invariants import validate_request
 from service.engine.plan import ScheduledSeq, SchedulerOutput
 from service.engine.request import SeqState, SeqStatus
@@ -52,6 +51,7 @@ from service.engine.types import (
     TokenLogprob,
 )
 from service.model.llama import LlamaModel
+from service.structured.grammar import GrammarMatcher
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """The engine's request invariants, checked when a request is added.
 
-The service prepares every request first (``service/request_prep``: each field parsed and
+The service prepares every request first (``service/admission/``: each field parsed and
 checked once, problems turned into BadRequest details); the engine trusts what it is given,
 and the field rules below are assertions of that contract, not a second validator. What
 only the engine can know stays a typed refusal: a reserved tenant name outside the engine's

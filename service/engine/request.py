@@ -17,8 +17,8 @@ from typing import overload
 import torch
 
 from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.grammar import GrammarMatcher
 from service.engine.types import EngineEvent, Request
+from service.structured.grammar import GrammarMatcher
 
 
 class TokenTail(Sequence[int]):

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from service.engine.grammar import GrammarMatcher, apply_grammar_masks
 from service.engine.types import SamplingParams, TokenLogprob
+from service.structured.grammar import GrammarMatcher, apply_grammar_masks
 
 
 @dataclass(frozen=True, slots=True)

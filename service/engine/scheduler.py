@@ -35,7 +35,7 @@ from kvcache.metadata import StepEntry
 from kvcache.stats import CacheStats, TenantUsage
 from service.engine.cost_model import Regime, StepShape
 from service.engine.fairness import FairShare, Presence, TenantQueues, TokenCounter
-from service.engine.kv_limits import most_over_share, never_fits, page_limit
+from service.engine.kv_quota import most_over_share, never_fits, page_limit
 from service.engine.plan import ScheduledSeq, SchedulerOutput
 from service.engine.request import SeqState, SeqStatus
 from service.engine.step_budget import ChunkTerms, StepBudget, StepRoom

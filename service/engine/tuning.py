@@ -1,6 +1,6 @@
 """Every scheduling constant, with its unit and why: the one source of their defaults.
 
-``kvfence serve``'s flags (service/cli.py), ``EngineSizing`` (service/config.py) and
+``kvfence serve``'s flags (service/serve/commands.py), ``EngineSizing`` (service/serve/settings.py) and
 ``EngineConfig`` (service/engine/types.py) all take their defaults from
 ``SchedulerTuning()``; tests/service/test_tuning_defaults.py compares them. The scheduler
 reads nothing else: no private constant decides a step. docs/scheduling.md explains each

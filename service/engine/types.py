@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from service.engine.grammar import CompiledGrammar
     from service.model.lora import LoraAdapter
+    from service.structured.grammar import CompiledGrammar
 
 from kvcache.stats import CacheStats
 from service.engine.tuning import SchedulerTuning

@@ -12,12 +12,12 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from service.adapters import Adapters
+from service.admission.tenant_adapters import Adapters
+from service.admission.tenants import Tenant
 from service.errors import Violations, invalid_argument
 from service.http.deps import FrontDeps
 from service.http.json_route import answer_json
 from service.http.parse import load_body
-from service.tenants import Tenant
 
 MAX_BODY_BYTES = 8 * 1024  # a name and a path
 

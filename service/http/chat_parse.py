@@ -1,5 +1,5 @@
 """OpenAI chat ``messages`` and ``tools``/``tool_choice``/``parallel_tool_calls`` -> the
-gRPC ``ChatMessages``. Shapes only; the shared validator (``service.tools``) checks names,
+gRPC ``ChatMessages``. Shapes only; the shared validator (``service.structured.tools``) checks names,
 schemas and the choice against the tools."""
 
 from __future__ import annotations

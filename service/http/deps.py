@@ -11,19 +11,19 @@ from dataclasses import dataclass, field
 from starlette.requests import Request as HttpRequest
 from structlog.typing import FilteringBoundLogger
 
-from service.adapters import Adapters
-from service.auth import Authenticator
+from service.admission.auth import Authenticator
+from service.admission.limiter import Limiter
+from service.admission.prep import RequestPrep
+from service.admission.request_fields import prompt_token_limit
+from service.admission.request_size import JSON_BYTES_PER_TOKEN, request_limit, too_large
+from service.admission.tenant_adapters import Adapters
+from service.admission.tenants import Tenant
 from service.errors import unavailable
 from service.http.body import MAX_BODY_BYTES
-from service.limits import Limiter
-from service.metrics import Metrics
 from service.protocols import EngineLike
-from service.request_metrics import PageAlert
-from service.request_prep.fields import prompt_token_limit
-from service.request_prep.prep import RequestPrep
-from service.request_size import JSON_BYTES_PER_TOKEN, request_limit, too_large
-from service.tenants import Tenant
-from service.tracing import Tracing
+from service.telemetry.metrics import Metrics
+from service.telemetry.request_metrics import PageAlert
+from service.telemetry.tracing import Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ def tenant_of(deps: FrontDeps, request: HttpRequest) -> Tenant:
 
 
 def body_limit(deps: FrontDeps, tenant: Tenant) -> tuple[int, Callable[[int], str]]:
-    """The most body bytes ``tenant`` may send (``service/request_size.py``), and the words
+    """The most body bytes ``tenant`` may send (``service/admission/request_size.py``), and the words
     of the refusal past it."""
     tokens = prompt_token_limit(deps.prep.model, tenant.quotas.max_prompt_tokens)
     limit = request_limit(tokens, JSON_BYTES_PER_TOKEN, MAX_BODY_BYTES)

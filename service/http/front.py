@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/responses`` (``service.http.responses_request``, ``responses_reply``), ``GET /v1/models``,
-``POST /tokenize`` and ``/detokenize`` (``service.http.tokens``), ``POST /v1/embeddings``
+``POST /tokenize`` and ``/detokenize`` (``service.http.token_routes``), ``POST /v1/embeddings``
 (refused: the served models are decoder LMs), ``POST /v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` (``service.http.adapter_routes``), ``GET /health``, and ``GET /metrics`` with
 ``--metrics-on-http``.
@@ -8,7 +8,7 @@
 The tenant comes only from ``Authorization: Bearer <key>``, checked by the same
 ``Authenticator`` (same key hashes) as gRPC; no body field can name a tenant. A request is
 translated to the gRPC ``GenerateRequest`` and prepared by the same ``RequestPrep``
-(``service/request_prep``) as gRPC, so both fronts accept and refuse exactly the same things.
+(``service/admission/``) as gRPC, so both fronts accept and refuse exactly the same things.
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ from starlette.routing import Route
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
-from service.adapters import Adapters, BoundLease
+from service.admission.generation import Generation, admit_all
+from service.admission.tenant_adapters import Adapters, BoundLease
 from service.errors import ServiceError, internal, invalid_argument
 from service.http import render, responses_reply, responses_request
 from service.http.adapter_routes import AdapterRoutes
 from service.http.body import BodyTooLarge, read_body, until_disconnect
 from service.http.deps import FrontDeps, body_limit, tenant_of
-from service.http.errors import error_response
-from service.http.generation import Generation, admit_all
+from service.http.error_replies import error_response
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
 from service.http.replies import Replies, where
-from service.http.tokens import TokenRoutes
-from service.request_metrics import RequestMetrics
-from service.tools import ToolPlan
-from service.tracing import RequestTrace
+from service.http.token_routes import TokenRoutes
+from service.structured.tools import ToolPlan
+from service.telemetry.request_metrics import RequestMetrics
+from service.telemetry.tracing import RequestTrace
 
 TIMEOUT_HEADER = "x-kvfence-timeout"
 

@@ -48,9 +48,9 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.admission.refusal_pace import RefusalPace
 from service.errors import ServiceError
-from service.http.errors import error_body, http_status
-from service.refusal_pace import RefusalPace
+from service.http.error_replies import error_body, http_status
 
 # Routes whose requests need a tenant: refused from their headers when the key is wrong.
 GATED_PATHS = frozenset({

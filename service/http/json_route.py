@@ -10,12 +10,12 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
+from service.admission.tenants import Tenant
 from service.errors import ServiceError, internal
 from service.http.body import BodyTooLarge, Describe, read_body
 from service.http.deps import FrontDeps, tenant_of
-from service.http.errors import error_response
+from service.http.error_replies import error_response
 from service.http.replies import where
-from service.tenants import Tenant
 
 Work = Callable[[Tenant, bytes], Awaitable[dict[str, Any]]]
 # The most body bytes a tenant's call may send, and the words past it (None: the default).

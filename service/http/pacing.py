@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.admission.refusal_pace import RefusalPace
+from service.admission.tenants import Tenant
 from service.errors import ServiceError
-from service.refusal_pace import RefusalPace
-from service.tenants import Tenant
 
 Authenticate = Callable[[list[tuple[str, str]]], Tenant]
 # Unauthenticated routes: paced by the peer address (``/metrics`` only with --metrics-on-http).

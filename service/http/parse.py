@@ -15,11 +15,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from protos.kvfence.v1 import inference_pb2
+from service.admission.request_fields import MAX_LOGIT_BIAS
 from service.errors import Violations, invalid_argument
-from service.http import chat_parse, fields
-from service.json_input import NOT_TEXT, JsonInputError, lone_surrogate, may_hold_surrogate
+from service.http import body_fields, chat_parse
+from service.json_input import (
+    NOT_TEXT,
+    JsonInputError,
+    lone_surrogate,
+    may_hold_surrogate,
+)
 from service.json_input import load as load_json
-from service.request_prep.fields import MAX_LOGIT_BIAS
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
@@ -275,7 +280,7 @@ def _response_format(f: _Fields, req: inference_pb2.GenerateRequest) -> None:
 def parse_chat(body: Mapping[str, Any]) -> tuple[inference_pb2.GenerateRequest, HttpOptions]:
     """``POST /v1/chat/completions`` -> (request, options); raises INVALID_ARGUMENT."""
     out: Violations = []
-    fields.check_names(body, fields.CHAT, out)
+    body_fields.check_names(body, body_fields.CHAT, out)
     f = _Fields(body, out)
     req = inference_pb2.GenerateRequest()
     n, stream, usage, continuous = _common(f, req, "max_completion_tokens")
@@ -307,7 +312,7 @@ def parse_completion(
 ) -> tuple[inference_pb2.GenerateRequest, HttpOptions]:
     """``POST /v1/completions`` -> (request, options); raises INVALID_ARGUMENT."""
     out: Violations = []
-    fields.check_names(body, fields.COMPLETION, out)
+    body_fields.check_names(body, body_fields.COMPLETION, out)
     f = _Fields(body, out)
     req = inference_pb2.GenerateRequest()
     n, stream, usage, continuous = _common(f, req, "max_tokens")

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from service.engine.types import Delta, Finished, TokenLogprob
 from service.http.parse import HttpOptions
-from service.tool_calls import ParsedCall
+from service.structured.tool_calls import ParsedCall
 
 Endpoint = Literal["chat", "completion"]
 TokenText = Callable[[int], str]

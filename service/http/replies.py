@@ -15,17 +15,17 @@ from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
-from service.adapters import Adapters
+from service.admission.generation import Generation
+from service.admission.outcomes import finish_error
+from service.admission.tenant_adapters import Adapters
 from service.engine.types import Admitted, Delta, EngineEvent, Finished, Request
 from service.errors import ServiceError, internal
-from service.finish import finish_error
 from service.http import render
-from service.http.errors import error_body
-from service.http.generation import Generation
+from service.http.error_replies import error_body
 from service.http.parse import HttpOptions
-from service.request_metrics import RequestMetrics, SequenceMetrics
-from service.tool_calls import CallsMade, ToolSplitter
-from service.tools import ToolPlan
+from service.structured.tool_calls import CallsMade, ToolSplitter
+from service.structured.tools import ToolPlan
+from service.telemetry.request_metrics import RequestMetrics, SequenceMetrics
 
 
 class Replies:

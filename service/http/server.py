@@ -18,8 +18,8 @@ from pathlib import Path
 import uvicorn
 from starlette.types import ASGIApp
 
+from service.admission.refusal_pace import RefusalPace
 from service.http.guard import Gate, HttpGuard, guarded_protocol
-from service.refusal_pace import RefusalPace
 
 
 class _InLoopServer(uvicorn.Server):

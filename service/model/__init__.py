@@ -1,10 +1,10 @@
 """The model runtime: a Llama-family decoder in plain torch plus its loaders."""
 
 from service.model.chat_template import ChatTemplate, ChatTemplateError
-from service.model.config import ModelConfig, RopeScaling
-from service.model.errors import ModelLoadError
 from service.model.llama import LlamaModel
+from service.model.load_error import ModelLoadError
 from service.model.loader import LoadedModel, ModelFile, load_model, open_model
+from service.model.model_config import ModelConfig, RopeScaling
 from service.model.tokenizer import Tokenizer
 
 __all__ = [

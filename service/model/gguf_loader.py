@@ -12,13 +12,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.families import ConfigKeys, Family, Source, Tokens, gguf_family
 from service.model.families import llama as _llama
 from service.model.families.base import GGUF_GLOBAL_NAMES
 from service.model.families.keys import refuse_unread_gguf
 from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0
 from service.model.tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from service.model.errors import ModelLoadError
+from service.model.load_error import ModelLoadError
 from service.model.pretokenizers import IGNORE_MERGES, byte_level_pre_tokenizer
 from service.model.tokenizer import bytes_to_unicode
 

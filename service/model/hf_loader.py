@@ -12,10 +12,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.families import ConfigKeys, Family, Source, Tokens, hf_family
 from service.model.families.keys import refuse_unread_hf
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 from service.model.tokenizer import Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")

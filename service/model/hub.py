@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from service.model.errors import ModelLoadError
+from service.model.load_error import ModelLoadError
 
 # A repository id as the Hub spells it, then an optional ``:FILE`` (a path inside the repo).
 _SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<file>[^:]+))?$")

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.attention import AttentionFn, NativeAttend
-from service.model.config import ModelConfig
 from service.model.invariance import invariant_packs
 from service.model.layers import Layer, dense, layers, normed, stack
 from service.model.lora_batch import LoraBatch, lora_qkv, lora_rest
+from service.model.model_config import ModelConfig
 from service.model.moe import Activation, MoeRouting, moe_mlp
 from service.model.native_gemv import StackDelta
 from service.model.packed import Linear, PackedLinears

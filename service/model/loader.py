@@ -16,12 +16,12 @@ import torch
 
 from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.families.base import refuse_unused
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.llama import LlamaModel
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 from service.model.packed import resolve_weights
 from service.model.progress import Progress
 from service.model.threads import on_fresh_thread

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.model.config import ModelConfig
+from service.model.model_config import ModelConfig
 from service.model.threads import on_fresh_thread
 
 CONFIG_FILE = "adapter_config.json"

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from service.model import native_gemv
-from service.model.config import ModelConfig
+from service.model.model_config import ModelConfig
 from service.model.quant import Int4Codes, Int4Linear, Int8Linear, concat_rows, quantize_int4
 
 Linear = Callable[[torch.Tensor], torch.Tensor]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tokenizers import Regex, pre_tokenizers
 
-from service.model.errors import ModelLoadError
+from service.model.load_error import ModelLoadError
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (

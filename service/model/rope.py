@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from service.model.config import ModelConfig, RopeScaling
+from service.model.model_config import ModelConfig, RopeScaling
 
 
 def _base(theta: float, d: int) -> torch.Tensor:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.llama import DecoderWeights
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 from service.model.packed import CodesGetter, build_packed
 from service.model.progress import Progress
 

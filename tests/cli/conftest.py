@@ -1,6 +1,6 @@
 """The `kvfence` command as a newcomer meets it: every test runs it as a subprocess.
 
-`kvfence(...)` runs `python -m service.cli ...` from the repository root with no KVFENCE_*
+`kvfence(...)` runs `python -m service.serve.commands ...` from the repository root with no KVFENCE_*
 variables of the developer's own. `plain_server` is one real `kvfence serve` (tiny random
 Llama, port 0) shared by the module; `fake` servers record exactly what the CLI sent.
 """
@@ -39,7 +39,7 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def kvfence(*args: str, env: Mapping[str, str] | None = None, input: str | None = None,
             timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "service.serve.commands", *args], cwd=ROOT,
                           env=clean_env(env), input=input, capture_output=True, text=True,
                           timeout=timeout)
 

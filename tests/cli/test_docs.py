@@ -28,7 +28,7 @@ def test_readme_states_the_real_log_default_and_sampling_defaults() -> None:
 
 
 def test_readme_names_the_san_types_that_map_to_a_tenant() -> None:
-    from service.tenants import SAN_TYPES
+    from service.admission.tenants import SAN_TYPES
 
     # The README names every SAN type the tenants file accepts, in the form the file uses.
     for kind in SAN_TYPES:
@@ -45,6 +45,6 @@ def test_examples_show_kvfence_keys() -> None:
 def test_make_serve_passes_args_to_serve() -> None:
     run = subprocess.run(["make", "-n", "serve", 'ARGS=--metrics-port 9464'], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
-    [line] = [line for line in run.stdout.splitlines() if "service.dev" in line]
+    [line] = [line for line in run.stdout.splitlines() if "service.serve.dev" in line]
     assert line.endswith("--metrics-port 9464")
     assert 'make serve ARGS="--metrics-port 9464' in README

@@ -30,7 +30,7 @@ def test_closed_pipe_exits_0_without_a_word() -> None:
     fake = FakeInference(gate=gate)
     with serve(fake) as target:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "generate", "hi", "--json", "--target", target,
+            [sys.executable, "-m", "service.serve.commands", "generate", "hi", "--json", "--target", target,
              "--api-key", GOOD_KEY], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         try:

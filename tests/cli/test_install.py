@@ -14,7 +14,7 @@ from tests.cli.conftest import ROOT, clean_env
 def _without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
     """`kvfence ARGV` as on the client-only install: importing MODULE fails there."""
     code = (f"import sys; sys.modules[{module!r}] = None\n"
-            "from service.cli import main\n"
+            "from service.serve.commands import main\n"
             f"sys.exit(main({list(argv)!r}))")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(),
                           capture_output=True, text=True, timeout=120)

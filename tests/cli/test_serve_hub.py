@@ -52,7 +52,7 @@ def resolve(hf_home: Path, *names: str, endpoint: str | None = None) -> list[str
     env = offline(hf_home) if endpoint is None else clean_env(
         {"HF_HOME": str(hf_home), "HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
     code = ("import sys\nfrom service.model.hub import parse_hub_name, resolve_hub_model\n"
-            "from service.model.errors import ModelLoadError\n"
+            "from service.model.load_error import ModelLoadError\n"
             "for arg in sys.argv[1:]:\n"
             "    name, _, revision = arg.partition('@')\n"
             "    hub = parse_hub_name(name)\n    assert hub is not None\n"

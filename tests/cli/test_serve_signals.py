@@ -24,7 +24,7 @@ def test_signal_during_start_up_exits_at_once(signum: int, stage: str, code: int
     tenants = tmp_path / "tenants.toml"
     write_tenants_file(tenants, {"acme": TenantSpec()})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--tenants", str(tenants), "--port",
+        [sys.executable, "-m", "service.serve.commands", "serve", "--tenants", str(tenants), "--port",
          str(free_port()), "--log-format", "json", "--kv-memory", "64MiB"],
         cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[str] = []

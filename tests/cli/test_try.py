@@ -21,7 +21,7 @@ from tests.serverutil import SERVING_RE
 def test_try_command_answers_with_a_sentence(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.dev", "--tenants", str(tmp_path / "tenants.toml"),
+        [sys.executable, "-m", "service.serve.dev", "--tenants", str(tmp_path / "tenants.toml"),
          "--port", str(port), "--kv-memory", "64MiB"],
         cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: list[str] = []

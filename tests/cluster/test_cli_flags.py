@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from service import cli
-from service.cluster_limits import DEFAULT_FAILURE_MODE, ClusterLimitsConfig
-from service.config import serve_config
-from service.tenants import add_tenant
+from service.admission.cluster_limits import DEFAULT_FAILURE_MODE, ClusterLimitsConfig
+from service.admission.tenants import add_tenant
+from service.serve import commands as cli
+from service.serve.settings import serve_config
 
 
 def _parse(*argv: str) -> ClusterLimitsConfig | None:

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.tenants import load_tenants
+from service.admission.tenants import load_tenants
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"

@@ -14,12 +14,16 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from service.cluster_limits import ClusterLimiter, ClusterLimitsConfig, build_cluster_limiter
+from service.admission.cluster_limits import (
+    ClusterLimiter,
+    ClusterLimitsConfig,
+    build_cluster_limiter,
+)
+from service.admission.limiter import LeaseLike
+from service.admission.redis_scripts import LeaseKey
+from service.admission.tenants import Quotas
 from service.errors import ServiceError
-from service.limits import LeaseLike
-from service.logging import make_logger
-from service.redis_limits import LeaseKey
-from service.tenants import Quotas
+from service.telemetry.logs import make_logger
 from tests.cluster.conftest import RedisProcess
 
 

@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.cluster_limits import ClusterLimitsConfig
-from service.grpc_server import ServerOptions
-from service.tenants import new_api_key
+from service.admission.cluster_limits import ClusterLimitsConfig
+from service.admission.tenants import new_api_key
+from service.serve.kvfence_server import ServerOptions
 from tests.cluster.conftest import RedisProcess
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 

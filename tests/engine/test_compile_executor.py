@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from service.engine.compile_executor import CompileExecutor
 from service.held_work import outlive_cancel
+from service.structured.compile_executor import CompileExecutor
 from tests.serverutil import ROOT
 
 _CHILD = """
-from service.engine.compile_executor import CompileExecutor
-from service.engine.grammar import GrammarLimits, GrammarSpec
+from service.structured.compile_executor import CompileExecutor
+from service.structured.grammar import GrammarLimits, GrammarSpec
 from tests.engine.test_grammar import _compiler
 from tests.engine.test_grammar_depth import lark_chain
 gc = _compiler(GrammarLimits(max_depth=10**9, max_source_bytes=1 << 20))

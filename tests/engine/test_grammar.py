@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.grammar import (
+from service.engine.sampler import Sampler, SampleRow
+from service.engine.types import SamplingParams
+from service.structured.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarLimits,
@@ -14,8 +16,6 @@ from service.engine.grammar import (
     Vocabulary,
     apply_grammar_masks,
 )
-from service.engine.sampler import Sampler, SampleRow
-from service.engine.types import SamplingParams
 
 EOS = 256  # one byte per token, then EOS
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from service.engine.compile_executor import CompileExecutor
-from service.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec
-from service.engine.grammar_depth import (
+from service.structured.compile_executor import CompileExecutor
+from service.structured.grammar import GrammarCompiler, GrammarError, GrammarLimits, GrammarSpec
+from service.structured.grammar_depth import (
     json_nesting,
     json_ref_depth,
     lark_depth,

@@ -11,11 +11,11 @@ import time
 import torch
 
 from service.engine.cost_model import StepCost, StepCostModel
-from service.engine.grammar import GrammarMatcher
 from service.engine.sampler import Sampler, SampleRow
 from service.engine.tuning import SchedulerTuning
 from service.engine.types import EngineConfig, SamplingParams
 from service.model import LoadedModel
+from service.structured.grammar import GrammarMatcher
 from tests.engine.conftest import Recorder, make_core, prompt_ids, req
 
 V = 384

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 
 TENANTS = {

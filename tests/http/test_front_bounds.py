@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service.grpc_server import ServerOptions
+from service.admission.request_size import JSON_BYTES_PER_TOKEN, REQUEST_ALLOWANCE_BYTES
 from service.http.guard import HttpGuard
-from service.request_size import JSON_BYTES_PER_TOKEN, REQUEST_ALLOWANCE_BYTES
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 
 GUARD = HttpGuard(max_connections=30, max_per_peer=10, limit_concurrency=4)

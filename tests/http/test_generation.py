@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from service.admission.generation import Generation, admit_all
+from service.admission.limiter import TenantLimiter
+from service.admission.tenants import Quotas
 from service.engine.types import Delta, EngineEvent, Finished, FinishReason, Request
-from service.http.generation import Generation, admit_all
-from service.limits import TenantLimiter
-from service.tenants import Quotas
 
 
 def _finished(reason: FinishReason) -> Finished:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.grpc_server import ServerOptions
 from service.http.guard import HttpGuard
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.service.rpc import request
 

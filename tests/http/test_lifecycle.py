@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import TENANTS, base_url
 from tests.serverutil import ServerHandle, running_server
 

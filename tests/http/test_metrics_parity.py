@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import base_url
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import TENANTS, client
 from tests.serverutil import ServerHandle, running_server
 
@@ -103,9 +103,9 @@ def test_the_unknown_model_error_points_http_clients_at_get_v1_models(
 def test_shared_error_texts_name_http_routes_and_fields_on_http() -> None:
     """The texts both fronts share say what an HTTP client can do, not a gRPC method or
     field."""
-    from service.adapters import UNKNOWN_MODEL
+    from service.admission.tenant_adapters import UNKNOWN_MODEL
     from service.errors import invalid_argument
-    from service.http.errors import error_body
+    from service.http.error_replies import error_body
 
     no_template = ("chat", "the model has no chat template; send text or token_ids")
     body = error_body(invalid_argument([no_template, UNKNOWN_MODEL]))["error"]

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import TENANTS, base_url, client
 from tests.serverutil import TEST_SIZING, ServerHandle, running_server
 

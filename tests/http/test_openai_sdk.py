@@ -168,8 +168,8 @@ def test_cached_tokens_are_the_callers_own(srv: ServerHandle) -> None:
 def test_n_sequences_map_the_first_ones_prompt_pages(srv: ServerHandle) -> None:
     """Sequences 1..n-1 are submitted after sequence 0 filled the prompt pages, and get
     them from the tenant's prefix cache instead of computing them again."""
+    from service.admission.generation import Generation, admit_all
     from service.engine.types import Admitted, Request, SamplingParams, StoppingParams
-    from service.http.generation import Generation, admit_all
 
     page = srv.engine.page_size
     prompt = tuple(range(10, 10 + 3 * page + 5))  # 3 full pages and a partial one

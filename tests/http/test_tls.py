@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from service.grpc_server import ServerOptions, TlsFiles
+from service.serve.kvfence_server import ServerOptions, TlsFiles
 from tests.serverutil import TenantSpec, running_server
 from tests.service import certs
 

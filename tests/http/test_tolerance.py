@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions
-from service.http import fields
+from service.http import body_fields
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import TENANTS, base_url
 from tests.serverutil import ServerHandle, running_server
 
@@ -55,19 +55,19 @@ def grpc_ids(srv: ServerHandle, req: inference_pb2.GenerateRequest, tenant: str 
     return list(stub.Generate(req, metadata=srv.auth(tenant)))
 
 
-@pytest.mark.parametrize("name", sorted(fields.IGNORED))
+@pytest.mark.parametrize("name", sorted(body_fields.IGNORED))
 def test_an_ignored_field_is_accepted_and_changes_nothing(srv: ServerHandle, name: str) -> None:
     value = {"metadata": {"k": "v"}, "store": True}.get(name, "auto")
     assert chat_text(srv, **{name: value}) == chat_text(srv)
 
 
-@pytest.mark.parametrize("name", sorted(fields.REFUSED))
+@pytest.mark.parametrize("name", sorted(body_fields.REFUSED))
 def test_a_refused_field_is_a_400_naming_it(srv: ServerHandle, name: str) -> None:
     r = chat(srv, **{name: {"x": 1}})
     assert r.status_code == 400
     err = r.json()["error"]
     assert (err["type"], err["param"]) == ("invalid_request_error", name)
-    assert fields.REFUSED[name] in err["message"]
+    assert body_fields.REFUSED[name] in err["message"]
 
 
 def test_an_unknown_field_is_a_400_naming_it(srv: ServerHandle) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from service.grpc_server import ServerOptions
 from service.model import LoadedModel
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import client
 from tests.serverutil import TEST_SIZING, ServerHandle, TenantSpec, running_server
 

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import base_url
 from tests.serverutil import TEST_SIZING, ServerHandle, TenantSpec, running_server
 from tests.service.rpc import details

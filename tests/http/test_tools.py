@@ -16,7 +16,7 @@ import pytest
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
 from service.engine.types import Request
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.http.conftest import base_url
 from tests.serverutil import TEST_SIZING, ServerHandle, TenantSpec, running_server
 

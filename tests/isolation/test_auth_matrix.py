@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions, TlsFiles
+from service.serve.kvfence_server import ServerOptions, TlsFiles
 from tests.serverutil import ServerHandle, TenantSpec, running_server, write_tenants_file
 from tests.verify.calls import Metadata, bearer, collect, gen_request
 from tests.verify.pki import make_authority, write_pair

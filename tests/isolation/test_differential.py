@@ -26,8 +26,8 @@ import pytest
 
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.app import EngineSizing
-from service.grpc_server import ServerOptions
+from service.serve.app import EngineSizing
+from service.serve.kvfence_server import ServerOptions
 from tests.isolation.adversary import (
     a_prompts,
     cancel_storm_stream,

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from service.app import EngineSizing
-from service.grpc_server import ServerOptions
+from service.serve.app import EngineSizing
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.recorder import Recorder
 from tests.verify.scale import size

@@ -30,8 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
-from service.app import EngineSizing
-from service.request_prep.fields import TEXT_BYTES_PER_TOKEN
+from service.admission.request_fields import TEXT_BYTES_PER_TOKEN
+from service.serve.app import EngineSizing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import gen_request
 from tests.verify.neighbours import AttackStats, Latency, Victim, attack, generate_loop

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.config import ConfigError
+from service.serve.settings import ConfigError
 from tests.isolation.test_noisy_neighbour import _sizing, _vocab
 from tests.isolation.test_redteam_neighbours import _judge_flood
 from tests.model.test_lora_stack import write_adapter

@@ -31,9 +31,9 @@ import grpc
 import httpx
 
 from protos.kvfence.v1 import inference_pb2_grpc
+from service.admission.request_fields import prompt_token_limit
+from service.admission.request_size import JSON_BYTES_PER_TOKEN, request_limit
 from service.http.body import MAX_BODY_BYTES
-from service.request_prep.fields import prompt_token_limit
-from service.request_size import JSON_BYTES_PER_TOKEN, request_limit
 from tests.isolation import test_redteam_neighbours as neighbours
 from tests.isolation.test_noisy_neighbour import _judge
 from tests.isolation.test_redteam_neighbours import _judge_flood, _url, _victim

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.engine.test_grammar_depth import lark_chain
 from tests.isolation.test_noisy_neighbour import TENANTS, _judge, _sizing, _vocab
 from tests.serverutil import ServerHandle, running_server

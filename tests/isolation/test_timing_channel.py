@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.app import EngineSizing
+from service.serve.app import EngineSizing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import StreamResult, collect, gen_request
 from tests.verify.recorder import Recorder

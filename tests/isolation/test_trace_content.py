@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.recorder import Recorder
 

@@ -19,7 +19,7 @@ from service.model.catalog import (
     model_path,
     pull_model,
 )
-from service.preflight import check_model
+from service.serve.preflight import check_model
 
 
 def _chunked(payload: bytes, parts: int) -> tuple[PullableModel, dict[str, bytes]]:

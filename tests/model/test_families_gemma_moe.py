@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.app import EngineSizing
 from service.model import ModelLoadError, load_model
+from service.serve.app import EngineSizing
 from tests.fixtures import tiny_families as tf
 from tests.fixtures.oracles import Tiny, tiny_oracles, weights_of
 from tests.fixtures.tiny_gguf import write_gguf_from_hf

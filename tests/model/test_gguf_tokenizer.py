@@ -11,8 +11,8 @@ from typing import Protocol
 import pytest
 from tokenizers import Regex, pre_tokenizers
 
-from service.model.errors import ModelLoadError
 from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
+from service.model.load_error import ModelLoadError
 from service.model.pretokenizers import SPLITS, byte_level_pre_tokenizer
 from service.model.tokenizer import Tokenizer
 from tools.parity.corpus import tokenizer_corpus

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.app import EngineSizing
+from service.serve.app import EngineSizing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import bearer, gen_request
 from tests.verify.pool import FreeProbe, wait_for_baseline

@@ -2,7 +2,7 @@
 ``service/errors.py``), no error message echoes the input, and afterwards the KV pool is at
 baseline and the server still serves a normal request to the end.
 
-Random bytes as the request message get INVALID_ARGUMENT (service/wire.py parses requests
+Random bytes as the request message get INVALID_ARGUMENT (service/grpc/wire.py parses requests
 itself so that they never surface as UNKNOWN); an unknown method is UNIMPLEMENTED.
 """
 
@@ -182,7 +182,7 @@ def _cases() -> list[Case]:
             "random bytes as the message (5 seeds)",
             frozenset({IA}),
             _random_bytes,
-            "service/wire.py refuses a message that does not parse",
+            "service/grpc/wire.py refuses a message that does not parse",
         ),
         Case(
             "unknown method",

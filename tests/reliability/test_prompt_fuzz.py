@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.app import EngineSizing
+from service.serve.app import EngineSizing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import check_stream, collect, gen_request
 from tests.verify.pool import wait_for_baseline

@@ -26,7 +26,7 @@ import grpc
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.app import EngineSizing
+from service.serve.app import EngineSizing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.verify.calls import bearer, check_stream, collect, collect_async, gen_request
 from tests.verify.greedy import compare

@@ -59,7 +59,7 @@ def _tokens(out: list[Any]) -> list[int]:
 def test_a_non_finite_adapter_is_refused_by_name_at_start_and_on_reload(
     tiny_model: Any, tiny_llama_dir: Path, tmp_path: Path, edit: str, says: str
 ) -> None:
-    from service.config import ConfigError
+    from service.serve.settings import ConfigError
 
     bad = _lora(tiny_llama_dir, tmp_path / "bad", 1)
     value = math.nan if edit.startswith("nan") else math.inf

@@ -1,4 +1,4 @@
-"""``service.adapters.Adapters`` alone: per-tenant lookup, the resident bound with LRU
+"""``service.admission.tenant_adapters.Adapters`` alone: per-tenant lookup, the resident bound with LRU
 eviction of idle adapters, and reading an evicted adapter again on demand."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from service.adapters import Adapters, LoraSettings
+from service.admission.tenant_adapters import Adapters, LoraSettings
+from service.admission.tenants import Tenant, TenantRegistry
 from service.errors import ServiceError
-from service.logging import make_logger
-from service.tenants import Tenant, TenantRegistry
+from service.telemetry.logs import make_logger
 from tests.fixtures.tiny_lora import write_random_lora
 
 

@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
-from service.adapters import Adapters, LoraSettings
+from service.admission.kv_shares import KVShareError
+from service.admission.tenant_adapters import Adapters, LoraSettings
+from service.admission.tenants import Tenant, TenantRegistry
 from service.errors import ServiceError
-from service.kv_shares import KVShareError
-from service.logging import make_logger
-from service.tenants import Tenant, TenantRegistry
+from service.telemetry.logs import make_logger
 from tests.fixtures.tiny_lora import write_random_lora
 
 PAGE_BYTES = 4096

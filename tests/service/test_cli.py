@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from service import cli, dev
-from service.config import ConfigError, parse_kv_memory
-from service.tenants import load_tenants
+from service.admission.tenants import load_tenants
+from service.serve import commands as cli
+from service.serve import dev
+from service.serve.settings import ConfigError, parse_kv_memory
 from tests.serverutil import ROOT
 from tools.configuration_doc import actions, commands
 
@@ -18,7 +19,7 @@ from tools.configuration_doc import actions, commands
 def test_client_verbs_do_not_import_torch_or_the_engine() -> None:
     # service.engine.tuning is plain data (the flags' defaults); nothing else may load.
     code = (
-        "import sys, service.cli as c; c.build_parser(); "
+        "import sys, service.serve.commands as c; c.build_parser(); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'kvcache') "
         "or m.startswith(('service.model', 'service.engine.')) and m != 'service.engine.tuning'))"
     )

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from protos.kvfence.v1 import inference_pb2_grpc
-from service.engine.grammar import CompiledGrammar, GrammarSpec
+from service.structured.grammar import CompiledGrammar, GrammarSpec
 from tests.serverutil import ServerHandle
 from tests.service.rpc import request
 

@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.pool import page_bytes
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2_grpc
-from service.app import EngineSizing
-from service.grpc_server import ServerOptions
 from service.model.loader import resolve_kv_dtype
+from service.serve.app import EngineSizing
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ROOT, SERVING_RE, TenantSpec, running_server, write_tenants_file
 from tests.service.rpc import request
 
@@ -99,7 +99,7 @@ def test_kvfence_serve_with_no_isolation_flags_scrubs_between_tenants(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     keys = write_tenants_file(tmp_path / "tenants.toml", TENANTS)
-    args = [sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_llama_dir),
+    args = [sys.executable, "-m", "service.serve.commands", "serve", "--model", str(tiny_llama_dir),
             "--tenants", str(tmp_path / "tenants.toml"), "--port", "0", "--metrics-port", "0",
             "--kv-memory", str(_pool_bytes(tiny_llama_dir)), "--kv-overcommit"]
     log = tmp_path / "server.log"

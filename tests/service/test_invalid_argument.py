@@ -120,7 +120,7 @@ def test_681280_token_prompt_is_refused_quickly(srv: ServerHandle, as_text: bool
         generate(srv, "globex", req)
     elapsed = time.monotonic() - started
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    # Past the tenant's request bytes (service/request_size.py): refused before decoding.
+    # Past the tenant's request bytes (service/admission/request_size.py): refused before decoding.
     assert violations(info.value) == ["request"]
     assert elapsed < 5.0
     assert usage(srv, "globex").prefix_miss_tokens == misses

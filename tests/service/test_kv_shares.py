@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from service.app import check_shares_before_load
-from service.config import ConfigError, ServeConfig, ServerOptions, serve_config
-from service.kv_shares import KVShareError, kv_shares
-from service.tenants import Quotas, Tenant
+from service.admission.kv_shares import KVShareError, kv_shares
+from service.admission.tenants import Quotas, Tenant
+from service.serve.app import check_shares_before_load
+from service.serve.settings import ConfigError, ServeConfig, ServerOptions, serve_config
 
 
 def _t(name: str, weight: float = 1.0, pages: int = 0) -> Tenant:
@@ -58,8 +58,8 @@ def test_overcommit_accepts_and_derived_tenants_split_the_whole_pool() -> None:
 def test_server_refuses_to_start_with_shares_over_the_pool(
     tiny_model: object, tmp_path: Path
 ) -> None:
-    from service.app import ConfigError
-    from service.grpc_server import ServerOptions
+    from service.serve.app import ConfigError
+    from service.serve.kvfence_server import ServerOptions
     from tests.serverutil import TenantSpec, running_server
     from tests.service.rpc import usage
 
@@ -90,7 +90,7 @@ def test_default_shares_are_reported_by_get_usage(tiny_model: object, tmp_path: 
 
 def _serve_config(model: Path, tenants: Path, *flags: str) -> ServeConfig:
     """``kvfence serve`` flags -> the ServeConfig the CLI would build."""
-    from service import cli
+    from service.serve import commands as cli
 
     argv = ["serve", "--model", str(model), "--tenants", str(tenants), "--port", "0", *flags]
     return serve_config(cli.parse_args(argv))
@@ -110,8 +110,8 @@ def test_quotas_over_the_pool_are_refused_before_the_weights_load(
     quota: int,
     bound: bool,
 ) -> None:
-    from service.app import serve
-    from service.logging import make_logger
+    from service.serve.app import serve
+    from service.telemetry.logs import make_logger
     from tests.fixtures.tiny_gguf import write_gguf_from_hf
     from tests.serverutil import TenantSpec, write_tenants_file
 

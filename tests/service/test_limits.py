@@ -6,11 +6,11 @@ import grpc
 import pytest
 from google.rpc.error_details_pb2 import ErrorInfo, RetryInfo
 
+from service.admission.limiter import TenantLimiter
+from service.admission.outcomes import finish_error
+from service.admission.tenants import Quotas
 from service.engine.types import Finished, FinishError, FinishReason, RequestTooLarge
 from service.errors import ServiceError
-from service.finish import finish_error
-from service.limits import TenantLimiter
-from service.tenants import Quotas
 
 
 class Clock:

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.service.leaks import SECRET, SECRET_FRAGMENTS, leaked, log_strings
 from tests.service.rpc import generate, request, stubs

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.fixtures.tiny_lora import write_random_lora
 from tests.serverutil import ServerHandle, TenantSpec, running_server, write_tenants_file
 from tests.service.rpc import details, generate, request, stubs
@@ -122,7 +122,7 @@ def test_a_reload_naming_an_adapter_that_cannot_be_served_keeps_the_old_file(
 def test_a_start_naming_an_adapter_that_cannot_be_served_is_refused_in_one_line(
     tiny_model: Any, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    from service.config import ConfigError
+    from service.serve.settings import ConfigError
 
     _lora(tiny_llama_dir, tmp_path / "big", 1)
     tenants = {"acme": TenantSpec(adapters=(("big", str(tmp_path / "big")),))}

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from protos.kvfence.v1 import adapters_pb2, adapters_pb2_grpc, inference_pb2
-from service.adapter_paths import OUTSIDE
-from service.grpc_server import ServerOptions
+from service.admission.adapter_paths import OUTSIDE
+from service.serve.kvfence_server import ServerOptions
 from tests.fixtures.tiny_lora import write_random_lora
 from tests.http.conftest import base_url
 from tests.serverutil import ServerHandle, TenantSpec, running_server, write_tenants_file

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from protos.kvfence.v1 import inference_pb2
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.fixtures.tiny_lora import write_random_lora
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 from tests.service.rpc import details, generate, request, stubs, usage

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from service.grpc_server import ServerOptions
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import TenantSpec, running_server, write_tenants_file
 from tests.service.rpc import details, generate, request, stubs, usage
 

@@ -14,10 +14,10 @@ import grpc
 import pytest
 import structlog
 
-from service.auth import Authenticator
-from service.interceptor import AuthInterceptor
-from service.refusal_pace import RefusalPace, peer_host
-from service.tenants import hash_key, parse_tenants
+from service.admission.auth import Authenticator
+from service.admission.refusal_pace import RefusalPace, peer_host
+from service.admission.tenants import hash_key, parse_tenants
+from service.grpc.interceptor import AuthInterceptor
 
 KEY = "kvf_the-right-key"
 METHOD = "/kvfence.v1.Inference/Generate"
@@ -115,7 +115,7 @@ def _calls(
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    monkeypatch.setattr("service.interceptor.asyncio.sleep", sleep)
+    monkeypatch.setattr("service.grpc.interceptor.asyncio.sleep", sleep)
     registry = parse_tenants({"tenants": {"a": {"api_key_sha256": [hash_key(KEY).hex()]}}})
     pace = RefusalPace(rate=4.0, burst=2, clock=Clock())
     interceptor = AuthInterceptor(

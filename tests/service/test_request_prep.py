@@ -13,16 +13,20 @@ import pytest
 from google.rpc import error_details_pb2
 
 from protos.kvfence.v1 import inference_pb2
+from service.admission.prep import RequestPrep
+from service.admission.prompt import PromptBuilder
+from service.admission.request_fields import ModelLimits
+from service.admission.tenants import Tenant
+from service.admission.tokenizer_pool import TokenizerPool
 from service.engine.types import Request
 from service.errors import ServiceError
-from service.request_prep.fields import ModelLimits
-from service.request_prep.prep import RequestPrep
-from service.request_prep.prompt import PromptBuilder
-from service.tenants import Tenant
-from service.tokenizer_pool import TokenizerPool
 
 MODEL = ModelLimits("m", vocab_size=300, max_model_len=64)
-STEPS = ("fields", "prompt", "limits", "grammar")
+STEPS = ("request_fields", "prompt", "prompt_limits", "request_grammar")
+STEP_MODULES = {
+    "service.admission.request_fields", "service.admission.prompt",
+    "service.admission.prompt_limits", "service.structured.request_grammar",
+}
 
 
 class ByteTokenizer:
@@ -45,15 +49,16 @@ def _prep() -> RequestPrep:
 
 
 def _walk(request: inference_pb2.GenerateRequest) -> tuple[list[str], Request | ServiceError]:
-    """The request_prep step modules entered, in order (the owner, prep.py, left out), and
+    """The request preparation step modules entered, in order (the owner, prep.py, left
+    out), and
     what preparing ``request`` gave."""
     entered: list[str] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         module = frame.f_globals.get("__name__", "")
-        if event == "call" and module.startswith("service.request_prep."):
+        if event == "call" and module in STEP_MODULES:
             step = module.rsplit(".", 1)[1]
-            if step != "prep" and (not entered or entered[-1] != step):
+            if not entered or entered[-1] != step:
                 entered.append(step)
 
     prep = _prep()  # built before the walk is recorded
@@ -111,7 +116,7 @@ def _built(request: inference_pb2.GenerateRequest, tenant: Tenant, to_context_en
 
 
 def test_an_unset_max_tokens_runs_to_the_context_end_only_when_asked() -> None:
-    from service.tenants import Quotas
+    from service.admission.tenants import Quotas
 
     unset = inference_pb2.GenerateRequest(text="x" * 10)
     charged, req = _built(unset, Tenant("acme"), to_context_end=True)

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.request_prep.fields import MAX_LOGIT_BIAS
-from service.request_size import (
+from service.admission.request_fields import MAX_LOGIT_BIAS
+from service.admission.request_size import (
     GRPC_BYTES_PER_TOKEN,
     JSON_BYTES_PER_TOKEN,
     REQUEST_ALLOWANCE_BYTES,

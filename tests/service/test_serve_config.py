@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from service.cluster_limits import ClusterLimitsConfig
-from service.config import (
+from service.admission.cluster_limits import ClusterLimitsConfig
+from service.http.guard import HttpGuard
+from service.serve.settings import (
     EngineSizing,
     KVBudget,
     ServeConfig,
@@ -19,7 +20,6 @@ from service.config import (
     kv_budget,
     serve_config,
 )
-from service.http.guard import HttpGuard
 from tools.configuration_doc import actions, commands
 
 
@@ -62,7 +62,7 @@ EVERY_FLAG = [
 
 
 def test_serve_config_is_built_once_from_every_flag() -> None:
-    from service import cli
+    from service.serve import commands as cli
 
     serve_parser = dict(commands(cli.build_parser()))["kvfence serve"]
     flags = {s for a in actions(serve_parser) for s in a.option_strings if s.startswith("--")}
@@ -130,8 +130,8 @@ def test_the_scheduling_flags_reach_the_engine_tuning() -> None:
 def test_batch_invariance_is_auto_by_default_for_serve_and_the_library() -> None:
     import inspect
 
-    from service import cli
     from service.model import load_model
+    from service.serve import commands as cli
 
     assert EngineSizing().batch_invariant == "auto"
     assert serve_config(cli.parse_args(["serve"])).sizing.batch_invariant == "auto"
@@ -146,9 +146,9 @@ def test_compile_reaches_the_engine_config_and_is_off_by_default() -> None:
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_bad_decode_stretch_is_refused_in_one_line(value: str) -> None:
-    from service import cli
-    from service.config import ConfigError
-    from service.preflight import check_fair_compute
+    from service.serve import commands as cli
+    from service.serve.preflight import check_fair_compute
+    from service.serve.settings import ConfigError
 
     config = serve_config(cli.parse_args(["serve", "--decode-stretch", value]))
     with pytest.raises(ConfigError, match="--decode-stretch must be a number >= 0"):
@@ -157,9 +157,9 @@ def test_bad_decode_stretch_is_refused_in_one_line(value: str) -> None:
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_bad_max_step_ms_is_refused_in_one_line(value: str) -> None:
-    from service import cli
-    from service.config import ConfigError
-    from service.preflight import check_fair_compute
+    from service.serve import commands as cli
+    from service.serve.preflight import check_fair_compute
+    from service.serve.settings import ConfigError
 
     config = serve_config(cli.parse_args(["serve", "--max-step-ms", value]))
     with pytest.raises(ConfigError, match="--max-step-ms must be a number >= 0"):
@@ -176,8 +176,8 @@ def test_bad_max_step_ms_is_refused_in_one_line(value: str) -> None:
     ],
 )
 def test_bad_http_connection_bounds_are_refused_in_one_line(flag: str, value: str, says: str) -> None:
-    from service import cli
-    from service.config import ConfigError
+    from service.serve import commands as cli
+    from service.serve.settings import ConfigError
 
     with pytest.raises(ConfigError) as err:
         serve_config(cli.parse_args(["serve", flag, value]))

@@ -8,9 +8,8 @@ import grpc
 import pytest
 from google.rpc.error_details_pb2 import ErrorInfo
 
-from service.auth import Authenticator
-from service.errors import ServiceError
-from service.tenants import (
+from service.admission.auth import Authenticator
+from service.admission.tenants import (
     Quotas,
     TenantsFileError,
     add_tenant,
@@ -18,6 +17,7 @@ from service.tenants import (
     load_tenants,
     parse_tenants,
 )
+from service.errors import ServiceError
 
 KEY_A, KEY_B = "kvf_alpha-key", "kvf_beta-key"
 

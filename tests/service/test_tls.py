@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions, TlsFiles
+from service.serve.kvfence_server import ServerOptions, TlsFiles
 from tests.serverutil import TenantSpec, running_server
 from tests.service import certs
 from tests.service.rpc import details, request

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from protos.kvfence.v1 import inference_pb2
-from service.tokenizer_pool import TokenizerPool
+from service.admission.tokenizer_pool import TokenizerPool
 from tests.serverutil import ServerHandle
 from tests.service.rpc import details, request, stubs
 
@@ -176,7 +176,7 @@ def test_tokenizer_releases_the_gil(default_model: Any) -> None:
 def test_text_over_the_byte_cap_is_refused_untokenized(
     srv: ServerHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.request_prep.fields import TEXT_BYTES_PER_TOKEN
+    from service.admission.request_fields import TEXT_BYTES_PER_TOKEN
 
     spy = _counting(srv, monkeypatch)
     inference, _ = stubs(srv)

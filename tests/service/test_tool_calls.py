@@ -9,11 +9,11 @@ from itertools import count
 import pytest
 
 from protos.kvfence.v1 import inference_pb2
-from service import tools
 from service.engine.types import Delta, Finished
 from service.model.chat_template import tool_format_of
-from service.tool_calls import CallsMade, ParsedCall, ToolCallStream, ToolSplitter
-from service.tools import ToolPlan
+from service.structured import tools
+from service.structured.tool_calls import CallsMade, ParsedCall, ToolCallStream, ToolSplitter
+from service.structured.tools import ToolPlan
 
 NAMES = frozenset({"get_weather", "get_time"})
 

@@ -1,4 +1,4 @@
-"""The schema a constrained tool call compiles with (``service.tool_schema``): objects are
+"""The schema a constrained tool call compiles with (``service.structured.tool_schema``): objects are
 closed unless the schema allows extra keys, and allowed extras are counted, so the call's
 grammar always reaches its closing brace. Checked on the schema and on the compiled grammar
 walked byte by byte."""
@@ -12,10 +12,10 @@ import pytest
 from pydantic import BaseModel
 
 from protos.kvfence.v1 import inference_pb2
-from service import tools
-from service.engine.grammar import GrammarCompiler, GrammarLimits, GrammarMatcher, Vocabulary
-from service.tool_schema import MAX_EXTRA_PROPERTIES, MAX_STRING_CHARS, closed
-from service.tools import ToolPlan
+from service.structured import tools
+from service.structured.grammar import GrammarCompiler, GrammarLimits, GrammarMatcher, Vocabulary
+from service.structured.tool_schema import MAX_EXTRA_PROPERTIES, MAX_STRING_CHARS, closed
+from service.structured.tools import ToolPlan
 
 EOS = 256
 

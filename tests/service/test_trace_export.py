@@ -1,4 +1,4 @@
-"""Failed OTLP exports are one rate-limited structured line (service/tracing.py ExportReporter)."""
+"""Failed OTLP exports are one rate-limited structured line (service/telemetry/tracing.py ExportReporter)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import structlog
 from opentelemetry.sdk.trace.export import SpanExportResult
 from structlog.testing import capture_logs
 
-from service.tracing import ExportReporter
+from service.telemetry.tracing import ExportReporter
 
 
 class Collector:

@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from protos.kvfence.v1 import inference_pb2, inference_pb2_grpc
-from service.grpc_server import ServerOptions
-from service.tracing import Tracing
+from service.serve.kvfence_server import ServerOptions
+from service.telemetry.tracing import Tracing
 from tests.serverutil import ServerHandle, TenantSpec, running_server
 
 SECRET = "the launch code is swordfish-4471"
@@ -109,8 +109,8 @@ def test_tracing_off_never_imports_opentelemetry() -> None:
     """Not its SDK nor its exporter (redis, when installed, imports the API itself)."""
     code = (
         "import sys\n"
-        "import service.grpc_server, service.http.front, service.inference_servicer\n"
-        "from service.tracing import Tracing\n"
+        "import service.serve.kvfence_server, service.http.front, service.grpc.inference_service\n"
+        "from service.telemetry.tracing import Tracing\n"
         "t = Tracing.off().request('acme', 'http', 'r')\n"
         "with t.span('tokenize'):\n    pass\n"
         "t.end('OK')\n"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from service import cli
-from service.config import EngineSizing, engine_config, serve_config
 from service.engine.tuning import SchedulerTuning
 from service.engine.types import EngineConfig
+from service.serve import commands as cli
+from service.serve.settings import EngineSizing, engine_config, serve_config
 
 # flag dest / EngineSizing field -> SchedulerTuning field
 FLAGS = {

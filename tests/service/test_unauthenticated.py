@@ -17,10 +17,10 @@ import pytest
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.auth import Authenticator
-from service.grpc_server import ServerOptions
-from service.interceptor import AuthInterceptor
-from service.tenants import hash_key, parse_tenants
+from service.admission.auth import Authenticator
+from service.admission.tenants import hash_key, parse_tenants
+from service.grpc.interceptor import AuthInterceptor
+from service.serve.kvfence_server import ServerOptions
 from tests.serverutil import TenantSpec, running_server
 
 KEY = "kvf_the-right-key"
@@ -122,7 +122,7 @@ def _watching(srv: Any) -> int:
 
 
 def test_default_cap_holds(tiny_model: Any) -> None:
-    from service.health import DEFAULT_MAX_WATCHES
+    from service.grpc.health_service import DEFAULT_MAX_WATCHES
 
     with running_server(tiny_model, {"a": TenantSpec()}) as srv:
         channel = srv.channel()

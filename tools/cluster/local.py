@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from service.tenants import hash_key, new_api_key
+from service.admission.tenants import hash_key, new_api_key
 from tools.cluster.health import haproxy_servers, replica_serving
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ class LocalCluster:
         replica.pid = self._spawn(
             replica.name,
             [
-                sys.executable, "-m", "service.cli", "serve",
+                sys.executable, "-m", "service.serve.commands", "serve",
                 "--host", HOST, "--port", str(replica.port),
                 "--metrics-port", str(replica.metrics_port),
                 "--tenants", str(self.workdir / "tenants.toml"),

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from service.model.config import ModelConfig
 from service.model.llama import DecoderWeights, LlamaModel
+from service.model.model_config import ModelConfig
 from tests.fixtures.tiny_models import write_tiny_tokenizer
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.model.config import ModelConfig
+from service.model.model_config import ModelConfig
 
 
 def weight_bytes(config: ModelConfig, itemsize: int) -> int:

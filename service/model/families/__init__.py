@@ -5,11 +5,11 @@ Contract for a family module (``service/model/families/<name>.py``):
 - It defines ``FAMILY``, a :class:`~service.model.families.base.Family` naming the
   config.json ``model_type`` values and GGUF ``general.architecture`` values it serves.
 - ``hf_config(keys, tokens)`` / ``gguf_config(keys, shapes, tokens)`` build the
-  :class:`~service.model.config.ModelConfig`, reading *every* value they honour through
+  :class:`~service.model.model_config.ModelConfig`, reading *every* value they honour through
   ``keys`` (:class:`~service.model.families.keys.ConfigKeys`). The loader then refuses, by
   name, each arithmetic key left unread (``keys.HF_ARITHMETIC``; for GGUF every ``{arch}.*``
   key not read and not in ``Family.gguf_harmless``). Anything the shared decoder cannot
-  compute is refused there with one :class:`~service.model.errors.ModelLoadError` line.
+  compute is refused there with one :class:`~service.model.load_error.ModelLoadError` line.
 - ``source(config, name)`` says where each decoder tensor (HF names,
   ``service.model.weights.tensor_names``) lives in the file: the default is the tensor of
   that name; a family that fuses tensors (Phi-3's ``qkv_proj``) answers row ranges.
@@ -27,10 +27,10 @@ transformers (tests/model/test_families.py).
 
 from __future__ import annotations
 
-from service.model.errors import ModelLoadError
 from service.model.families import gemma, llama, mistral, moe, phi3, qwen2, qwen3
 from service.model.families.base import Family, Source, Tokens
 from service.model.families.keys import ConfigKeys
+from service.model.load_error import ModelLoadError
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,

@@ -6,9 +6,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.families.keys import ConfigKeys
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 
 
 class Source(NamedTuple):

@@ -9,10 +9,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from service.model.config import ModelConfig, RopeScaling
-from service.model.errors import ModelLoadError
 from service.model.families.base import Tokens
 from service.model.families.keys import ConfigKeys
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig, RopeScaling
 
 
 def hf_decoder(keys: ConfigKeys, family: str, tokens: Tokens, **features: Any) -> ModelConfig:

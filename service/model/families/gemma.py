@@ -18,11 +18,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.families.base import Family, Source, Tokens
 from service.model.families.common import gguf_decoder, hf_decoder
 from service.model.families.keys import ConfigKeys
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 
 _LOCAL, _GLOBAL = "sliding_attention", "full_attention"
 

@@ -1,7 +1,7 @@
 """Config keys read through one object, so what a family did not read can be refused by name.
 
 A family reads every key it honours through :class:`ConfigKeys`. After it has built its
-:class:`~service.model.config.ModelConfig`, :func:`refuse_unread_hf` (config.json) or
+:class:`~service.model.model_config.ModelConfig`, :func:`refuse_unread_hf` (config.json) or
 :func:`refuse_unread_gguf` (GGUF metadata) refuses the checkpoint in one line naming each
 key that changes the arithmetic and was left unread: the decoder would otherwise compute
 something other than what the checkpoint was trained to compute.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from service.model.errors import ModelLoadError
+from service.model.load_error import ModelLoadError
 
 # config.json keys that change what a decoder computes, with the values that change nothing.
 # A key here that a family does not read must be absent or hold one of these values.

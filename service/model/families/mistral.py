@@ -3,10 +3,10 @@ llama.cpp's converter writes Mistral GGUFs as ``llama`` (served by that family).
 
 from __future__ import annotations
 
-from service.model.config import ModelConfig
 from service.model.families.base import Family, Tokens
 from service.model.families.common import hf_decoder, hf_windows
 from service.model.families.keys import ConfigKeys
+from service.model.model_config import ModelConfig
 
 
 def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from service.model.config import ModelConfig
-from service.model.errors import ModelLoadError
 from service.model.families.base import Family, Source, Tokens
 from service.model.families.common import gguf_decoder, hf_decoder, hf_windows
 from service.model.families.keys import ConfigKeys
+from service.model.load_error import ModelLoadError
+from service.model.model_config import ModelConfig
 
 
 def _experts(keys: ConfigKeys, count_key: str) -> tuple[int, int]:

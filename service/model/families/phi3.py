@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from service.model.config import ModelConfig
 from service.model.families.base import (
     GGUF_HARMLESS,
     LLAMA_GGUF_LAYER_NAMES,
@@ -16,6 +15,7 @@ from service.model.families.base import (
 )
 from service.model.families.common import gguf_decoder, hf_decoder, hf_windows
 from service.model.families.keys import ConfigKeys
+from service.model.model_config import ModelConfig
 
 
 def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:

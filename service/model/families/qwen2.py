@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from service.model.config import ModelConfig
 from service.model.families.base import Family, Tokens
 from service.model.families.common import gguf_decoder, hf_decoder, hf_windows
 from service.model.families.keys import ConfigKeys
+from service.model.model_config import ModelConfig
 
 
 def hf_config(keys: ConfigKeys, tokens: Tokens) -> ModelConfig:

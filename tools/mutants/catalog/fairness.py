@@ -33,7 +33,7 @@ MUTANTS = (
     mutant(
         "kv-share-not-derived",
         "a tenant with no max_kv_pages gets a share of the pool derived from the tenants' weights",
-        edit("service/kv_shares.py", "shares[name] = math.floor(left * weight / total_weight)",
+        edit("service/admission/kv_shares.py", "shares[name] = math.floor(left * weight / total_weight)",
              "shares[name] = left"),
         tests="tests/service/test_kv_shares.py",
     ),
@@ -80,7 +80,7 @@ MUTANTS = (
     mutant(
         "refusals-unpaced",
         "refused calls from one peer host are paced past a burst",
-        edit("service/interceptor.py",
+        edit("service/grpc/interceptor.py",
              "wait = self._pace.reserve(peer) if self._pace is not None else 0.0",
              "wait = 0.0"),
         tests="tests/service/test_refusal_pace.py",

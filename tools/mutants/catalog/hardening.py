@@ -4,7 +4,7 @@ bounds both fronts put on a request before it is parsed."""
 
 from tools.mutants.mutant import edit, mutant
 
-GRAMMAR = "service/engine/grammar.py"
+GRAMMAR = "service/structured/grammar.py"
 GUARD = "service/http/guard.py"
 T_GUARD = "tests/http/test_guard.py"
 
@@ -19,7 +19,7 @@ MUTANTS = (
     mutant(
         "compile-on-default-stack",
         "grammars compile on large-stack threads, so a chain the limit misses cannot crash",
-        edit("service/engine/compile_executor.py",
+        edit("service/structured/compile_executor.py",
              "previous = threading.stack_size(stack_bytes)",
              "previous = threading.stack_size(0)"),
         tests="tests/engine/test_compile_executor.py",
@@ -35,7 +35,7 @@ MUTANTS = (
     mutant(
         "tokenizer-budget-off",
         "a tenant's tokenizer time is held to its share of a core",
-        edit("service/tokenizer_pool.py",
+        edit("service/admission/tokenizer_pool.py",
              "await asyncio.sleep(self._debt_wait(tenant))", "await asyncio.sleep(0)"),
         tests="tests/service/test_tokenize_limits.py",
     ),
@@ -54,7 +54,7 @@ MUTANTS = (
     mutant(
         "lease-renewal-xx",
         "a lease renewal re-adds leases a restarted Redis lost",
-        edit("service/redis_limits.py",
+        edit("service/admission/redis_scripts.py",
              "redis.call('ZADD', key, expires, ARGV[i + 1])",
              "redis.call('ZADD', key, 'XX', expires, ARGV[i + 1])"),
         tests="tests/cluster/test_redis_limits.py",
@@ -70,7 +70,7 @@ MUTANTS = (
     mutant(
         "grpc-message-decoded-past-tenant-limit",
         "a gRPC message larger than its tenant's prompt limit allows is refused undecoded",
-        edit("service/interceptor.py", "            if len(raw) > limit:", "            if False:"),
+        edit("service/grpc/interceptor.py", "            if len(raw) > limit:", "            if False:"),
         tests="tests/service/test_request_size.py::test_a_message_past_the_tenants_limit_is_refused_from_its_size",
     ),
     mutant(
@@ -82,7 +82,7 @@ MUTANTS = (
     mutant(
         "grpc-refusals-unpaced",
         "a tenant's refused gRPC calls are held per tenant, as HTTP's 4xx are",
-        edit("service/interceptor.py",
+        edit("service/grpc/interceptor.py",
              "        if code in PACED_CODES:\n            await self._hold(tenant)",
              "        if False:\n            await self._hold(tenant)"),
         tests="tests/service/test_refusal_pace.py::test_a_tenants_invalid_calls_are_paced_and_another_tenants_are_not",
@@ -90,7 +90,7 @@ MUTANTS = (
     mutant(
         "chat-size-counts-content-only",
         "every chat field that reaches the tokenizer counts toward the chat's byte limit",
-        edit("service/tools.py",
+        edit("service/structured/tools.py",
              '            yield f"{where}.tool_calls[{j}].arguments", call.arguments\n',
              ""),
         tests="tests/service/test_tool_calls.py",

@@ -13,7 +13,7 @@ MUTANTS = (
     mutant(
         "adapter-visible-to-other-tenants",
         "a tenant naming another tenant's adapter gets exactly what an unknown name gets",
-        edit("service/adapters.py",
+        edit("service/admission/tenant_adapters.py",
              "        entry = self._tenants.get(tenant.name)\n"
              "        if entry is None or model not in entry.declared:\n",
              "        entry = next((e for e in self._tenants.values() if model in e.declared), None)\n"

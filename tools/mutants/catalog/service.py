@@ -2,8 +2,8 @@
 
 from tools.mutants.mutant import edit, mutant
 
-SERVICER = "service/inference_servicer.py"
-VALIDATION = "service/request_prep/fields.py"
+SERVICER = "service/grpc/inference_service.py"
+VALIDATION = "service/admission/request_fields.py"
 T_LOGGING = "tests/service/test_logging.py"
 T_INVALID = "tests/service/test_invalid_argument.py"
 T_DEFAULTS = "tests/service/test_default_config.py"
@@ -12,14 +12,14 @@ MUTANTS = (
     mutant(
         "scrub-default-cli",
         "`kvfence serve` scrubs pages between tenants by default (--scrub-policy reassign)",
-        edit("service/cli.py", '_add(p, "--scrub-policy", "reassign",',
+        edit("service/serve/commands.py", '_add(p, "--scrub-policy", "reassign",',
              '_add(p, "--scrub-policy", "off",'),
         tests=T_DEFAULTS,
     ),
     mutant(
         "scrub-default-sizing",
         "an engine built with EngineSizing defaults scrubs pages between tenants",
-        edit("service/config.py", 'scrub_policy: Literal["reassign", "always", "off"] = "reassign"',
+        edit("service/serve/settings.py", 'scrub_policy: Literal["reassign", "always", "off"] = "reassign"',
              'scrub_policy: Literal["reassign", "always", "off"] = "off"'),
         tests=T_DEFAULTS,
     ),
@@ -58,7 +58,7 @@ MUTANTS = (
     mutant(
         "tenant-from-header",
         "the tenant comes from the credential only, never from a request header",
-        edit("service/auth.py",
+        edit("service/admission/auth.py",
              "        registry = self._registry  # one snapshot for the whole decision\n",
              "        registry = self._registry  # one snapshot for the whole decision\n"
              "        for k, v in metadata or ():\n"
@@ -77,13 +77,13 @@ MUTANTS = (
     mutant(
         "stream-quota",
         "a tenant never holds more Generate streams than max_concurrent_streams",
-        edit("service/limits.py", "if state.active >= limit:", "if False:"),
+        edit("service/admission/limiter.py", "if state.active >= limit:", "if False:"),
         tests="tests/service/test_limits.py",
     ),
     mutant(
         "rate-quota",
         "a tenant never spends more than tokens_per_minute",
-        edit("service/limits.py", "if wait > 0:", "if False:"),
+        edit("service/admission/limiter.py", "if wait > 0:", "if False:"),
         tests="tests/service/test_limits.py",
     ),
     mutant(
@@ -133,14 +133,14 @@ MUTANTS = (
     mutant(
         "auth-any-scheme",
         "only 'Bearer <key>' authenticates",
-        edit("service/auth.py", 'if scheme.lower() != "bearer" or not key.strip():',
+        edit("service/admission/auth.py", 'if scheme.lower() != "bearer" or not key.strip():',
              "if not key.strip():"),
         tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
     ),
     mutant(
         "auth-logs-key",
         "an API key never reaches the log",
-        edit("service/interceptor.py", "code=err.code.name, reason=reason\n",
+        edit("service/grpc/interceptor.py", "code=err.code.name, reason=reason\n",
              "code=err.code.name, reason=reason,\n"
              "                metadata=str(context.invocation_metadata()),\n"),
         tests="tests/isolation/test_auth_matrix.py::test_api_key_matrix",
@@ -149,12 +149,12 @@ MUTANTS = (
         "drain-admits-new",
         "a draining server refuses new RPCs with UNAVAILABLE",
         # Both checks: the header-only one before the body is parsed, and the handler's.
-        edit("service/interceptor.py",
+        edit("service/grpc/interceptor.py",
              "            if self._is_draining():\n                raise unavailable(\"server is shutting down\")\n"
              "            self._auth.precheck(",
              "            if False:\n                raise unavailable(\"server is shutting down\")\n"
              "            self._auth.precheck("),
-        edit("service/interceptor.py",
+        edit("service/grpc/interceptor.py",
              "            if self._is_draining():\n                raise unavailable(\"server is shutting down\")\n"
              "            tenant = ",
              "            if False:\n                raise unavailable(\"server is shutting down\")\n"
@@ -269,7 +269,7 @@ MUTANTS = (
     mutant(
         "open-max-tokens-ignores-tokens-per-minute",
         "an open-ended max_tokens stays within what the tenant's tokens_per_minute allows",
-        edit("service/request_prep/prep.py",
+        edit("service/admission/prep.py",
              "            cap = max(1, min(cap, tpm // max(1, sequences) - fields.input.cost))",
              "            cap = cap"),
         tests="tests/service/test_request_prep.py::test_an_unset_max_tokens_runs_to_the_context_end_only_when_asked",
@@ -277,7 +277,7 @@ MUTANTS = (
     mutant(
         "served-model-alias-unresolved",
         "a --served-model-name alias selects the base model on both fronts",
-        edit("service/request_prep/fields.py",
+        edit("service/admission/request_fields.py",
              "return self.name if requested in self.aliases else requested",
              "return requested"),
         tests="tests/http/test_openai_defaults.py::test_served_model_names_are_listed_and_answer_on_both_fronts",
