@@ -1,7 +1,8 @@
 """kvcache: KV memory and everything that touches it.
 
 Page pool, allocator with generation fences, per-tenant prefix cache, TTL/LRU eviction,
-quotas, scrubbing, attention metadata and the paged-attention backends. No gRPC, no model.
+quotas, scrubbing, the operator's shared prefixes, the KV tier, attention metadata and the
+paged-attention backends. No gRPC, no model.
 
 Modules (one noun each):
 - ``attention``: the AttentionFn protocol the model calls; LayerAttention, a layer's
@@ -10,11 +11,15 @@ Modules (one noun each):
 - ``dense``: contiguous single-sequence reference attention (test oracle).
 - ``config``: CacheConfig, TenantCachePolicy.
 - ``errors``: KVCacheError and its typed subclasses (raised only on bugs).
-- ``results``: Allocation, StepPlan (expected outcomes, returned).
+- ``results``: Allocation, StepPlan, PrefixHit, SharedPublish (expected outcomes, returned).
 - ``pool``: PagePool (the KV tensor) and sizing helpers.
-- ``allocator``: PageRef, refcounts, owners, generations, the fence, the LRU free list.
+- ``allocator``: PageRef, refcounts, owners (SHARED_OWNER for shared pages), generations,
+  the fence, the LRU free list.
 - ``eviction``: EvictionQueue of unreferenced cached pages (LRU + TTL).
 - ``prefix_cache``: per-tenant chained-HMAC prefix cache over full pages.
+- ``shared_prefix``: SharedPrefixes, the operator's declared read-only prefixes.
+- ``tier``: KVTier, evicted cached pages in sealed per-tenant files (off by default).
+- ``tier_seal``: TierRecord and its sealing (AES-GCM per tenant, keyed file names).
 - ``page_table``: one sequence's tokens and page refs.
 - ``metadata``: StepEntry, AttentionMetadata (FlashInfer CSR), write_kv.
 - ``step``: StepAttention, the per-step AttentionFn.
@@ -22,10 +27,11 @@ Modules (one noun each):
 - ``backends``: torch (default) and flashinfer paged attention; the C decode kernel.
 - ``native_build``: builds C kernels into a private, owner-only cache and loads them.
 - ``stats``: TenantUsage, CacheStats.
+- ``page_store``: PageStore, page transitions: take, release, evict, scrub, tier in and out.
 - ``manager``: KVCacheManager, the engine's only entry point.
 """
 
-from kvcache.allocator import PageRef
+from kvcache.allocator import SHARED_OWNER, PageRef
 from kvcache.attention import AttentionFn, LayerAttention
 from kvcache.backends import AttentionBackend, TorchBackend
 from kvcache.config import CacheConfig, ScrubPolicy, TenantCachePolicy
@@ -39,11 +45,13 @@ from kvcache.errors import (
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import AttentionMetadata, StepEntry, write_kv
 from kvcache.pool import PagePool, pages_for_budget, pages_for_fraction, size_pool
-from kvcache.results import Allocation, StepPlan
+from kvcache.results import Allocation, PrefixHit, SharedPublish, StepPlan
 from kvcache.stats import CacheStats, TenantUsage
 from kvcache.step import StepAttention
+from kvcache.tier import KVTier, TierDirectoryRefused
 
 __all__ = [
+    "SHARED_OWNER",
     "Allocation",
     "AttentionBackend",
     "AttentionFn",
@@ -54,16 +62,20 @@ __all__ = [
     "InvalidRequest",
     "KVCacheError",
     "KVCacheManager",
+    "KVTier",
     "KernelRefused",
     "LayerAttention",
     "PagePool",
     "PageRef",
+    "PrefixHit",
     "ScrubPolicy",
+    "SharedPublish",
     "StepAttention",
     "StepEntry",
     "StepPlan",
     "TenantCachePolicy",
     "TenantUsage",
+    "TierDirectoryRefused",
     "TorchBackend",
     "UnknownSequence",
     "pages_for_budget",

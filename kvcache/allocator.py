@@ -1,6 +1,9 @@
 """Page allocator: refcounts, owner tenants, generation fences and the LRU free list.
 
-Every page has one owner tenant at a time and a generation counter. The generation goes up
+Every page has one owner at a time and a generation counter. The owner is a tenant, or
+:data:`SHARED_OWNER`, the operator, for the pages of a declared shared prefix: those are
+sealed read-only once prefilled, and any tenant's sequence that holds one may read it, none
+may write it. The generation goes up
 whenever the page leaves its owner (free or eviction) and again when it is handed out, so a
 ``PageRef(page_id, generation)`` taken earlier can never name the page's next life.
 ``check`` is the fence: it refuses a ref whose generation, owner or holder does not
@@ -8,7 +11,8 @@ match, and raises :class:`FenceViolation` instead of letting the caller near the
 
 Each page records which sequences hold it; the refcount is the number of holders. Naming
 the holder makes a double free detectable even while other sequences still share the page.
-Refcounts count sequence references only; the prefix cache holds no refcount (a cached
+Refcounts count sequence references only (a sealed shared page is kept by its declaration,
+not by a refcount); the prefix cache holds no refcount (a cached
 page with refcount 0 is "idle" and lives in the eviction queue, not the free list).
 """
 
@@ -18,6 +22,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvcache.errors import FenceViolation
+
+#: The owner of shared-prefix pages. Tenant names never contain ``@`` (tenant names are
+#: validated names of letters, digits, ``_``, ``.`` and ``-``), so no tenant can be it.
+SHARED_OWNER = "@shared"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +42,7 @@ class PageState:
     owner: str | None = None  # tenant holding the page (running or cached); None when free
     data_owner: str | None = None  # tenant whose KV bytes the page holds; None when zeroed
     generation: int = 0
+    read_only: bool = False  # a sealed shared-prefix page (owner SHARED_OWNER)
 
     @property
     def refcount(self) -> int:
@@ -71,7 +80,7 @@ class PageAllocator:
     def state(self, page_id: int) -> PageState:
         """A copy of one page's bookkeeping (for stats and tests)."""
         s = self._pages[page_id]
-        return PageState(set(s.holders), s.owner, s.data_owner, s.generation)
+        return PageState(set(s.holders), s.owner, s.data_owner, s.generation, s.read_only)
 
     def tenant_pages(self, tenant: str) -> TenantPages:
         t = self._tenants.get(tenant)
@@ -88,17 +97,23 @@ class PageAllocator:
         tenant: str,
         holder: str,
         not_held: str = "page not held by this sequence",
+        *,
+        write: bool = False,
     ) -> None:
-        """Raise FenceViolation unless sequence ``holder`` of ``tenant`` may use ``ref`` now."""
+        """Raise FenceViolation unless sequence ``holder`` of ``tenant`` may use ``ref`` now:
+        read it, or also write it when ``write``. A sealed shared page may be read by any
+        sequence holding it and written by none."""
         if not 0 <= ref.page_id < self.num_pages:
             raise self._violation(ref.page_id, "page id out of range")
         s = self._pages[ref.page_id]
         if s.generation != ref.generation:
             raise self._violation(ref.page_id, "stale generation")
-        if s.owner != tenant:
+        if s.owner != tenant and not (s.owner == SHARED_OWNER and s.read_only):
             raise self._violation(ref.page_id, "page owned by another tenant")
         if holder not in s.holders:
             raise self._violation(ref.page_id, not_held)
+        if write and s.read_only:
+            raise self._violation(ref.page_id, "write to a read-only shared page")
 
     # -- transitions ---------------------------------------------------------------------
     def take(self, tenant: str, holder: str) -> tuple[PageRef, str | None]:
@@ -136,6 +151,26 @@ class PageAllocator:
         s.holders.add(holder)
         return PageRef(page_id, s.generation)
 
+    def share_sealed(self, ref: PageRef, holder: str) -> PageRef:
+        """Add a reference to a sealed shared page (a shared-prefix hit), only in the
+        generation ``ref`` names."""
+        s = self._pages[ref.page_id]
+        if s.generation != ref.generation or s.owner != SHARED_OWNER or not s.read_only:
+            raise self._violation(ref.page_id, "shared hit on a page that is not sealed")
+        if holder in s.holders:
+            raise self._violation(ref.page_id, "sequence already holds this page")
+        if not s.holders:
+            self._tenants[SHARED_OWNER].referenced += 1
+        s.holders.add(holder)
+        return ref
+
+    def seal(self, page_id: int) -> None:
+        """Make a shared page read-only (its prefix is prefilled and published)."""
+        s = self._pages[page_id]
+        if s.owner != SHARED_OWNER:
+            raise self._violation(page_id, "seal of a page the operator does not own")
+        s.read_only = True
+
     def release(self, ref: PageRef, tenant: str, holder: str) -> int:
         """Drop one reference; returns the remaining refcount. Double free and stale or
         foreign refs raise FenceViolation and change nothing."""
@@ -143,7 +178,8 @@ class PageAllocator:
         s = self._pages[ref.page_id]
         s.holders.remove(holder)
         if not s.holders:
-            self._tenants[tenant].referenced -= 1
+            assert s.owner is not None
+            self._tenants[s.owner].referenced -= 1
         return s.refcount
 
     def reclaim(self, page_id: int) -> None:
@@ -153,6 +189,7 @@ class PageAllocator:
             raise self._violation(page_id, "reclaim of a referenced or free page")
         self._tenants[s.owner].owned -= 1
         s.owner = None
+        s.read_only = False
         s.generation += 1  # free / eviction
         self._free[page_id] = None
 

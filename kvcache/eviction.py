@@ -31,6 +31,9 @@ class EvictionQueue:
     def page_ids(self) -> list[int]:
         return list(self._lru)
 
+    def expires_at(self, page_id: int) -> float:
+        return self._lru[page_id]
+
     def push(self, page_id: int, tenant: str, expires_at: float) -> None:
         """Queue a page that just became unreferenced (most recently used end)."""
         self._lru[page_id] = expires_at

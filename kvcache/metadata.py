@@ -118,7 +118,9 @@ def write_kv_rows(
     ``DecodeKernel.write_run``/``layer_writer`` (kvcache/backends/cpu_decode.py), the
     one C call a layer of the compiled CPU step and of an eager all-decode CPU step, and
     ``kvf_step_attend_f32`` (``DecodeKernel.step_context``), the same call made by native
-    model code through a context kvcache built; all store the same rows."""
+    model code through a context kvcache built; all store the same rows. (Outside a step,
+    ``PagePool.zero_pages`` scrubs pages and ``PagePool.load_page`` fills a page restored
+    from the KV tier.)"""
     flat = kv_layer.view(-1, *kv_layer.shape[-2:])
     # NOTE: index_copy_ on flat rows is one kernel per tensor, a few times cheaper per layer
     # than advanced-index assignment with (page, offset) pairs.

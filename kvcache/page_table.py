@@ -28,10 +28,17 @@ class PageTable:
     num_cached_pages: int = 0  # leading pages already matched or inserted in the prefix cache
     chain: ChainPos = field(default_factory=ChainPos)  # set by the manager as pages are cached
     chain_open: bool = True  # False after a collision: later pages are not cached
+    shared_name: str = ""  # the shared prefix its first pages are read from ("" = none)
+    shared_chain: str = ""  # that publication's chain id (set with shared_name)
+    num_shared_pages: int = 0  # leading pages read from the shared prefix (read-only)
+    num_restored_pages: int = 0  # cached pages that came back from the KV tier at open
+    num_hit_pages: int = 0  # pages cached at open (shared, pool and tier)
 
     @property
     def namespace(self) -> Namespace:
-        return Namespace(self.tenant, adapter=self.adapter, salt=self.salt)
+        return Namespace(
+            self.tenant, adapter=self.adapter, salt=self.salt, shared=self.shared_chain
+        )
 
     @property
     def num_slots(self) -> int:

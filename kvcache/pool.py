@@ -165,6 +165,20 @@ class PagePool:
         """The ``[num_pages, 2, page_size, H, D]`` view of one layer."""
         return self._layers[layer]
 
+    def page_data(self, page_id: int) -> bytes:
+        """One page's K and V in every layer, as bytes on the host (for the KV tier)."""
+        page = self.kv[:, page_id].contiguous().cpu()
+        return bytes(page.view(torch.uint8).numpy().tobytes())
+
+    def load_page(self, page_id: int, data: bytes) -> None:
+        """Overwrite one page, every layer, with what ``page_data`` gave (a KV tier restore).
+        The restored page is exactly ``page_bytes`` long or refused."""
+        if len(data) != self.page_bytes:
+            raise ValueError(f"{len(data)} bytes for a page of {self.page_bytes}")
+        page = self.kv[:, page_id]
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        page.copy_(raw.view(self.dtype).view(page.shape))
+
     def zero_pages(self, page_ids: Sequence[int]) -> None:
         """Zero the given pages in every layer (one kernel for the whole batch)."""
         if not page_ids:

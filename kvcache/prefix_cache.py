@@ -1,9 +1,13 @@
 """Per-tenant prefix cache over full pages, keyed by a chained, length-framed HMAC.
 
-A namespace is (tenant, adapter, salt): the tenant from the credential, the adapter the
-request runs with ("" = the base model) and the caller's cache salt ("" = none). Keys:
-``ns_key = HMAC-SHA256(secret, frame("kvfence-prefix-v2", tenant, adapter, salt))`` and, page
-by page, ``key_i = HMAC-SHA256(ns_key, frame(key_{i-1}, tokens_i))``. Every field is
+A namespace is (tenant, adapter, salt, shared): the tenant from the credential, the adapter
+the request runs with ("" = the base model), the caller's cache salt ("" = none) and the
+shared prefix its chain starts from ("" = none; a publication's chain id, see
+``shared_prefix``). Keys: ``ns_key = HMAC-SHA256(secret, frame("kvfence-prefix-v2", tenant,
+adapter, salt[, shared]))`` and, page by page, ``key_i = HMAC-SHA256(ns_key, frame(key_{i-1},
+tokens_i))``. A chain after a shared prefix runs over the shared pages' tokens first (the
+tenant stores no entry for those pages; the publication gives each one a serial), so the
+tenant's own pages after it hang off a per-tenant chain that names the prefix's text. Every field is
 length-framed, so no two different field tuples serialise to the same bytes. Each tenant
 has its own key space (a dict per tenant) and each namespace its own HMAC key, so a tenant
 can neither look up nor compute another tenant's keys, and a salt only ever selects keys
@@ -41,6 +45,7 @@ class Namespace:
     tenant: str
     adapter: str = ""  # "" = the base model
     salt: str = ""  # "" = the tenant's default namespace
+    shared: str = ""  # "" = a chain from the root; else the shared prefix's chain id
 
 
 def frame(*fields: bytes) -> bytes:
@@ -54,7 +59,11 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def derive_namespace_key(secret: bytes, ns: Namespace) -> bytes:
-    fields = (b"kvfence-prefix-v2", ns.tenant.encode(), ns.adapter.encode(), ns.salt.encode())
+    fields: tuple[bytes, ...] = (
+        b"kvfence-prefix-v2", ns.tenant.encode(), ns.adapter.encode(), ns.salt.encode()
+    )
+    if ns.shared:
+        fields += (ns.shared.encode(),)
     return hmac.new(secret, frame(*fields), hashlib.sha256).digest()
 
 
@@ -67,7 +76,8 @@ def chain_key(tenant_key: bytes, parent_key: bytes, token_ids: Sequence[int]) ->
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
-    """One cached full page. ``serial`` is unique for the cache's lifetime."""
+    """One cached full page. ``serial`` is unique for the cache's lifetime (an entry that
+    comes back from the KV tier keeps its own)."""
 
     namespace: Namespace
     key: bytes
@@ -75,6 +85,7 @@ class CacheEntry:
     token_ids: tuple[int, ...]
     parent_serial: int
     serial: int
+    parent_key: bytes = ROOT_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,18 +136,33 @@ class PrefixCache:
             return None
         return entry
 
+    def new_serials(self, n: int) -> tuple[int, ...]:
+        """``n`` serials no entry has or will have (a shared prefix's pages' chain serials)."""
+        first = self._next_serial
+        self._next_serial += n
+        return tuple(range(first, first + n))
+
     def insert(
-        self, ns: Namespace, pos: ChainPos, token_ids: Sequence[int], page_id: int
+        self,
+        ns: Namespace,
+        pos: ChainPos,
+        token_ids: Sequence[int],
+        page_id: int,
+        serial: int | None = None,
     ) -> CacheEntry | None:
-        """Cache ``page_id`` after ``pos``. If the key is taken, returns the existing entry
-        when it holds the same prefix, and None (nothing inserted) on a collision."""
+        """Cache ``page_id`` after ``pos`` under ``serial``: the entry's own serial when it
+        comes back from the KV tier (issued by this cache and held by no live entry), or
+        None for a new one. If the key is taken, returns the existing entry when it holds
+        the same prefix, and None (nothing inserted) on a collision."""
         key = self.key(ns, pos.key, token_ids)
         space = self._spaces.setdefault(ns.tenant, {})
         existing = space.get(key)
         if existing is not None:
             return existing if self._verified(existing, ns, pos, token_ids) else None
-        entry = CacheEntry(ns, key, page_id, tuple(token_ids), pos.serial, self._next_serial)
-        self._next_serial += 1
+        if serial is None or not ROOT_SERIAL < serial < self._next_serial:
+            serial = self._next_serial
+            self._next_serial += 1
+        entry = CacheEntry(ns, key, page_id, tuple(token_ids), pos.serial, serial, pos.key)
         space[key] = entry
         self._by_page[page_id] = (ns.tenant, entry)
         return entry
@@ -153,6 +179,10 @@ class PrefixCache:
 
     def pages_of(self, tenant: str) -> list[int]:
         return [e.page_id for e in self._spaces.get(tenant, {}).values()]
+
+    def pages_after_shared(self, chain: str) -> list[int]:
+        """Every tenant's cached pages whose chain starts from the shared prefix ``chain``."""
+        return [p for p, (_, e) in self._by_page.items() if e.namespace.shared == chain]
 
     def num_entries(self, tenant: str) -> int:
         return len(self._spaces.get(tenant, {}))

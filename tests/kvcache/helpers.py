@@ -10,6 +10,7 @@ import torch
 from kvcache import CacheConfig, FenceViolation, KVCacheManager, PagePool, StepAttention, StepEntry
 from kvcache.config import ScrubPolicy
 from kvcache.prefix_cache import KeyFn, chain_key
+from kvcache.tier import KVTier
 
 SECRET = b"test-secret-0123456789abcdef0123"
 
@@ -36,13 +37,19 @@ def make_manager(
     ttl: float = 600.0,
     clock: FakeClock | None = None,
     key_fn: KeyFn = chain_key,
+    shared_pages: int = 0,
+    tier: KVTier | None = None,
 ) -> tuple[KVCacheManager, FakeClock]:
     clock = clock or FakeClock()
     pool = PagePool(num_layers, num_pages, page_size, num_kv_heads, head_dim, torch.float32, "cpu")
     config = CacheConfig(
-        page_size=page_size, scrub_policy=scrub_policy, default_ttl_s=ttl, secret=SECRET
+        page_size=page_size,
+        scrub_policy=scrub_policy,
+        default_ttl_s=ttl,
+        secret=SECRET,
+        shared_pages=shared_pages,
     )
-    return KVCacheManager(pool, config, clock, key_fn=key_fn), clock
+    return KVCacheManager(pool, config, clock, key_fn=key_fn, tier=tier), clock
 
 
 def prefill(
