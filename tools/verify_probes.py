@@ -29,6 +29,7 @@ from tools.mutants.mutant import Edit, Mutant, StaleAnchor, edit, mutated_source
 from tools.mutants.run import ROOT, scratch_copy, scratch_env
 
 MANAGER = "kvcache/manager.py"
+STORE = "kvcache/page_store.py"
 RESPONSES = "service/grpc/stream_messages.py"
 SERVICER = "service/grpc/inference_service.py"
 GRAMMAR = "service/structured/grammar.py"
@@ -59,16 +60,16 @@ def _once(body: str, flag: str) -> str:
             f"            setattr({_BUILTINS}, {flag!r}, 1)\n            {body}\n")
 
 
-PREFIX_OFF = edit(MANAGER, "if self._caching(table):\n            started = time.perf_counter()\n"
-                  "            self._self_match",
-                  "if False:\n            started = time.perf_counter()\n            self._self_match")
+PREFIX_OFF = edit(MANAGER, "if shared or self._caching(table):\n"
+                  "            started = time.perf_counter()\n            self._match(",
+                  "if False:\n            started = time.perf_counter()\n            self._match(")
 DROP_TOKEN = edit(RESPONSES, CHUNK, CHUNK.replace("token_ids=event.token_ids,",
                                                   "token_ids=event.token_ids[1:],"))
 FENCE_COUNTER = edit(MANAGER, "fence_violations=self.allocator.violations,",
                      "fence_violations=self.allocator.violations + 1,")
-ORPHAN_ONE = edit(MANAGER, "                to_zero.extend(self._reclaim(ref.page_id))\n",
+ORPHAN_ONE = edit(STORE, "                to_zero.extend(self.reclaim(ref.page_id))\n",
                   f"                if hasattr({_BUILTINS}, 'kvf_orphaned'):\n"
-                  "                    to_zero.extend(self._reclaim(ref.page_id))\n"
+                  "                    to_zero.extend(self.reclaim(ref.page_id))\n"
                   f"                setattr({_BUILTINS}, 'kvf_orphaned', 1)\n")
 TTL_LINE = "return self.config.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s"
 
@@ -94,9 +95,9 @@ PROBES: tuple[Probe, ...] = (
                'purged = await self._purge(tenant.name)\n        await self._purge("globex")')),
     probe("test_auth_matrix::B's cached tokens after A's Purge", "test_cache_rpcs",
           "globex's lookups never hit",
-          edit(MANAGER, "        ns = table.namespace\n        try:\n",
-               '        ns = table.namespace\n        if tenant == "globex":\n            return\n'
-               "        try:\n")),
+          edit(MANAGER, "        ns = table.namespace\n        for index in range(len(table.pages)",
+               '        ns = table.namespace\n        if table.tenant == "globex":\n            return\n'
+               "        for index in range(len(table.pages)")),
     probe("test_auth_matrix::A's cached tokens after its own Purge", "test_cache_rpcs",
           "Purge counts the entries but keeps them",
           edit(MANAGER, "        for page_id in pages:\n            if page_id in self.evictable:",
@@ -115,7 +116,7 @@ PROBES: tuple[Probe, ...] = (
     probe("test_ttl::cached tokens on a repeat after the TTL", "test_ttl_expires",
           "nothing expires", mutant="ttl-expiry"),
     probe("test_ttl::cached tokens before Purge (control)", "test_ttl_expires",
-          "server default TTL 0", edit(MANAGER, TTL_LINE, TTL_LINE.replace(
+          "server default TTL 0", edit(STORE, TTL_LINE, TTL_LINE.replace(
               "self.config.default_ttl_s if", "0.0 if"))),
     probe("test_ttl::pages purged", "test_ttl_expires", "Purge drops nothing",
           mutant="purge-noop"),
@@ -125,7 +126,7 @@ PROBES: tuple[Probe, ...] = (
                "        for page_id in list(pages)[:0]:\n            if page_id in self.evictable:")),
     probe("test_ttl::cached tokens with TTL 0", "test_ttl_expires",
           "a tenant TTL of 0 means the server default",
-          edit(MANAGER, TTL_LINE, TTL_LINE.replace("p.ttl_s is None else", "not p.ttl_s else"))),
+          edit(STORE, TTL_LINE, TTL_LINE.replace("p.ttl_s is None else", "not p.ttl_s else"))),
     # test_cancel_storm
     probe("test_cancel_storm::streams ending against their fate", "test_cancellation_storm",
           "each chunk loses its first token", DROP_TOKEN),
@@ -263,9 +264,9 @@ PROBES: tuple[Probe, ...] = (
     # test_differential
     probe("test_differential::mismatched tokens in A's outputs, run 1 vs run 2",
           "test_tenant_b_cannot", "a prefix hit zeroes the page it reuses",
-          edit(MANAGER, "                ref = self.allocator.share(entry.page_id, tenant, "
-               "table.seq_id)\n", "                ref = self.allocator.share(entry.page_id, "
-               "tenant, table.seq_id)\n                self._zero([entry.page_id])\n")),
+          edit(MANAGER, "            ref = self.allocator.share(entry.page_id, table.tenant, "
+               "table.seq_id)\n", "            ref = self.allocator.share(entry.page_id, "
+               "table.tenant, table.seq_id)\n            self.pages.zero([entry.page_id])\n")),
     probe("test_differential::cached prompt tokens reported to B on A's prefixes",
           "test_tenant_b_cannot", "one prefix namespace", mutant="tenant-blind-cache"),
     probe("test_differential::A cached prompt tokens on its repeats (control)",

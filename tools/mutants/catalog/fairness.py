@@ -40,7 +40,7 @@ MUTANTS = (
     mutant(
         "share-evicts-others",
         "a tenant at its share evicts its own cached pages, never another tenant's",
-        edit("kvcache/manager.py",
+        edit("kvcache/page_store.py",
              "        for _ in range(quota_evictions):\n            page_id = self.evictable.oldest(tenant)",
              "        for _ in range(quota_evictions):\n            page_id = self.evictable.oldest()"),
         tests="tests/kvcache/test_quota.py",

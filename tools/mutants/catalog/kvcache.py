@@ -4,6 +4,7 @@ from tools.mutants.mutant import edit, mutant
 
 ALLOC = "kvcache/allocator.py"
 MANAGER = "kvcache/manager.py"
+STORE = "kvcache/page_store.py"
 PREFIX = "kvcache/prefix_cache.py"
 T_ALLOC = "tests/kvcache/test_allocator.py"
 T_PREFIX = "tests/kvcache/test_prefix_cache.py"
@@ -23,7 +24,7 @@ MUTANTS = (
     mutant(
         "scrub-on-reassign",
         "a page is zeroed before it passes to another tenant",
-        edit(MANAGER, 'if self.config.scrub_policy != "off" and data_owner not in (None, tenant):',
+        edit(STORE, 'if self.config.scrub_policy != "off" and data_owner not in (None, tenant):',
              "if False:"),
         tests=T_SCRUB,
     ),
@@ -54,8 +55,8 @@ MUTANTS = (
     mutant(
         "begin-step-fence",
         "begin_step checks every page's owner and generation before a step",
-        edit(MANAGER, "                self.allocator.check(ref, table.tenant, e.seq_id)\n",
-             "                pass\n"),
+        edit(MANAGER, "                    self.allocator.check(ref, table.tenant, e.seq_id, write=write)\n",
+             "                    pass\n"),
         tests=T_ALLOC,
     ),
     mutant(

@@ -24,8 +24,8 @@ MUTANTS = (
         "prefix-key-without-adapter",
         "the prefix-cache namespace includes the adapter: no KV is shared across adapters or the base",
         edit("kvcache/page_table.py",
-             "        return Namespace(self.tenant, adapter=self.adapter, salt=self.salt)",
-             "        return Namespace(self.tenant, salt=self.salt)"),
+             "            self.tenant, adapter=self.adapter, salt=self.salt, shared=self.shared_chain",
+             "            self.tenant, salt=self.salt, shared=self.shared_chain"),
         tests=f"{T_SERVE}::test_adapters_and_the_base_never_share_cached_prefix_pages",
     ),
     mutant(

@@ -69,7 +69,7 @@ MUTANTS = (
     mutant(
         "kv-quota",
         "a tenant never holds more KV pages than its max_kv_pages",
-        edit("kvcache/manager.py",
+        edit("kvcache/page_store.py",
              "if policy is not None and policy.max_pages is not None:\n            owned",
              "if False:\n            owned"),
         tests="tests/kvcache/test_quota.py",
@@ -89,14 +89,14 @@ MUTANTS = (
     mutant(
         "ttl-expiry",
         "a cached prefix expires after its TTL",
-        edit("kvcache/manager.py", "expired = self.evictable.pop_expired(self._clock())",
+        edit("kvcache/page_store.py", "expired = self.evictable.pop_expired(now)",
              "expired = self.evictable.pop_expired(float('-inf'))"),
         tests="tests/isolation/test_ttl.py",
     ),
     mutant(
         "tenant-ttl",
         "a tenant's own prefix_cache_ttl_seconds overrides the server default",
-        edit("kvcache/manager.py",
+        edit("kvcache/page_store.py",
              "return self.config.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s",
              "return self.config.default_ttl_s"),
         tests="tests/isolation/test_ttl.py",
@@ -104,14 +104,14 @@ MUTANTS = (
     mutant(
         "pool-orphans-pages",
         "a freed page that is not cached returns to the free list",
-        edit("kvcache/manager.py", "                to_zero.extend(self._reclaim(ref.page_id))\n",
+        edit("kvcache/page_store.py", "                to_zero.extend(self.reclaim(ref.page_id))\n",
              "                pass\n"),
         tests="tests/reliability/test_cancel_storm.py",
     ),
     mutant(
         "pool-orphans-pages-engine",
         "the same switch-off, seen by the engine tests' baseline check",
-        edit("kvcache/manager.py", "                to_zero.extend(self._reclaim(ref.page_id))\n",
+        edit("kvcache/page_store.py", "                to_zero.extend(self.reclaim(ref.page_id))\n",
              "                pass\n"),
         tests="tests/engine/test_scheduler.py",
     ),
