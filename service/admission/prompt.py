@@ -77,9 +77,10 @@ class PromptBuilder:
             return await self._pool.run(tenant, lambda: self._tok.encode(text, add_special_tokens))
         assert self._template is not None
         template = self._template
+        generation_prompt = wants_generation_prompt(req.chat)
         messages, tool_list = tools.template_messages(req.chat, template.native_tools)
         try:
-            parts = template.render_parts(messages, wants_generation_prompt(req.chat), tool_list)
+            parts = template.render_parts(messages, generation_prompt, tool_list)
         except ValueError as exc:  # ChatTemplateError: the template's own complaint
             raise invalid_argument([("chat", f"chat template refused the messages: {exc}")]) from None
         # The rendered template already spells out its special tokens.

@@ -14,16 +14,15 @@ import grpc
 from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
+from service.admission.gate import Admission
 from service.admission.limiter import Limiter
-from service.admission.outcomes import finish_error, submit_error
 from service.admission.prep import RequestPrep
-from service.admission.tenant_adapters import Adapters, BoundLease, model_infos
+from service.admission.tenant_adapters import Adapters, model_infos
 from service.admission.tenants import Tenant
-from service.engine.types import Admitted, Delta, EngineError, Finished, Request
+from service.engine.types import Admitted, Delta, Finished
 from service.errors import ServiceError, abort, internal
 from service.grpc import stream_messages
-from service.protocols import EngineLike
-from service.structured.tool_calls import CallsMade, ToolSplitter
+from service.structured.tool_calls import CallsMade
 from service.telemetry.metrics import Metrics
 from service.telemetry.request_metrics import PageAlert, RequestMetrics
 from service.telemetry.tracing import Tracing
@@ -42,7 +41,7 @@ class InferenceOptions:
 class InferenceServicer:
     def __init__(
         self,
-        engine: EngineLike,
+        admission: Admission,
         prep: RequestPrep,
         limiter: Limiter,
         metrics: Metrics,
@@ -56,7 +55,7 @@ class InferenceServicer:
         # None: the base model alone (every adapter name is unknown)
         self._adapters = adapters or Adapters(None, prep.model.name, log)
         self._tracing = tracing if tracing is not None else Tracing.off()
-        self._engine = engine
+        self._admission = admission
         self._prep = prep
         self._limiter = limiter
         self._metrics = metrics
@@ -115,77 +114,41 @@ class InferenceServicer:
         log: FilteringBoundLogger,
         recorder: RequestMetrics,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        fields = self._prep.read(tenant, request)
-        which = fields.input.which
-        max_tokens = fields.stopping.max_tokens
-        adapter = await self._adapters.select(tenant, self._prep.model.resolve(request.model))
-        try:
-            # Charged before any work (tokenizing included): the input by its size.
-            limit = await self._limiter.admit(tenant.name, fields.input.cost + max_tokens)
-        except BaseException:
-            adapter.release()
-            raise
-        lease = BoundLease(limit, adapter)
-        try:
-            with recorder.trace.span("tokenize"):
-                engine_request = await self._prep.build(
-                    tenant, request, fields, request_id, self._deadline(context)
-                )
-            engine_request = adapter.applied_to(engine_request)
-            prompt_tokens = len(engine_request.prompt_ids)
+        # The debug flag's prompt text, read from the message as the client sent it.
+        prompt = self._prompt_text(request) if self._opts.log_content else None
+        gen = await self._admission.start(
+            tenant, request, request_id, self._deadline(context), recorder
+        )
+        # Closing the events closes the generation, the one abort path (Engine.abort frees
+        # the pages at the next step boundary): when this RPC is cancelled, passes its
+        # deadline, or the stream breaks. An abnormal finish raises its ServiceError.
+        async with contextlib.aclosing(gen.events()) as events:
+            req = gen.requests[0]
+            fields = gen.fields
+            assert fields is not None  # admission always reads the fields
             log.info(
                 "generate.accepted",
-                prompt_tokens=prompt_tokens,
-                max_tokens=max_tokens,
-                input=which,
+                prompt_tokens=len(req.prompt_ids),
+                max_tokens=fields.stopping.max_tokens,
+                input=fields.input.which,
             )
-            if self._opts.log_content:
-                log.info("generate.content", prompt=self._prompt_text(request, which))
-            splitter = ToolSplitter(fields.tool_plan)
-            async for response in self._stream(engine_request, request, log, recorder, splitter):
-                yield response
-        finally:
-            lease.release()
-
-    async def _stream(
-        self,
-        req: Request,
-        request: inference_pb2.GenerateRequest,
-        log: FilteringBoundLogger,
-        recorder: RequestMetrics,
-        splitter: ToolSplitter,
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        seq = recorder.sequence(len(req.prompt_ids), self._clock)
-        recorder.trace.submitted()
-        try:
-            events = await self._engine.submit(req)
-        except EngineError as exc:
-            raise submit_error(exc) from None
-        # NOTE: closing the engine's stream before its Finished is the one abort path
-        # (Engine.abort frees the pages at the next step boundary); aclosing closes it at
-        # once when this RPC is cancelled, past its deadline, or the stream breaks.
-        async with contextlib.aclosing(events):
+            if prompt is not None:
+                log.info("generate.content", prompt=prompt)
             output: list[str] = []
-            async for raw in events:
-                if isinstance(raw, Delta):
-                    seq.delta(len(raw.token_ids))
+            async for _, event in events:
+                if isinstance(event, Admitted):
+                    yield stream_messages.started(
+                        event, req.request_id, request.client_request_id,
+                        self._prep.model.name if req.adapter is None else req.adapter.name,
+                    )
+                elif isinstance(event, Delta):
                     if self._opts.log_content:
-                        output.append(raw.text)
-                elif isinstance(raw, Finished):
-                    seq.finished(raw)
-                    self._adapters.record(req, raw)
-                for event in splitter.split(raw):
-                    if isinstance(event, Admitted):
-                        yield stream_messages.started(
-                            event, req.request_id, request.client_request_id,
-                            self._prep.model.name if req.adapter is None else req.adapter.name,
-                        )
-                    elif isinstance(event, Delta):
-                        yield stream_messages.chunk(event, self._prep.token_text)
-                    elif isinstance(event, CallsMade):
-                        yield stream_messages.tool_calls(event.calls)
-                    else:
-                        yield self._finish(event, log, "".join(output), splitter.called)
+                        output.append(event.text)
+                    yield stream_messages.chunk(event, self._prep.token_text)
+                elif isinstance(event, CallsMade):
+                    yield stream_messages.tool_calls(event.calls)
+                else:
+                    yield self._finish(event, log, "".join(output), gen.tool_called(0))
 
     def _finish(
         self, event: Finished, log: FilteringBoundLogger, output: str, called: bool
@@ -203,8 +166,6 @@ class InferenceServicer:
         )
         if self._opts.log_content:
             log.info("generate.content", output=output)
-        if event.reason not in stream_messages.FINISH_REASONS:
-            raise finish_error(event, self._is_draining())
         return stream_messages.finished(event, called)
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
@@ -213,7 +174,8 @@ class InferenceServicer:
             return None
         return self._clock() + max(0.0, remaining)
 
-    def _prompt_text(self, request: inference_pb2.GenerateRequest, which: str) -> str:
+    def _prompt_text(self, request: inference_pb2.GenerateRequest) -> str:
+        which = request.WhichOneof("input")
         if which == "text":
             return request.text
         if which == "chat":

@@ -1,15 +1,11 @@
-"""The HTTP request body and the client's presence: the body read under a size limit, and
-work cancelled when the client disconnects before its answer is ready."""
+"""The HTTP request body, read under a size limit."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 from starlette.requests import Request as HttpRequest
-from starlette.types import Receive
 
 from service.errors import ServiceError, invalid_argument
 
@@ -50,29 +46,3 @@ async def read_body(
             raise too_large(size)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None (``work`` cancelled) if the client disconnects first.
-
-    With the body read, the server's next ``receive`` message is the disconnect."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watch.cancel()
-        raise
-    if task.done():
-        watch.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -7,19 +7,18 @@
 
 The tenant comes only from ``Authorization: Bearer <key>``, checked by the same
 ``Authenticator`` (same key hashes) as gRPC; no body field can name a tenant. A request is
-translated to the gRPC ``GenerateRequest`` and prepared by the same ``RequestPrep``
-(``service/admission/``) as gRPC, so both fronts accept and refuse exactly the same things.
+translated to the gRPC ``GenerateRequest`` and started by the same ``Admission.start``
+(``service/admission/gate.py``) as gRPC, so both fronts accept and refuse exactly the same
+things.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -27,39 +26,22 @@ from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from structlog.typing import FilteringBoundLogger
 
 from protos.kvfence.v1 import inference_pb2
-from service.admission.generation import Generation, admit_all
-from service.admission.tenant_adapters import Adapters, BoundLease
-from service.errors import ServiceError, internal, invalid_argument
+from service.admission.tenant_adapters import Adapters
+from service.errors import ServiceError, internal
 from service.http import render, responses_reply, responses_request
 from service.http.adapter_routes import AdapterRoutes
-from service.http.body import BodyTooLarge, read_body, until_disconnect
-from service.http.deps import FrontDeps, body_limit, tenant_of
+from service.http.body import BodyTooLarge, read_body
+from service.http.body_reply import BodyReply
+from service.http.deps import FrontDeps, body_limit, deadline_of, tenant_of
 from service.http.error_replies import error_response
 from service.http.parse import HttpOptions, load_body, parse_chat, parse_completion
-from service.http.replies import Replies, where
+from service.http.replies import Started, where
+from service.http.stream_reply import StreamReply
 from service.http.token_routes import TokenRoutes
-from service.structured.tools import ToolPlan
 from service.telemetry.request_metrics import RequestMetrics
 from service.telemetry.tracing import RequestTrace
-
-TIMEOUT_HEADER = "x-kvfence-timeout"
-
-
-@dataclass(frozen=True, slots=True)
-class _Started:
-    """A generation admitted and submitted, and what its answer needs."""
-
-    gen: Generation
-    head: render.ChunkHeader
-    opts: HttpOptions
-    recorder: RequestMetrics
-    method: str
-    log: FilteringBoundLogger
-    plan: ToolPlan | None
-
 
 Parse = Callable[[Mapping[str, Any]], tuple[inference_pb2.GenerateRequest, HttpOptions]]
 
@@ -68,9 +50,8 @@ class OpenAIFront:
     def __init__(self, deps: FrontDeps) -> None:
         self._d = deps
         self._adapters = deps.adapters or Adapters(None, deps.prep.model.name, deps.log)
-        self._replies = Replies(
-            deps.prep.token_text, deps.is_draining, deps.clock, self._adapters
-        )
+        self._stream_reply = StreamReply(deps.prep.token_text)
+        self._body_reply = BodyReply(deps.prep.token_text)
         self._tokens = TokenRoutes(deps, self._adapters)
         self._adapter_routes = AdapterRoutes(deps, self._adapters)
 
@@ -136,14 +117,12 @@ class OpenAIFront:
             "resp_" + started.head.ident.removeprefix("chatcmpl-"), started.head.created,
             started.head.model, translation.echo,
         )
-        s = started
-        if s.opts.stream:
-            chunks = self._replies.chunks(s.gen, s.head, s.opts, s.recorder, s.method, s.log, s.plan)
+        if started.opts.stream:
             return StreamingResponse(
-                responses_reply.events(chunks, head), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                responses_reply.events(self._stream_reply.chunks(started), head),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             )
-        body = await self._collect(request, started)
+        body = await self._body_reply.collect(request, started)
         if isinstance(body, Response):
             return body
         return JSONResponse(responses_reply.response_object(body, head))
@@ -154,19 +133,13 @@ class OpenAIFront:
         started = await self._start(request, endpoint, method, parse)
         if isinstance(started, Response):
             return started
-        s = started
-        if s.opts.stream:
-            return StreamingResponse(
-                self._replies.sse(s.gen, s.head, s.opts, s.recorder, s.method, s.log, s.plan),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        body = await self._collect(request, started)
-        return body if isinstance(body, Response) else JSONResponse(body)
+        # The one answer a request gets: streamed, or one body.
+        reply = self._stream_reply if started.opts.stream else self._body_reply
+        return await reply.answer(request, started)
 
     async def _start(
         self, request: HttpRequest, endpoint: render.Endpoint, method: str, parse: Parse
-    ) -> _Started | Response:
+    ) -> Started | Response:
         """Authenticate, parse, admit and submit: the started generation, or the error's
         answer (nothing held then)."""
         request_id = uuid.uuid4().hex
@@ -177,6 +150,7 @@ class OpenAIFront:
         try:
             auth_start = time.time_ns()
             tenant = tenant_of(self._d, request)
+            deadline = deadline_of(self._d, request)
             tenant_name = tenant.name
             log = log.bind(tenant=tenant.name)
             # NOTE: the trace starts once the tenant is known (it is the trace's attribute);
@@ -188,29 +162,10 @@ class OpenAIFront:
             )
             raw = await read_body(request, *body_limit(self._d, tenant))
             message, opts = parse(load_body(raw))
-            fields = self._d.prep.read(tenant, message, to_context_end=True, sequences=opts.n)
-            adapter = await self._adapters.select(tenant, self._d.prep.model.resolve(message.model))
-            # Charged before any work (tokenizing included), as the gRPC front does: the
-            # input by its size, for each of the n sequences.
-            cost = fields.input.cost + fields.stopping.max_tokens
-            try:
-                leases = await admit_all(self._d.limiter, tenant.name, cost, opts.n)
-            except BaseException:
-                adapter.release()
-                raise
-            leases[0] = BoundLease(leases[0], adapter)  # the adapter is held while any runs
-            try:
-                with trace.span("tokenize"):
-                    base = adapter.applied_to(await self._d.prep.build(
-                        tenant, message, fields, request_id, self._deadline(request)
-                    ))
-            except BaseException:
-                for lease in leases:
-                    lease.release()
-                raise
-            gen = Generation(self._d.engine, base, leases)
-            trace.submitted()
-            await gen.start()
+            gen = await self._d.admission.start(
+                tenant, message, request_id, deadline, recorder,
+                sequences=opts.n, to_context_end=True,
+            )
         except ServiceError as err:
             recorder.done(method, err.code.name, err)
             return error_response(err)
@@ -221,6 +176,7 @@ class OpenAIFront:
             self._d.log.error("http.failed", request_id=request_id, **where(exc))
             recorder.done(method, "INTERNAL")
             return error_response(internal("SERVER"))
+        base = gen.requests[0]
         log.info("http.accepted", endpoint=method, prompt_tokens=len(base.prompt_ids),
                  max_tokens=base.stopping.max_tokens, n=opts.n, stream=opts.stream,
                  end_user=self._end_user(tenant_name, opts.user))
@@ -229,28 +185,7 @@ class OpenAIFront:
             endpoint, ident, int(self._d.wall()), message.model or self._d.prep.model.name,
             opts.include_usage,
         )
-        return _Started(gen, head, opts, recorder, method, log, fields.tool_plan)
-
-    async def _collect(self, request: HttpRequest, s: _Started) -> dict[str, Any] | Response:
-        """The non-streaming body, or the answer of its failure (or of a client gone)."""
-        try:
-            body = await until_disconnect(
-                request.receive, self._replies.collect(s.gen, s.head, s.opts, s.recorder, s.plan)
-            )
-        except ServiceError as err:
-            s.recorder.done(s.method, err.code.name, err)
-            return error_response(err)
-        except Exception as exc:
-            s.log.error("http.failed", **where(exc))
-            s.recorder.done(s.method, "INTERNAL")
-            return error_response(internal("SERVER"))
-        finally:
-            s.gen.close()
-        if body is None:  # the client went away; its pages are already being freed
-            s.recorder.done(s.method, "CANCELLED")
-            return Response(status_code=499)
-        s.recorder.done(s.method, "OK")
-        return body
+        return Started(gen, head, opts, recorder, method, log)
 
     async def embeddings(self, request: HttpRequest) -> Response:
         """Refused after authentication: a decoder LM's hidden states pooled into a vector
@@ -264,18 +199,6 @@ class OpenAIFront:
         body = {"error": {"message": message, "type": "invalid_request_error",
                           "param": "model", "code": "embeddings_not_supported"}}
         return JSONResponse(body, status_code=400)
-
-    def _deadline(self, request: HttpRequest) -> float | None:
-        value = request.headers.get(TIMEOUT_HEADER)
-        if value is None:
-            return None
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = math.nan
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise invalid_argument([(TIMEOUT_HEADER, "must be a positive number of seconds")])
-        return self._d.clock() + seconds
 
     def _end_user(self, tenant: str, user: str) -> str | None:
         """The request's end-user id as a keyed hash (16 hex digits), None when unset."""

@@ -24,6 +24,7 @@ from structlog.typing import FilteringBoundLogger
 from protos.kvfence.v1 import adapters_pb2, cache_pb2, inference_pb2
 from service.admission.auth import Authenticator
 from service.admission.cluster_limits import build_cluster_limiter
+from service.admission.gate import Admission
 from service.admission.kv_shares import KVShareError, kv_shares
 from service.admission.limiter import Limiter, TenantLimiter
 from service.admission.prep import RequestPrep
@@ -154,8 +155,11 @@ class KVFenceServer:
         self.tracing = (
             Tracing.otlp(options.otlp_endpoint, log) if options.otlp_endpoint else Tracing.off()
         )
+        self.admission = Admission(
+            engine, self.prep, self.limiter, self.adapters, clock, lambda: self._draining
+        )
         self.inference = InferenceServicer(
-            engine,
+            self.admission,
             self.prep,
             self.limiter,
             self.metrics,
@@ -253,6 +257,7 @@ class KVFenceServer:
         self.http_front = OpenAIFront(
             FrontDeps(
                 engine=self._engine,
+                admission=self.admission,
                 prep=self.prep,
                 limiter=self.limiter,
                 authenticator=self.authenticator,

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+
+import grpc
 
 from service.admission.generation import Generation, admit_all
 from service.admission.limiter import TenantLimiter
 from service.admission.tenants import Quotas
 from service.engine.types import Delta, EngineEvent, Finished, FinishReason, Request
+from service.errors import ServiceError
 
 
 def _finished(reason: FinishReason) -> Finished:
@@ -39,21 +43,27 @@ class ScriptedEngine:
         self.aborted.append(request_id)
 
 
-async def _run(first: EngineEvent) -> tuple[ScriptedEngine, list[tuple[int, EngineEvent]]]:
+async def _started(engine: ScriptedEngine, limiter: TenantLimiter, n: int) -> Generation:
+    leases = await admit_all(limiter, "t", 3, n)
+    gen = Generation(engine, Request("r", "t", (1, 2, 3)), leases)  # type: ignore[arg-type]
+    await gen.start()
+    return gen
+
+
+async def _run(first: EngineEvent) -> tuple[ScriptedEngine, list[tuple[int, object]]]:
     engine = ScriptedEngine(first)
     limiter = TenantLimiter(lambda: 0.0)
     limiter.configure("t", Quotas())
-    leases = await admit_all(limiter, "t", 3, 3)
-    gen = Generation(engine, Request("r", "t", (1, 2, 3)), leases)  # type: ignore[arg-type]
-    await gen.start()
-    seen: list[tuple[int, EngineEvent]] = []
-    async for i, event in gen.events():
-        seen.append((i, event))
-        if isinstance(event, Finished) and event.reason == "abort":
-            break  # as the front does: it ends the response on this event
+    gen = await _started(engine, limiter, 3)
+    seen: list[tuple[int, object]] = []
+    try:
+        async with contextlib.aclosing(gen.events()) as events:
+            async for i, event in events:
+                seen.append((i, event))
+    except ServiceError as err:  # an abnormal finish ends the response with its status
+        seen.append((0, err))
     await asyncio.sleep(0)
-    gen.close()
-    assert limiter.active("t") == 0
+    assert limiter.active("t") == 0  # closing the events released every slot
     return engine, seen
 
 
@@ -68,3 +78,22 @@ def test_aborted_first_sequence_starts_no_more() -> None:
     engine, seen = asyncio.run(_run(_finished("abort")))
     assert engine.submitted == ["r-0"]
     assert [i for i, _ in seen] == [0]
+    error = seen[0][1]
+    assert isinstance(error, ServiceError) and error.code == grpc.StatusCode.CANCELLED
+
+
+def test_closing_unread_events_releases_the_generation() -> None:
+    """The events closed before anything was read (a client gone at once) still abort the
+    sequence and release its slots."""
+
+    async def run() -> tuple[ScriptedEngine, int]:
+        engine = ScriptedEngine(Delta(token_ids=(7,), text="x"))
+        limiter = TenantLimiter(lambda: 0.0)
+        limiter.configure("t", Quotas())
+        gen = await _started(engine, limiter, 1)
+        await gen.events().aclose()
+        return engine, limiter.active("t")
+
+    engine, active = asyncio.run(run())
+    assert active == 0
+    assert engine.aborted == ["r"]
