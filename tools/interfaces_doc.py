@@ -218,6 +218,30 @@ SECTIONS: tuple[Section, ...] = (
             "service.engine.profile:measure_step_overhead",
         ),
     ),
+    Section(
+        title="fronts ↔ admission: one path (`service/admission/`)",
+        intro=(
+            "Both fronts (`service/grpc/`, `service/http/`) parse their wire format into a "
+            "`GenerateRequest` and call `Admission.start`, which returns a started "
+            "`Generation` or raises a `ServiceError` holding nothing. The fronts then read "
+            "its events (already counted, tool calls split, an abnormal finish raised as "
+            "its status) and only render them; closing the events closes the generation. "
+            "Admission sees the engine only as `EngineLike`, and the limits only as "
+            "`Limiter` (per replica or in Redis)."
+        ),
+        symbols=(
+            "service.admission.gate:Admission",
+            "service.admission.generation:Generation",
+            "service.admission.generation:GenerationEvents",
+            "service.admission.generation:Recording",
+            "service.admission.generation:StreamEvent",
+            "service.admission.request_fields:Fields",
+            "service.admission.prep:RequestPrep",
+            "service.admission.limiter:Limiter",
+            "service.admission.limiter:LeaseLike",
+            "service.protocols:EngineLike",
+        ),
+    ),
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -72,11 +72,11 @@ class Generation:
         leases: list[LeaseLike],
         fields: Fields | None = None,
         recording: Recording | None = None,
-        is_draining: Callable[[], bool] = lambda: False,
+        is_draining: Callable[[], bool] | None = None,
     ) -> None:
         n = len(leases)
         self._engine = engine
-        self._is_draining = is_draining
+        self._is_draining = is_draining or _never
         self.fields = fields
         self._requests = [_nth(base, i, n) for i in range(n)]
         self._recording = recording
@@ -208,6 +208,10 @@ def _nth(base: Request, i: int, n: int) -> Request:
     if seed is not None:
         sampling = dataclasses.replace(sampling, seed=(seed + i) % 2**64)
     return dataclasses.replace(base, request_id=f"{base.request_id}-{i}", sampling=sampling)
+
+
+def _never() -> bool:
+    return False
 
 
 class GenerationEvents:
