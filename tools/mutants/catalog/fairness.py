@@ -86,9 +86,9 @@ MUTANTS = (
         tests="tests/service/test_refusal_pace.py",
     ),
     mutant(
-        "http-input-uncharged",
-        "the HTTP front charges the input by its size before tokenizing",
-        edit("service/http/front.py",
+        "input-uncharged",
+        "admission charges the input by its size before tokenizing (both fronts)",
+        edit("service/admission/gate.py",
              "cost = fields.input.cost + fields.stopping.max_tokens",
              "cost = 0"),
         tests="tests/http/test_errors.py::test_input_is_charged_before_the_tokenizer_runs",

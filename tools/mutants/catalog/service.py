@@ -26,8 +26,8 @@ MUTANTS = (
     mutant(
         "log-output-text",
         "generated text is never logged without --log-content",
-        edit(SERVICER, "if self._opts.log_content:\n                        output.append(raw.text)",
-             "if True:\n                        output.append(raw.text)"),
+        edit(SERVICER, "if self._opts.log_content:\n                        output.append(event.text)",
+             "if True:\n                        output.append(event.text)"),
         edit(SERVICER, "error=type(event.error).__name__ if event.error else None,\n        )",
              "error=type(event.error).__name__ if event.error else None,\n"
              "            output=output,\n        )"),
@@ -36,9 +36,9 @@ MUTANTS = (
     mutant(
         "log-prompt-text",
         "prompt text is never logged without --log-content",
-        edit(SERVICER, "                input=which,\n",
-             "                input=which,\n"
-             "                prompt=self._prompt_text(request, which),\n"),
+        edit(SERVICER, "                input=fields.input.which,\n",
+             "                input=fields.input.which,\n"
+             "                prompt=self._prompt_text(request),\n"),
         tests=T_LOGGING,
     ),
     mutant(
@@ -262,8 +262,8 @@ MUTANTS = (
         "http-max-tokens-default-16",
         "an HTTP request without max_tokens runs to the end of the context, not 16 tokens",
         edit("service/http/front.py",
-             "fields = self._d.prep.read(tenant, message, to_context_end=True, sequences=opts.n)",
-             "fields = self._d.prep.read(tenant, message)"),
+             "sequences=opts.n, to_context_end=True,",
+             "sequences=opts.n, to_context_end=False,"),
         tests="tests/http/test_openai_defaults.py::test_chat_without_max_tokens_runs_to_the_end_of_the_context",
     ),
     mutant(
