@@ -17,8 +17,18 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
     adapter_root = "/srv/adapters/acme"        # where the tenant may load adapters from at
                                                # run time (absent: it may not; docs/lora.md)
 
+    shared_prefixes = ["support"]              # the operator's shared prefixes it reads
+
     [tenants.acme.adapters]                    # LoRA adapters only this tenant sees
     sql = "/srv/adapters/acme-sql"             # name = PEFT LoRA directory (docs/lora.md)
+
+    [shared_prefixes]                          # the operator's prompt prefixes, name = text
+    support = "You are the support assistant of Example Inc.\n"
+
+A shared prefix is operator data, never a tenant's: its full KV pages are computed once and
+read by the tenants that list its name, on base-model requests without a cache salt whose
+prompt tokens begin with its tokens (kvcache/shared_prefix.py). A tenant naming a prefix the
+file does not declare is refused by name.
 
 Only hashes are stored; ``kvfence tenants add`` prints the plaintext key once. An API-key
 hash may belong to one tenant only, and an mTLS identity names its SAN type (``uri:``,
@@ -34,7 +44,7 @@ import re
 import secrets
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +53,7 @@ _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 KEY_PREFIX = "kvf_"
 MAX_QUOTA = 2**32 - 1
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600.0
+MAX_SHARED_PREFIX_CHARS = 64 * 1024  # one declared text; its tokens are prefilled at load
 SAN_TYPES = ("uri", "dns", "email")
 _KNOWN_KEYS = frozenset(
     {
@@ -58,6 +69,7 @@ _KNOWN_KEYS = frozenset(
         "allow_reflection",
         "adapters",
         "adapter_root",
+        "shared_prefixes",
     }
 )
 
@@ -91,6 +103,7 @@ class Tenant:
     allow_reflection: bool = False
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory)
     adapter_root: str | None = None  # absolute directory run-time loads resolve in; None = none
+    shared_prefixes: tuple[str, ...] = ()  # names in [shared_prefixes] the tenant reads
 
     def may_use_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -110,6 +123,7 @@ class TenantRegistry:
     """An immutable snapshot of the tenants file. Reloading builds a new one."""
 
     tenants: Mapping[str, Tenant]
+    shared_prefixes: Mapping[str, str] = field(default_factory=dict)  # name -> text
 
     def by_key(self, key: str) -> Tenant | None:
         """The tenant owning ``key``; compares every stored digest in constant time."""
@@ -154,6 +168,7 @@ def parse_tenants(data: Mapping[str, Any], source: str = "<tenants>") -> TenantR
     section = data.get("tenants", {})
     if not isinstance(section, dict):
         raise TenantsFileError(f"{source}: [tenants] must be a table")
+    shared = _shared_prefixes(data.get("shared_prefixes", {}), source)
     tenants: dict[str, Tenant] = {}
     identities: dict[str, str] = {}
     key_owners: dict[bytes, str] = {}
@@ -173,8 +188,31 @@ def parse_tenants(data: Mapping[str, Any], source: str = "<tenants>") -> TenantR
                     f"{identities[ident]!r} and {name!r}"
                 )
             identities[ident] = name
+        for prefix in tenant.shared_prefixes:
+            if prefix not in shared:
+                raise TenantsFileError(
+                    f"{source}: tenant {name!r}: shared_prefixes names {prefix!r}, which "
+                    "[shared_prefixes] does not declare"
+                )
         tenants[name] = tenant
-    return TenantRegistry(tenants=tenants)
+    return TenantRegistry(tenants=tenants, shared_prefixes=shared)
+
+
+def _shared_prefixes(raw: object, source: str) -> dict[str, str]:
+    """``[shared_prefixes]``: name -> non-empty text, at most ``MAX_SHARED_PREFIX_CHARS``."""
+    where = f"{source}: [shared_prefixes]"
+    if not isinstance(raw, dict):
+        raise TenantsFileError(f"{where} must be a table of name = \"text\"")
+    for name, text in raw.items():
+        if not _NAME_RE.match(name):
+            raise TenantsFileError(
+                f"{where}: name {name!r} is invalid (letters, digits, '_', '.', '-')"
+            )
+        if not isinstance(text, str) or not text or len(text) > MAX_SHARED_PREFIX_CHARS:
+            raise TenantsFileError(
+                f"{where}: {name!r} must be a text of 1 to {MAX_SHARED_PREFIX_CHARS} characters"
+            )
+    return dict(raw)
 
 
 def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
@@ -208,6 +246,7 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
     if not isinstance(reflection, bool):
         raise TenantsFileError(f"{where}: allow_reflection must be true or false")
     adapters = _adapters(raw.get("adapters", {}), where)
+    shared = tuple(dict.fromkeys(_str_list(raw, "shared_prefixes", where)))
     root = raw.get("adapter_root")
     if root is not None and not (isinstance(root, str) and Path(root).is_absolute()):
         raise TenantsFileError(f"{where}: adapter_root must be an absolute directory path")
@@ -228,6 +267,7 @@ def _parse_tenant(name: str, raw: object, source: str) -> Tenant:
         allow_reflection=reflection,
         adapters=adapters,
         adapter_root=root,
+        shared_prefixes=shared,
     )
 
 

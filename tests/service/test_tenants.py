@@ -10,6 +10,7 @@ from google.rpc.error_details_pb2 import ErrorInfo
 
 from service.admission.auth import Authenticator
 from service.admission.tenants import (
+    MAX_SHARED_PREFIX_CHARS,
     Quotas,
     TenantsFileError,
     add_tenant,
@@ -257,3 +258,59 @@ def test_add_tenant_writes_every_quota_explicitly(tmp_path: Path) -> None:
     ):
         assert f"\n{key} = " in text, key
     assert load_tenants(path).tenants["acme"].quotas == Quotas()
+
+
+SHARED = '''
+[shared_prefixes]
+support = "You are the support assistant.\\n"
+legal = "Answer as counsel would.\\n"
+
+[tenants.acme]
+api_key_sha256 = ["{key}"]
+shared_prefixes = ["support", "legal", "support"]
+
+[tenants.globex]
+api_key_sha256 = ["{other}"]
+'''
+
+
+def test_shared_prefixes_are_declared_once_and_opted_into_by_name(tmp_path: Path) -> None:
+    path = _file(tmp_path, SHARED.format(key=hash_key(KEY_A).hex(), other=hash_key(KEY_B).hex()))
+    registry = load_tenants(path)
+    assert registry.shared_prefixes == {
+        "support": "You are the support assistant.\n",
+        "legal": "Answer as counsel would.\n",
+    }
+    assert registry.tenants["acme"].shared_prefixes == ("support", "legal")
+    assert registry.tenants["globex"].shared_prefixes == ()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('[shared_prefixes]\nsupport = "x"\n[tenants.a]\napi_key_sha256 = ["{key}"]\n'
+         'shared_prefixes = ["sales"]\n',
+         "tenant 'a': shared_prefixes names 'sales', which [shared_prefixes] does not declare"),
+        ('[tenants.a]\napi_key_sha256 = ["{key}"]\nshared_prefixes = ["support"]\n',
+         "shared_prefixes names 'support', which [shared_prefixes] does not declare"),
+        ('[shared_prefixes]\n"no spaces" = "x"\n', "name 'no spaces' is invalid"),
+        ('[shared_prefixes]\nsupport = ""\n', "'support' must be a text of 1 to 65536"),
+        ("[shared_prefixes]\nsupport = 3\n", "'support' must be a text of 1 to 65536"),
+        ('shared_prefixes = "support"\n', "[shared_prefixes] must be a table"),
+        ('[tenants.a]\napi_key_sha256 = ["{key}"]\nshared_prefixes = "support"\n',
+         "shared_prefixes must be a list of strings"),
+    ],
+)
+def test_bad_shared_prefixes_are_refused_by_name(tmp_path: Path, body: str, message: str) -> None:
+    path = _file(tmp_path, body.format(key=hash_key(KEY_A).hex()))
+    with pytest.raises(TenantsFileError) as err:
+        load_tenants(path)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_shared_prefix_text_is_bounded(tmp_path: Path) -> None:
+    long = "a" * (MAX_SHARED_PREFIX_CHARS + 1)
+    with pytest.raises(TenantsFileError):
+        parse_tenants({"shared_prefixes": {"big": long}})
+    assert parse_tenants({"shared_prefixes": {"big": long[1:]}}).shared_prefixes["big"] == long[1:]
