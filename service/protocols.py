@@ -7,13 +7,15 @@ inbox: the service never holds the KV cache.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import concurrent.futures
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 from service.engine import (
     EngineEvent,
     EngineStats,
     Request,
+    SharedPublish,
     TenantCachePolicy,
     TenantSchedPolicy,
     TenantUsage,
@@ -23,6 +25,8 @@ from service.engine import (
 class EngineLike(Protocol):
     page_size: int
     num_pages: int
+    shared_pages: int  # of num_pages, the most the operator's shared prefixes may hold
+    tier_bytes: int  # the KV tier's budget (0: no tier)
 
     async def submit(self, request: Request) -> AsyncGenerator[EngineEvent, None]: ...
     def abort(self, request_id: str) -> None: ...
@@ -34,6 +38,10 @@ class EngineLike(Protocol):
         sched: TenantSchedPolicy | None = None,
         cache: TenantCachePolicy | None = None,
     ) -> None: ...
+    def publish_shared(
+        self, name: str, token_ids: Sequence[int]
+    ) -> concurrent.futures.Future[SharedPublish]: ...
+    def withdraw_shared(self, name: str) -> concurrent.futures.Future[bool]: ...
     async def usage(self, tenant: str) -> TenantUsage: ...
     async def purge(self, tenant: str) -> int: ...
     async def stats(self) -> EngineStats: ...

@@ -17,6 +17,7 @@ Modules (one noun each):
 - ``stop``/``detokenizer``: stop strings and UTF-8-safe text deltas.
 - ``tokens``: TokenSource, vocabulary facts from tokenizer + model config.
 - ``core``: EngineCore, the single-threaded state machine (commands + step).
+- ``shared_prefill``: the operator's shared prefixes, prefilled between steps.
 - ``warmup``: warm-up batches under a reserved tenant.
 - ``engine``: Engine, the engine thread, its inbox, and the asyncio bridge.
 - ``factory``: build_engine / build_core / build_cache.
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcache.config import TenantCachePolicy
+    from kvcache.results import SharedPublish
     from kvcache.stats import CacheStats, TenantUsage
     from service.engine.engine import Engine
     from service.engine.factory import build_cache, build_core, build_engine
@@ -63,6 +65,7 @@ _HOME = {
     "TenantCachePolicy": "kvcache.config",
     "CacheStats": "kvcache.stats",
     "TenantUsage": "kvcache.stats",
+    "SharedPublish": "kvcache.results",
     "Engine": "service.engine.engine",
     "build_cache": "service.engine.factory",
     "build_core": "service.engine.factory",
@@ -117,6 +120,7 @@ __all__ = [
     "Request",
     "RequestTooLarge",
     "SamplingParams",
+    "SharedPublish",
     "StoppingParams",
     "TenantCachePolicy",
     "TenantSchedPolicy",

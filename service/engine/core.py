@@ -14,7 +14,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
@@ -23,6 +23,7 @@ import torch
 from kvcache.attention import AttentionFn
 from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
+from kvcache.results import SharedPublish
 from kvcache.stats import TenantUsage
 from service.engine.cost_model import Regime
 from service.engine.detokenizer import IncrementalDetokenizer
@@ -32,6 +33,7 @@ from service.engine.request import SeqState, SeqStatus
 from service.engine.runner import ForwardModel, GraphReplay, ModelRunner, build_inputs
 from service.engine.sampler import Sampler, SampleResult, SampleRow
 from service.engine.scheduler import Scheduler
+from service.engine.shared_prefill import prefill_shared
 from service.engine.stop import StopMatcher
 from service.engine.tokens import TokenizerLike, TokenSource
 from service.engine.types import (
@@ -190,6 +192,20 @@ class EngineCore:
     def purge(self, tenant: str) -> int:
         """Drop the tenant's cached prefix pages; returns how many entries went."""
         return self._scheduler.purge(tenant)
+
+    def publish_shared(self, name: str, token_ids: Sequence[int]) -> SharedPublish:
+        """Declare (or replace) the operator's shared prefix ``name`` and prefill its pages
+        now, between steps (``shared_prefill``). The answer is kvcache's; a forward that
+        raises leaves nothing published and raises here."""
+        pub = self._scheduler.publish_shared(name, token_ids)
+        if pub.seq_id:
+            chunk = self.config.tuning.max_num_batched_tokens
+            prefill_shared(self._scheduler, self._runner, pub, chunk)
+        return pub
+
+    def withdraw_shared(self, name: str) -> bool:
+        """Stop hits on ``name`` now (its pages go when their last reader ends)."""
+        return self._scheduler.withdraw_shared(name)
 
     def retire(self, tenant: str) -> None:
         """``tenant`` has nothing running or waiting and will send no more work (the

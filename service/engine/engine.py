@@ -18,7 +18,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import TypeVar
 
 import structlog
@@ -26,6 +26,7 @@ import torch
 
 from kvcache.config import TenantCachePolicy
 from kvcache.manager import KVCacheManager
+from kvcache.results import SharedPublish
 from kvcache.stats import TenantUsage
 from service.engine import compiled
 from service.engine.core import EngineCore, check_policy
@@ -75,6 +76,8 @@ class Engine:
         self.config = self._core.config  # max_model_len capped to the model
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
+        self.shared_pages = cache.config.shared_pages  # the shared prefixes' budget of them
+        self.tier_bytes = 0 if cache.tier is None else cache.tier.budget_bytes
         self.vocab_size = model.config.vocab_size
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._counters = self._core.counters()
@@ -200,6 +203,19 @@ class Engine:
         if sched is not None:
             check_policy(sched)
         self._post(lambda core: core.set_tenant_policy(tenant, sched, cache))
+
+    def publish_shared(
+        self, name: str, token_ids: Sequence[int]
+    ) -> concurrent.futures.Future[SharedPublish]:
+        """Declare (or replace) the operator's shared prefix ``name`` and prefill it on the
+        engine thread at the next step boundary (``EngineCore.publish_shared``). Any thread;
+        does not wait: the future answers."""
+        ids = list(token_ids)
+        return self._post(lambda core: core.publish_shared(name, ids))
+
+    def withdraw_shared(self, name: str) -> concurrent.futures.Future[bool]:
+        """Stop hits on the shared prefix ``name`` at the next step boundary. Any thread."""
+        return self._post(lambda core: core.withdraw_shared(name))
 
     async def usage(self, tenant: str) -> TenantUsage:
         """The tenant's own KV pages and hit counters."""

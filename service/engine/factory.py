@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvcache import CacheConfig, KVCacheManager, LayerAttention, PagePool, size_pool
+from kvcache import CacheConfig, KVCacheManager, KVTier, LayerAttention, PagePool, size_pool
 from kvcache.backends import AttentionBackend
 from service.engine.core import EngineCore
 from service.engine.engine import Engine
@@ -34,9 +34,11 @@ def build_cache(
     kv_fraction: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     backend: AttentionBackend | None = None,
+    tier: KVTier | None = None,
 ) -> KVCacheManager:
-    """A KVCacheManager over a fresh PagePool shaped for ``model``. The pool is allocated
-    (and zeroed) on a fresh thread (see :mod:`service.model.threads`)."""
+    """A KVCacheManager over a fresh PagePool shaped for ``model``, with ``tier`` below it
+    (None: evicted pages are dropped). The pool is allocated (and zeroed) on a fresh thread
+    (see :mod:`service.model.threads`)."""
     cfg = model.config
     kv_pages = size_pool(
         kv_pages=kv_pages,
@@ -64,7 +66,7 @@ def build_cache(
             ),
         )
     )
-    return KVCacheManager(pool, cache_config, clock, backend)
+    return KVCacheManager(pool, cache_config, clock, backend, tier=tier)
 
 
 def build_engine(
@@ -78,6 +80,7 @@ def build_engine(
     clock: Callable[[], float] = time.monotonic,
     backend: AttentionBackend | None = None,
     sampler_seed: int | None = None,
+    tier: KVTier | None = None,
 ) -> Engine:
     """An unstarted Engine over a new pool; call ``start()`` (warm-up) before ``submit``."""
     cache = build_cache(
@@ -88,6 +91,7 @@ def build_engine(
         kv_fraction=kv_fraction,
         clock=clock,
         backend=backend,
+        tier=tier,
     )
     return Engine(
         loaded.model, loaded.tokenizer, cache, engine_config, clock, sampler_seed=sampler_seed

@@ -32,6 +32,7 @@ from kvcache.config import TenantCachePolicy
 from kvcache.errors import FenceViolation, KVCacheError
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import StepEntry
+from kvcache.results import SharedPublish
 from kvcache.stats import CacheStats, TenantUsage
 from service.engine.cost_model import Regime, StepShape
 from service.engine.fairness import FairShare, Presence, TenantQueues, TokenCounter
@@ -284,6 +285,27 @@ class Scheduler:
 
     def cache_stats(self) -> CacheStats:
         return self._cache.stats()
+
+    # ---- the operator's shared prefixes (prefilled by the core between steps) -----------
+    def publish_shared(self, name: str, token_ids: Sequence[int]) -> SharedPublish:
+        return self._cache.publish_shared(name, token_ids)
+
+    def withdraw_shared(self, name: str) -> bool:
+        return self._cache.withdraw_shared(name)
+
+    def shared_step(self, pub: SharedPublish, start: int, num_new: int) -> AttentionFn:
+        """The fenced attention for tokens ``[start, start + num_new)`` of a publication."""
+        plan = self._cache.begin_step([StepEntry(pub.seq_id, start, num_new)])
+        if plan.attn is None:
+            raise plan.refused[0][1]
+        return plan.attn
+
+    def shared_commit(self, pub: SharedPublish, num_computed: int) -> None:
+        self._cache.commit(pub.seq_id, pub.token_ids, num_computed)
+
+    def shared_done(self, pub: SharedPublish) -> None:
+        """Free the publication's internal sequence (its sealed pages stay declared)."""
+        self._cache.free(pub.seq_id)
 
     def observe_frees(self, observer: Callable[[str], None] | None) -> None:
         """Test hook: ``observer(seq_id)`` after every free of a sequence's pages."""
