@@ -132,6 +132,9 @@ class CacheUsage:
     running_requests: int
     quotas: Quotas
     adapters: tuple[AdapterUsage, ...] = ()  # the caller's own LoRA adapters
+    shared_prefix_hit_tokens: int = 0  # read from the operator's shared prefixes
+    tier_hit_tokens: int = 0  # of prefix_hit_tokens, restored from the server's KV tier
+    tier_bytes: int = 0  # the caller's records in the server's KV tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +215,9 @@ def usage_from_proto(response: cache_pb2.GetUsageResponse) -> CacheUsage:
             AdapterUsage(a.name, a.requests, a.prompt_tokens, a.completion_tokens, a.resident)
             for a in response.adapters
         ),
+        shared_prefix_hit_tokens=response.shared_prefix_hit_tokens,
+        tier_hit_tokens=response.tier_hit_tokens,
+        tier_bytes=response.tier_bytes,
     )
 
 

@@ -52,6 +52,9 @@ class CacheServicer:
             running_requests=self._limiter.active(tenant.name),
             quotas=self._quotas(tenant, usage.max_pages),
             adapters=[] if self._adapters is None else self._adapters.usage(tenant),
+            shared_prefix_hit_tokens=usage.shared_hit_tokens,
+            tier_hit_tokens=usage.tier_hit_tokens,
+            tier_bytes=usage.tier_bytes,
         )
 
     async def Purge(

@@ -1,7 +1,8 @@
 """Prometheus metrics on a dedicated ``CollectorRegistry`` (no global registry state).
 
 The ``tenant`` label only takes names from the tenants file; anything else is ``unknown``,
-so label cardinality is bounded by the file. Per-request series carry ``front`` ("grpc" or
+so label cardinality is bounded by the file. The ``name`` label of the shared-prefix series
+is an operator-declared name from the same file (never anything a tenant sent). Per-request series carry ``front`` ("grpc" or
 "http") and are recorded for both fronts by ``service.telemetry.request_metrics``. KV-cache figures come from the latest
 ``KVCacheManager.stats()`` snapshot the server hands to ``observe_cache``; they are rendered
 at scrape time by a custom collector, so per-tenant series follow reloads exactly.
@@ -53,7 +54,16 @@ class _CacheCollector(Collector):
         )
         hits = CounterMetricFamily(
             "kvfence_prefix_hit_tokens",
-            "Prompt tokens served from the prefix cache",
+            "Prompt tokens served from the tenant's own prefix cache (pool and KV tier)",
+            labels=["tenant"],
+        )
+        shared_hits = CounterMetricFamily(
+            "kvfence_shared_prefix_hit_tokens",
+            "Prompt tokens the tenant read from the operator's shared prefixes",
+            labels=["tenant"],
+        )
+        tier_bytes = GaugeMetricFamily(
+            "kvfence_kv_tier_bytes", "Bytes of the tenant's records in the KV tier",
             labels=["tenant"],
         )
         for name in self._metrics.tenants:
@@ -61,9 +71,40 @@ class _CacheCollector(Collector):
             used.add_metric([name], usage.pages_in_use if usage else 0)
             cached.add_metric([name], usage.pages_cached if usage else 0)
             hits.add_metric([name], usage.hit_tokens if usage else 0)
+            shared_hits.add_metric([name], usage.shared_hit_tokens if usage else 0)
+            tier_bytes.add_metric([name], usage.tier_bytes if usage else 0)
         yield used
         yield cached
         yield hits
+        yield shared_hits
+        yield tier_bytes
+        by_source = CounterMetricFamily(
+            "kvfence_cached_prompt_tokens_by_source",
+            "Prompt tokens not computed, by where their KV came from (pool, tier, shared)",
+            labels=["source"],
+        )
+        for source, tokens in sorted(stats.hit_tokens.items()):
+            by_source.add_metric([source], tokens)
+        yield by_source
+        prefix_hits = CounterMetricFamily(
+            "kvfence_shared_prefix_hits", "Requests that read a shared prefix, by its name",
+            labels=["name"],
+        )
+        for prefix, count in sorted(stats.shared_hits.items()):
+            prefix_hits.add_metric([prefix], count)
+        yield prefix_hits
+        prefix_pages = GaugeMetricFamily(
+            "kvfence_shared_prefix_pages", "KV pages of each declared shared prefix",
+            labels=["name"],
+        )
+        for prefix, count in sorted(stats.shared_prefixes.items()):
+            prefix_pages.add_metric([prefix], count)
+        yield prefix_pages
+        yield CounterMetricFamily(
+            "kvfence_kv_tier_rejected",
+            "KV tier records refused on the way back (altered, moved or replayed: a miss)",
+            value=stats.tier_rejected,
+        )
         evictions = CounterMetricFamily(
             "kvfence_kv_evictions", "Cached pages evicted", labels=["reason"]
         )
@@ -121,7 +162,8 @@ class Metrics:
         )
         self.cached_tokens = Counter(
             "kvfence_cached_prompt_tokens",
-            "Prompt tokens served from the caller's own prefix cache",
+            "Prompt tokens not computed: the caller's own cached prefixes and the shared "
+            "prefixes it reads",
             ["tenant", "front"],
             registry=r,
         )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvfence/v1/cache.proto\x12\nkvfence.v1\"\x11\n\x0fGetUsageRequest\"\x96\x01\n\x06Quotas\x12\x14\n\x0cmax_kv_pages\x18\x01 \x01(\r\x12\x1e\n\x16max_concurrent_streams\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x04 \x01(\r\x12 \n\x18prefix_cache_ttl_seconds\x18\x05 \x01(\x01\"\x9d\x02\n\x10GetUsageResponse\x12\x14\n\x0cpages_in_use\x18\x01 \x01(\r\x12\x14\n\x0cpages_cached\x18\x02 \x01(\r\x12\x17\n\x0f\x63\x61\x63hed_prefixes\x18\x03 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12prefix_miss_tokens\x18\x05 \x01(\x04\x12\x10\n\x08hit_rate\x18\x06 \x01(\x01\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\"\n\x06quotas\x18\t \x01(\x0b\x32\x12.kvfence.v1.Quotas\x12*\n\x08\x61\x64\x61pters\x18\n \x03(\x0b\x32\x18.kvfence.v1.AdapterUsage\"r\n\x0c\x41\x64\x61pterUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\x12\x10\n\x08resident\x18\x05 \x01(\x08\"\x0e\n\x0cPurgeRequest\"%\n\rPurgeResponse\x12\x14\n\x0cpages_purged\x18\x01 \x01(\r2\x8c\x01\n\x05\x43\x61\x63he\x12\x45\n\x08GetUsage\x12\x1b.kvfence.v1.GetUsageRequest\x1a\x1c.kvfence.v1.GetUsageResponse\x12<\n\x05Purge\x12\x18.kvfence.v1.PurgeRequest\x1a\x19.kvfence.v1.PurgeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvfence/v1/cache.proto\x12\nkvfence.v1\"\x11\n\x0fGetUsageRequest\"\x96\x01\n\x06Quotas\x12\x14\n\x0cmax_kv_pages\x18\x01 \x01(\r\x12\x1e\n\x16max_concurrent_streams\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x04 \x01(\r\x12 \n\x18prefix_cache_ttl_seconds\x18\x05 \x01(\x01\"\xec\x02\n\x10GetUsageResponse\x12\x14\n\x0cpages_in_use\x18\x01 \x01(\r\x12\x14\n\x0cpages_cached\x18\x02 \x01(\r\x12\x17\n\x0f\x63\x61\x63hed_prefixes\x18\x03 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12prefix_miss_tokens\x18\x05 \x01(\x04\x12\x10\n\x08hit_rate\x18\x06 \x01(\x01\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\"\n\x06quotas\x18\t \x01(\x0b\x32\x12.kvfence.v1.Quotas\x12*\n\x08\x61\x64\x61pters\x18\n \x03(\x0b\x32\x18.kvfence.v1.AdapterUsage\x12 \n\x18shared_prefix_hit_tokens\x18\x0b \x01(\x04\x12\x17\n\x0ftier_hit_tokens\x18\x0c \x01(\x04\x12\x12\n\ntier_bytes\x18\r \x01(\x04\"r\n\x0c\x41\x64\x61pterUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x04\x12\x10\n\x08resident\x18\x05 \x01(\x08\"\x0e\n\x0cPurgeRequest\"%\n\rPurgeResponse\x12\x14\n\x0cpages_purged\x18\x01 \x01(\r2\x8c\x01\n\x05\x43\x61\x63he\x12\x45\n\x08GetUsage\x12\x1b.kvfence.v1.GetUsageRequest\x1a\x1c.kvfence.v1.GetUsageResponse\x12<\n\x05Purge\x12\x18.kvfence.v1.PurgeRequest\x1a\x19.kvfence.v1.PurgeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUOTAS']._serialized_start=58
   _globals['_QUOTAS']._serialized_end=208
   _globals['_GETUSAGERESPONSE']._serialized_start=211
-  _globals['_GETUSAGERESPONSE']._serialized_end=496
-  _globals['_ADAPTERUSAGE']._serialized_start=498
-  _globals['_ADAPTERUSAGE']._serialized_end=612
-  _globals['_PURGEREQUEST']._serialized_start=614
-  _globals['_PURGEREQUEST']._serialized_end=628
-  _globals['_PURGERESPONSE']._serialized_start=630
-  _globals['_PURGERESPONSE']._serialized_end=667
-  _globals['_CACHE']._serialized_start=670
-  _globals['_CACHE']._serialized_end=810
+  _globals['_GETUSAGERESPONSE']._serialized_end=575
+  _globals['_ADAPTERUSAGE']._serialized_start=577
+  _globals['_ADAPTERUSAGE']._serialized_end=691
+  _globals['_PURGEREQUEST']._serialized_start=693
+  _globals['_PURGEREQUEST']._serialized_end=707
+  _globals['_PURGERESPONSE']._serialized_start=709
+  _globals['_PURGERESPONSE']._serialized_end=746
+  _globals['_CACHE']._serialized_start=749
+  _globals['_CACHE']._serialized_end=889
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class Quotas(_message.Message):
     def __init__(self, max_kv_pages: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., prefix_cache_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class GetUsageResponse(_message.Message):
-    __slots__ = ("pages_in_use", "pages_cached", "cached_prefixes", "prefix_hit_tokens", "prefix_miss_tokens", "hit_rate", "page_size", "running_requests", "quotas", "adapters")
+    __slots__ = ("pages_in_use", "pages_cached", "cached_prefixes", "prefix_hit_tokens", "prefix_miss_tokens", "hit_rate", "page_size", "running_requests", "quotas", "adapters", "shared_prefix_hit_tokens", "tier_hit_tokens", "tier_bytes")
     PAGES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     CACHED_PREFIXES_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,9 @@ class GetUsageResponse(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUOTAS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     pages_in_use: int
     pages_cached: int
     cached_prefixes: int
@@ -46,7 +49,10 @@ class GetUsageResponse(_message.Message):
     running_requests: int
     quotas: Quotas
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterUsage]
-    def __init__(self, pages_in_use: _Optional[int] = ..., pages_cached: _Optional[int] = ..., cached_prefixes: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_miss_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., page_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., quotas: _Optional[_Union[Quotas, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUsage, _Mapping]]] = ...) -> None: ...
+    shared_prefix_hit_tokens: int
+    tier_hit_tokens: int
+    tier_bytes: int
+    def __init__(self, pages_in_use: _Optional[int] = ..., pages_cached: _Optional[int] = ..., cached_prefixes: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_miss_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., page_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., quotas: _Optional[_Union[Quotas, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterUsage, _Mapping]]] = ..., shared_prefix_hit_tokens: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., tier_bytes: _Optional[int] = ...) -> None: ...
 
 class AdapterUsage(_message.Message):
     __slots__ = ("name", "requests", "prompt_tokens", "completion_tokens", "resident")
