@@ -52,3 +52,10 @@ def kv_shares(
             "--kv-overcommit"
         )
     return {n: max(1, s) for n, s in shares.items()}
+
+
+def tier_shares(tenants: Mapping[str, Tenant], budget_bytes: int) -> dict[str, int]:
+    """Each tenant's bytes of the KV tier: the budget split by weight. A tenant past its
+    share evicts its own records from the tier, never another's (kvcache/tier.py)."""
+    total_weight = sum(t.weight for t in tenants.values())
+    return {n: math.floor(budget_bytes * t.weight / total_weight) for n, t in tenants.items()}

@@ -42,7 +42,9 @@ from service.serve.settings import (
     cache_config,
     engine_config,
     kv_budget,
+    kv_tier,
 )
+from service.serve.shared_prefixes import shared_page_budget, shared_prefix_ids
 from service.serve.startup import StartupInterrupted, until_stopped
 
 if TYPE_CHECKING:
@@ -139,14 +141,21 @@ def build_server(
     from service.structured.compiler import build_grammar_compiler
 
     cfg = loaded.model.config
+    shared_ids = shared_prefix_ids(registry.shared_prefixes, loaded.tokenizer)
+    shared_pages = shared_page_budget(shared_ids, sizing.page_size)
     try:
-        cache = cache_config(sizing)
+        cache = cache_config(sizing, shared_pages)
         engine_cfg = engine_config(sizing, cfg.max_position_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     pages = pool_pages(sizing, cfg, loaded.model.kv_dtype, loaded.model.device)
+    if shared_pages >= pages:
+        raise ConfigError(
+            f"the tenants file's shared prefixes keep {shared_pages} KV pages (twice what "
+            f"they take) and the pool has {pages}; shorten them or enlarge --kv-memory"
+        )
     try:  # before the warm-up; KVFenceServer applies the shares (and again on each reload)
-        kv_shares(registry.tenants, pages, options.kv_overcommit)
+        kv_shares(registry.tenants, pages - shared_pages, options.kv_overcommit)
     except KVShareError as err:
         raise ConfigError(str(err)) from None
     try:
@@ -157,6 +166,7 @@ def build_server(
             kv_pages=pages,
             clock=clock,
             sampler_seed=sizing.sampler_seed,
+            tier=kv_tier(sizing),
         )
     except ValueError as err:
         raise ConfigError(f"--kv-memory: {err}") from None

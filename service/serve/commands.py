@@ -141,6 +141,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=int,
     )
     _add_switch(p, "--kv-overcommit", "allow tenants' KV shares to add up to more than the pool")
+    # The KV tier below the pool (kvcache/tier.py): off unless --kv-tier-dir is set.
+    _add(p, "--kv-tier-dir", None,
+         "keep evicted cached prefix pages in sealed per-tenant files in this directory "
+         "(created 0700; must be yours and not group- or world-writable; emptied at start)")
+    _add(p, "--kv-tier-bytes", EngineSizing().kv_tier_bytes,
+         "the KV tier's size (512MiB, 4GB), shared among tenants by weight")
+    _add(p, "--kv-tier-secret-file", None,
+         "a file only you can read holding at least 16 bytes the tier's per-tenant keys are "
+         "derived from (default: a random key for each process)")
     # Per-tenant LoRA adapters (docs/lora.md).
     _add(p, "--max-lora-rank", 64, "adapters of a higher rank are refused", type=int)
     _add(

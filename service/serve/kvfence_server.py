@@ -25,7 +25,7 @@ from protos.kvfence.v1 import adapters_pb2, cache_pb2, inference_pb2
 from service.admission.auth import Authenticator
 from service.admission.cluster_limits import build_cluster_limiter
 from service.admission.gate import Admission
-from service.admission.kv_shares import KVShareError, kv_shares
+from service.admission.kv_shares import KVShareError, kv_shares, tier_shares
 from service.admission.limiter import Limiter, TenantLimiter
 from service.admission.prep import RequestPrep
 from service.admission.prompt import ChatTemplateLike, PromptBuilder, TokenizerLike
@@ -50,6 +50,7 @@ from service.http.server import HttpServer
 from service.model.lora import LoraError
 from service.protocols import EngineLike
 from service.serve.settings import ServerOptions, TlsFiles
+from service.serve.shared_prefixes import SharedPrefixPublisher
 from service.structured.grammar import GrammarCompiler
 from service.telemetry.metrics import EngineGauges, Metrics, MetricsServer
 from service.telemetry.request_metrics import PageAlert
@@ -139,6 +140,7 @@ class KVFenceServer:
         self.adapters = Adapters(
             model.lora, model.name, log, self.metrics, apply_pages=self.apply_adapter_pages
         )
+        self.shared_prefixes = SharedPrefixPublisher(engine, model.tokenizer, log)
         adapters = self.adapters.prepare(registry)  # LoraError: refuse to start
         self._apply(registry, self.adapters.reserved_pages(adapters))
         self.adapters.commit(adapters)
@@ -235,6 +237,7 @@ class KVFenceServer:
             self.port = server.add_insecure_port(address)
         else:
             self.port = server.add_secure_port(address, _credentials(opts.tls))
+        await self.shared_prefixes.settled()  # the first requests already read them
         await server.start()
         self._server = server
         for name in ("", *SERVICE_NAMES):
@@ -336,10 +339,15 @@ class KVFenceServer:
         self._apply(self.authenticator.registry, adapter_pages)
 
     def _apply(self, registry: TenantRegistry, adapter_pages: Mapping[str, int]) -> None:
-        """Push the tenants' limits to the limiter and the engine. Raises ``KVShareError``
-        (before changing anything) when their KV shares cannot all be honoured, counting
-        each tenant's adapters (``adapter_pages``) against its own share."""
-        shares = kv_shares(registry.tenants, self._engine.num_pages, self._options.kv_overcommit)
+        """Push the tenants' limits and the shared prefixes to the limiter and the engine.
+        Raises ``KVShareError`` (before changing anything) when their KV shares cannot all
+        be honoured, counting each tenant's adapters (``adapter_pages``) against its own
+        share; the pages kept for shared prefixes are no tenant's."""
+        engine = self._engine
+        shares = kv_shares(
+            registry.tenants, engine.num_pages - engine.shared_pages, self._options.kv_overcommit
+        )
+        tier = tier_shares(registry.tenants, engine.tier_bytes) if engine.tier_bytes else {}
         for name, pages in adapter_pages.items():
             if shares[name] - pages < 1:
                 raise KVShareError(
@@ -348,6 +356,7 @@ class KVFenceServer:
                     "--max-loras-per-tenant"
                 )
             shares[name] -= pages
+        self.shared_prefixes.apply(registry.shared_prefixes)
         for tenant in registry.tenants.values():
             q = tenant.quotas
             self.limiter.configure(tenant.name, q)
@@ -359,7 +368,10 @@ class KVFenceServer:
                     max_waiting=q.max_concurrent_streams,
                 ),
                 TenantCachePolicy(
-                    max_pages=shares[tenant.name], ttl_s=tenant.prefix_cache_ttl_seconds
+                    max_pages=shares[tenant.name],
+                    ttl_s=tenant.prefix_cache_ttl_seconds,
+                    tier_bytes=tier.get(tenant.name),
+                    shared_prefixes=frozenset(tenant.shared_prefixes),
                 ),
             )
 

@@ -14,7 +14,13 @@ import ssl
 from pathlib import Path
 
 from service.admission.tenants import TenantsFileError, load_tenants
-from service.serve.settings import ConfigError, ServeConfig, parse_kv_memory
+from service.serve.settings import (
+    ConfigError,
+    ServeConfig,
+    kv_tier_bytes,
+    kv_tier_secret,
+    parse_kv_memory,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -160,6 +166,19 @@ def _hub_offline() -> bool:
     return constants.HF_HUB_OFFLINE
 
 
+def check_kv_tier(config: ServeConfig) -> None:
+    """The tier's size and secret file parse, and its directory's parent exists (the
+    directory itself is checked, and emptied of tier files, when the tier is built)."""
+    sizing = config.sizing
+    if sizing.kv_tier_dir is None:
+        return
+    kv_tier_bytes(sizing)
+    kv_tier_secret(sizing)
+    parent = Path(sizing.kv_tier_dir).absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"--kv-tier-dir {sizing.kv_tier_dir}: {parent} is not a directory")
+
+
 def check_all(config: ServeConfig) -> None:
     """Every start-up check, cheapest first; only ``--device cuda`` imports torch. (The TLS
     flag pairs were checked when ``serve_config`` built ``config``.)"""
@@ -174,6 +193,7 @@ def check_all(config: ServeConfig) -> None:
     if opts.http_port is not None:
         check_port(opts.host, opts.http_port, "--http-port")
     parse_kv_memory(config.sizing.kv_memory)
+    check_kv_tier(config)
     check_cuda(config.sizing.device)
     check_redis_url(config)
     check_fair_compute(config)

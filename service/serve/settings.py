@@ -8,8 +8,8 @@
         .sizing:  EngineSizing    the engine and KV-pool flags
 
 Everything else is derived from a ``ServeConfig`` by the pure functions below, never built
-from another derived config: ``engine_config`` (the engine), ``cache_config`` (kvcache) and
-``kv_budget`` (what ``kvcache.size_pool`` is given). ``service.serve.preflight`` checks a
+from another derived config: ``engine_config`` (the engine), ``cache_config`` (kvcache),
+``kv_budget`` (what ``kvcache.size_pool`` is given) and ``kv_tier`` (the KV tier, or none). ``service.serve.preflight`` checks a
 ``ServeConfig`` before anything loads. This module imports neither torch nor the engine
 (``service.engine.tuning`` is plain data).
 """
@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -28,7 +31,7 @@ from service.engine.tuning import SchedulerTuning
 from service.grpc.health_service import DEFAULT_MAX_WATCHES
 
 if TYPE_CHECKING:
-    from kvcache import CacheConfig
+    from kvcache import CacheConfig, KVTier
     from service.engine.types import EngineConfig
     from service.http.guard import HttpGuard
 
@@ -107,6 +110,12 @@ class EngineSizing:
     max_step_ms: float = TUNING.max_step_ms
     prefill_chunk: int = TUNING.prefill_chunk
     decode_stretch: float = TUNING.decode_stretch
+    # The KV tier (kvcache/tier.py): evicted cached pages, sealed per tenant, in files under
+    # kv_tier_dir (None: no tier), within kv_tier_bytes, under the key in kv_tier_secret_file
+    # (None: a random key for this process; the tier starts empty either way).
+    kv_tier_dir: str | None = None
+    kv_tier_bytes: str = "1GiB"
+    kv_tier_secret_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +202,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         max_step_ms=args.max_step_ms,
         prefill_chunk=args.prefill_chunk,
         decode_stretch=args.decode_stretch,
+        kv_tier_dir=args.kv_tier_dir,
+        kv_tier_bytes=args.kv_tier_bytes,
+        kv_tier_secret_file=args.kv_tier_secret_file,
     )
     return ServeConfig(
         model=args.model,
@@ -204,15 +216,60 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     )
 
 
-def cache_config(sizing: EngineSizing) -> CacheConfig:
-    """The KV cache's config, derived from the serve flags (raises ValueError if bad)."""
+def cache_config(sizing: EngineSizing, shared_pages: int = 0) -> CacheConfig:
+    """The KV cache's config, derived from the serve flags and the pages the tenants file's
+    shared prefixes may hold (raises ValueError if bad)."""
     from kvcache import CacheConfig
 
     return CacheConfig(
         page_size=sizing.page_size,
         scrub_policy=sizing.scrub_policy,
         default_ttl_s=sizing.prefix_ttl_s,
+        shared_pages=shared_pages,
     )
+
+
+def kv_tier_bytes(sizing: EngineSizing) -> int:
+    """``--kv-tier-bytes`` parsed (raises ``ConfigError``)."""
+    size = _parse_size(sizing.kv_tier_bytes)
+    if size is None or size < 1:
+        raise ConfigError(
+            f"--kv-tier-bytes: cannot parse {sizing.kv_tier_bytes!r} (use e.g. 512MiB or 4GB)"
+        )
+    return int(size)
+
+
+def kv_tier_secret(sizing: EngineSizing) -> bytes:
+    """The KV tier's key material: ``--kv-tier-secret-file``'s bytes (a regular file only
+    this user can read, at least 16 bytes once trailing white space is cut), or 32 random
+    bytes without one. Raises ``ConfigError``."""
+    flag, name = "--kv-tier-secret-file", sizing.kv_tier_secret_file
+    if name is None:
+        return secrets.token_bytes(32)
+    try:
+        st = os.stat(name)
+        data = Path(name).read_bytes().rstrip()
+    except OSError as err:
+        raise ConfigError(f"{flag} {name}: cannot read it ({err.strerror})") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{flag} {name}: must be a file only its owner can read (chmod 600)")
+    if len(data) < 16:
+        raise ConfigError(f"{flag} {name}: holds {len(data)} bytes; use at least 16")
+    return data
+
+
+def kv_tier(sizing: EngineSizing) -> KVTier | None:
+    """The KV tier the flags ask for, or None (``--kv-tier-dir`` unset). Creating it checks
+    the directory and empties it of tier files. Raises ``ConfigError``."""
+    if sizing.kv_tier_dir is None:
+        return None
+    from kvcache import KVTier
+
+    budget, secret = kv_tier_bytes(sizing), kv_tier_secret(sizing)
+    try:
+        return KVTier(sizing.kv_tier_dir, budget, secret)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--kv-tier-dir {sizing.kv_tier_dir}: {err}") from None
 
 
 def engine_config(sizing: EngineSizing, model_len: int) -> EngineConfig:
@@ -279,11 +336,18 @@ def parse_kv_memory(text: str) -> tuple[Literal["bytes", "fraction"], float]:
         value = -1.0
     if 0.0 < value <= 1.0 and "." in text:
         return "fraction", value
-    match = _SIZE_RE.match(text)
-    if match is None:
+    size = _parse_size(text)
+    if size is None:
         raise ConfigError(f"--kv-memory: cannot parse {text!r} (use e.g. 512MiB, 2GB or 0.5)")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    size = float(match.group(1)) * _UNITS[unit]
     if size < 1:
         raise ConfigError(f"--kv-memory: {text!r} is not a positive size")
     return "bytes", size
+
+
+def _parse_size(text: str) -> float | None:
+    """``512MiB``, ``2GB``, ``1073741824`` -> bytes; None if unparsable."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        return None
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return float(match.group(1)) * _UNITS[unit]

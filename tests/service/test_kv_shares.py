@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.admission.kv_shares import KVShareError, kv_shares
+from service.admission.kv_shares import KVShareError, kv_shares, tier_shares
 from service.admission.tenants import Quotas, Tenant
 from service.serve.app import check_shares_before_load
 from service.serve.settings import ConfigError, ServeConfig, ServerOptions, serve_config
@@ -28,6 +28,11 @@ def test_default_shares_split_the_pool_by_weight() -> None:
     shares = kv_shares(_of(_t("a"), _t("b", 2.0), _t("c")), 100)
     assert shares == {"a": 25, "b": 50, "c": 25}
     assert sum(shares.values()) <= 100
+
+
+def test_the_kv_tier_is_split_by_weight() -> None:
+    shares = tier_shares(_of(_t("a"), _t("b", 2.0), _t("c", pages=7)), 1000)
+    assert shares == {"a": 250, "b": 500, "c": 250}  # a page quota does not change it
 
 
 def test_explicit_quotas_are_taken_first_and_the_rest_is_split() -> None:

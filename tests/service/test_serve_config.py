@@ -3,6 +3,8 @@ KV budget are derived from it by one function each."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from service.admission.cluster_limits import ClusterLimitsConfig
 from service.http.guard import HttpGuard
 from service.serve.settings import (
+    ConfigError,
     EngineSizing,
     KVBudget,
     ServeConfig,
@@ -18,6 +21,9 @@ from service.serve.settings import (
     cache_config,
     engine_config,
     kv_budget,
+    kv_tier,
+    kv_tier_bytes,
+    kv_tier_secret,
     serve_config,
 )
 from tools.configuration_doc import actions, commands
@@ -36,10 +42,43 @@ def test_engine_config_takes_the_models_length_unless_capped() -> None:
 
 
 def test_cache_config_carries_page_size_scrub_and_ttl() -> None:
-    cfg = cache_config(EngineSizing(page_size=32, scrub_policy="always", prefix_ttl_s=5.0))
+    cfg = cache_config(EngineSizing(page_size=32, scrub_policy="always", prefix_ttl_s=5.0), 6)
     assert (cfg.page_size, cfg.scrub_policy, cfg.default_ttl_s) == (32, "always", 5.0)
+    assert cfg.shared_pages == 6
     with pytest.raises(ValueError):
         cache_config(EngineSizing(page_size=0))
+
+
+def test_the_kv_tier_is_off_unless_a_directory_is_given(tmp_path: Path) -> None:
+    assert kv_tier(EngineSizing()) is None
+    tier = kv_tier(EngineSizing(kv_tier_dir=str(tmp_path / "tier"), kv_tier_bytes="1MiB"))
+    assert tier is not None and tier.budget_bytes == 2**20
+    assert stat.S_IMODE((tmp_path / "tier").stat().st_mode) == 0o700
+
+
+def test_the_kv_tier_flags_are_checked_in_one_line(tmp_path: Path) -> None:
+    secret = tmp_path / "tier.key"
+    secret.write_bytes(b"0123456789abcdef\n")
+    os.chmod(secret, 0o600)
+    sizing = EngineSizing(kv_tier_dir=str(tmp_path / "t"), kv_tier_secret_file=str(secret))
+    assert kv_tier_secret(sizing) == b"0123456789abcdef"
+    assert kv_tier_bytes(sizing) == 2**30
+    os.chmod(secret, 0o640)
+    with pytest.raises(ConfigError, match="only its owner can read"):
+        kv_tier_secret(sizing)
+    secret.write_bytes(b"short")
+    os.chmod(secret, 0o600)
+    with pytest.raises(ConfigError, match="holds 5 bytes; use at least 16"):
+        kv_tier_secret(sizing)
+    with pytest.raises(ConfigError, match=r"--kv-tier-secret-file .*cannot read it"):
+        kv_tier_secret(EngineSizing(kv_tier_secret_file=str(tmp_path / "absent")))
+    with pytest.raises(ConfigError, match="--kv-tier-bytes: cannot parse 'lots'"):
+        kv_tier_bytes(EngineSizing(kv_tier_bytes="lots"))
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    with pytest.raises(ConfigError, match=r"--kv-tier-dir .*group- or world-writable"):
+        kv_tier(EngineSizing(kv_tier_dir=str(loose)))
 
 
 # Every `kvfence serve` flag with a value other than its default.
@@ -58,6 +97,7 @@ EVERY_FLAG = [
     "--http-max-per-peer", "500", "--http-peer-rate", "200",
     "--otlp-endpoint", "http://o:4317", "--max-lora-rank", "16", "--max-loras-per-tenant", "2",
     "--served-model-name", "smol", "--served-model-name", "smol-chat",
+    "--kv-tier-dir", "/var/tier", "--kv-tier-bytes", "2GiB", "--kv-tier-secret-file", "s.key",
 ]
 
 
@@ -110,6 +150,9 @@ def test_serve_config_is_built_once_from_every_flag() -> None:
             max_step_ms=40.0,
             prefill_chunk=64,
             decode_stretch=1.5,
+            kv_tier_dir="/var/tier",
+            kv_tier_bytes="2GiB",
+            kv_tier_secret_file="s.key",
         ),
     )
     assert kv_budget(config.sizing) == KVBudget(kv_fraction=0.5)
