@@ -9,6 +9,8 @@ PREFIX = "kvcache/prefix_cache.py"
 T_ALLOC = "tests/kvcache/test_allocator.py"
 T_PREFIX = "tests/kvcache/test_prefix_cache.py"
 T_SCRUB = "tests/kvcache/test_scrub.py"
+T_SHARED = "tests/kvcache/test_shared_prefix.py"
+T_TIER = "tests/kvcache/test_kv_tier.py"
 T_BOUNDARY = "tests/kvcache/test_cpu_decode_boundary.py"
 DECODE_C = "kvcache/backends/cpu_decode.c"
 
@@ -89,6 +91,45 @@ MUTANTS = (
         edit(PREFIX, "None (nothing inserted) on a collision.\"\"\"\n",
              "None (nothing inserted) on a collision.\"\"\"\n        ns = Namespace(ns.tenant, ns.adapter)\n"),
         tests=f"{T_PREFIX}::test_two_salts_of_one_tenant_share_no_pages",
+    ),
+    mutant(
+        "shared-page-writable",
+        "no step writes a sealed shared-prefix page",
+        edit(ALLOC, "        if write and s.read_only:", "        if False:"),
+        tests=f"{T_SHARED}::test_the_fence_refuses_a_write_to_a_shared_page",
+    ),
+    mutant(
+        "shared-without-opt-in",
+        "a tenant reads only the shared prefixes it opted in to",
+        edit(MANAGER, "        return policy.shared_prefixes", "        return frozenset(self.shared.declared)"),
+        tests=f"{T_SHARED}::test_a_tenant_that_did_not_opt_in_never_hits",
+    ),
+    mutant(
+        "shared-across-adapters",
+        "adapter and salted sequences never read a shared prefix",
+        edit(MANAGER, "if policy is None or not table.use_prefix_cache or table.adapter or table.salt:",
+             "if policy is None or not table.use_prefix_cache:"),
+        tests=f"{T_SHARED}::test_adapters_salts_and_the_bypass_flag_never_hit",
+    ),
+    mutant(
+        "shared-page-freed-while-declared",
+        "a declared shared page outlives its readers and is never evicted",
+        edit("kvcache/page_store.py", "                if not (shared.declared and shared.live):",
+             "                if True:"),
+        tests=f"{T_SHARED}::test_shared_pages_are_never_evicted_under_pressure",
+    ),
+    mutant(
+        "tier-one-key",
+        "each tenant's KV tier records are sealed under its own key",
+        edit("kvcache/tier_seal.py", '    return _hkdf(secret, frame(b"tenant", tenant.encode()))',
+             '    return _hkdf(secret, frame(b"tenant"))'),
+        tests=f"{T_TIER}::test_records_are_aes_gcm_under_the_tenants_own_key_and_bound_to_their_place",
+    ),
+    mutant(
+        "tier-token-compare",
+        "a KV tier record comes back only if its token ids equal the request's",
+        edit("kvcache/tier.py", "            and opened[0].token_ids == tuple(token_ids)", ""),
+        tests=f"{T_TIER}::test_a_tier_record_is_reused_only_after_its_tokens_are_compared",
     ),
     mutant(
         "kernel-flushes-subnormals",
