@@ -36,9 +36,9 @@ from service.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from service.serve.kvfence_server import ServerOptions
 from service.model.loader import LoadedModel, load_model
 from service.serve.app import EngineSizing, build_server
+from service.serve.kvfence_server import ServerOptions
 from service.telemetry.logs import make_logger
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -78,8 +78,8 @@ async def both_fronts(
 ) -> AsyncIterator[tuple[str, str, dict[str, str]]]:
     """One in-process server with gRPC and HTTP on; yields (gRPC target, HTTP base URL, keys)."""
     from service.admission.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
-    from service.serve.kvfence_server import ServerOptions
     from service.serve.app import build_server
+    from service.serve.kvfence_server import ServerOptions
     from service.telemetry.logs import make_logger
 
     keys = {t: new_api_key() for t in tenants}
