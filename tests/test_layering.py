@@ -241,3 +241,23 @@ def test_arrow_check_catches_a_wrong_arrow(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("from service.http.front import OpenAIFront\nimport service.grpc.wire\n")
     assert _imports(probe) == {"service.http.front", "service.grpc.wire"}
+
+
+def test_engine_test_hooks_come_from_the_factory() -> None:
+    """The cache's test hooks are reached through ``service/engine/hooks.py`` (made by the
+    factory, which holds the cache), never through the engine's layers; the scheduler
+    forwards none of the cache's queries (the core asks them through ``CacheQueries``)."""
+    hooks = ("inject_stale_page", "observe_frees", "on_free")
+    bad = []
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel in ("service/engine/hooks.py", "service/engine/factory.py"):
+            continue
+        text = path.read_text()
+        bad.extend(f"{rel} names {h}" for h in hooks if h in text)
+    scheduler = (ROOT / "service/engine/scheduler.py").read_text()
+    for query in ("def usage", "def purge", "def cache_stats", "def evict_expired",
+                  "def set_cache_policy", "def withdraw_shared", "def num_free_pages"):
+        if query in scheduler:
+            bad.append(f"scheduler.py forwards {query.removeprefix('def ')}")
+    assert bad == []

@@ -10,8 +10,11 @@ Modules (one noun each):
 - ``cost_model``/``least_squares``: what a step costs on the hardware's regime.
 - ``step_budget``: how much a step may carry (token budget, time bound, decode stretch).
 - ``scheduler``: the scheduling loop and preemption; the engine's only caller of
-  ``kvcache.KVCacheManager`` (allocate, fence, commit, free). ``plan``: the step plan it
-  returns; ``kv_quota``: what can never fit, and whose pages an overcommitted pool takes.
+  ``kvcache.KVCacheManager``'s scheduling API (open, allocate, fence, commit, free).
+  ``plan``: the step plan it returns; ``kv_quota``: what can never fit, and whose pages an
+  overcommitted pool takes. ``cache_queries``: the cache's queries and housekeeping (usage,
+  purge, policy, stats, TTL), which the core asks directly.
+- ``hooks``: the debug and test hooks on the cache, made by the factory.
 - ``runner``: batch inputs and the model forward.
 - ``sampler``: batched sampling and logprobs.
 - ``stop``/``detokenizer``: stop strings and UTF-8-safe text deltas.

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 import torch
@@ -45,6 +45,9 @@ from service.engine.types import (
 from service.engine.warmup import WarmupProgress, run_warmup
 from service.model.llama import LlamaModel
 
+if TYPE_CHECKING:
+    from service.engine.hooks import EngineHooks
+
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
@@ -58,7 +61,11 @@ class _Command:
 
 class Engine:
     """Continuous-batching engine. Every public method may be called from any thread;
-    the coroutines must be awaited on the asyncio loop that streams the results."""
+    the coroutines must be awaited on the asyncio loop that streams the results.
+    ``hooks``: its debug and test hooks, set by the factory that built it
+    (``service.engine.factory.build_engine``)."""
+
+    hooks: EngineHooks
 
     def __init__(
         self,
@@ -257,17 +264,11 @@ class Engine:
         finally:
             release.set()
 
-    async def inject_stale_page(self, tenant: str) -> tuple[str, int]:
-        """Test hook for fence tests: recycle a page under the tenant's oldest running
-        request (see ``KVCacheManager.inject_stale_page``). Returns its id and the tokens
-        it had generated."""
-        return await self._ask(lambda core: core.inject_stale_page(tenant))
-
-    def observe_frees(self, observer: Callable[[str], None] | None) -> None:
-        """Test hook: ``observer(request_id)`` is called on the engine thread each time a
-        request's KV pages are freed (finish, abort, deadline, preemption); None removes it.
-        Blocks until the engine thread has installed it (at the next step boundary)."""
-        self._post(lambda core: core.scheduler.observe_frees(observer)).result()
+    def at_step_boundary(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the engine thread at the next step boundary (tools and the
+        factory's hooks, ``service.engine.hooks``); its result or exception settles the
+        future."""
+        return self._post(fn)
 
     # ---- the inbox and the engine thread --------------------------------------------------------
     def _post(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:

@@ -19,6 +19,7 @@ from kvcache import CacheConfig, KVCacheManager, KVTier, LayerAttention, PagePoo
 from kvcache.backends import AttentionBackend
 from service.engine.core import EngineCore
 from service.engine.engine import Engine
+from service.engine.hooks import CoreHooks, EngineHooks
 from service.engine.types import EngineConfig
 from service.model.llama import LlamaModel
 from service.model.loader import LoadedModel
@@ -93,9 +94,11 @@ def build_engine(
         backend=backend,
         tier=tier,
     )
-    return Engine(
+    engine = Engine(
         loaded.model, loaded.tokenizer, cache, engine_config, clock, sampler_seed=sampler_seed
     )
+    engine.hooks = EngineHooks(engine, cache)  # the hooks come from here, not through layers
+    return engine
 
 
 def build_core(
@@ -121,6 +124,8 @@ def build_core(
         clock=clock,
         backend=backend,
     )
-    return EngineCore.for_model(
+    core = EngineCore.for_model(
         loaded.model, loaded.tokenizer, cache, engine_config, clock, sampler_seed
     )
+    core.hooks = CoreHooks(core, cache)  # the hooks come from here, not through layers
+    return core

@@ -15,9 +15,11 @@ from prompt + output. A ``quota`` answer does the same within the tenant. A requ
 could never fit the pool or its tenant's quota is rejected with ``RequestTooLarge`` instead
 of waiting forever.
 
-The scheduler is the engine's only caller of ``KVCacheManager``: schedule (allocate, fence),
-update (commit, append) and finish (free) all go through it, so the engine core never holds
-the cache.
+The scheduler is the engine's only caller of ``KVCacheManager``'s scheduling API: schedule
+(open, allocate, fence), update (commit, append), finish (free) and the prefill of a shared
+prefix all go through it. The core asks the cache's queries and housekeeping (usage, purge,
+policy, stats, TTL) through ``CacheQueries`` instead, so the scheduler forwards nothing it
+does not decide.
 """
 
 from __future__ import annotations
@@ -28,12 +30,10 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from kvcache.attention import AttentionFn
-from kvcache.config import TenantCachePolicy
 from kvcache.errors import FenceViolation, KVCacheError
 from kvcache.manager import KVCacheManager
 from kvcache.metadata import StepEntry
 from kvcache.results import SharedPublish
-from kvcache.stats import CacheStats, TenantUsage
 from service.engine.cost_model import Regime, StepShape
 from service.engine.fairness import FairShare, Presence, TenantQueues, TokenCounter
 from service.engine.kv_quota import most_over_share, never_fits, page_limit
@@ -253,26 +253,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    # ---- cache facts and housekeeping, for the engine core ------------------------------
-    @property
-    def page_size(self) -> int:
-        return self._cache.page_size
-
-    def num_free_pages(self) -> int:
-        return self._cache.num_free_pages()
-
-    def evict_expired(self) -> int:
-        return self._cache.evict_expired()
-
-    def set_cache_policy(self, tenant: str, policy: TenantCachePolicy) -> None:
-        self._cache.set_tenant_policy(tenant, policy)
-
-    def usage(self, tenant: str) -> TenantUsage:
-        return self._cache.usage(tenant)
-
-    def purge(self, tenant: str) -> int:
-        return self._cache.purge_tenant(tenant)
-
+    # ---- who has work, for the step budget -----------------------------------------------
     def present(self) -> frozenset[str]:
         """The tenants with work, as the step budget sees them (``Presence``)."""
         return self._presence.tenants()
@@ -283,15 +264,9 @@ class Scheduler:
         assert not self.num_running(tenant) and not self.waiting.num_waiting(tenant)
         self._presence.end(tenant)
 
-    def cache_stats(self) -> CacheStats:
-        return self._cache.stats()
-
     # ---- the operator's shared prefixes (prefilled by the core between steps) -----------
     def publish_shared(self, name: str, token_ids: Sequence[int]) -> SharedPublish:
         return self._cache.publish_shared(name, token_ids)
-
-    def withdraw_shared(self, name: str) -> bool:
-        return self._cache.withdraw_shared(name)
 
     def shared_step(self, pub: SharedPublish, start: int, num_new: int) -> AttentionFn:
         """The fenced attention for tokens ``[start, start + num_new)`` of a publication."""
@@ -306,14 +281,6 @@ class Scheduler:
     def shared_done(self, pub: SharedPublish) -> None:
         """Free the publication's internal sequence (its sealed pages stay declared)."""
         self._cache.free(pub.seq_id)
-
-    def observe_frees(self, observer: Callable[[str], None] | None) -> None:
-        """Test hook: ``observer(seq_id)`` after every free of a sequence's pages."""
-        self._cache.on_free = observer
-
-    def inject_stale_page(self, seq: SeqState) -> None:
-        """Test hook (fence tests): the sequence's first page is recycled under it."""
-        self._cache.inject_stale_page(seq.seq_id)
 
     def _allocate_running(
         self,

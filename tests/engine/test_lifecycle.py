@@ -110,7 +110,7 @@ def test_fence_violation_fails_only_the_affected_request(tiny: LoadedModel) -> N
         core.add(r, rec.sink(r.request_id))
     core.step()
     core.step()
-    core.inject_stale_page("t1", "f1")  # a page that changed hands under f1
+    core.hooks.inject_stale_page("t1", "f1")  # a page that changed hands under f1
     emitted = len(rec.tokens("f1"))
     while core.has_work():
         core.step()

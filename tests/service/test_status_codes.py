@@ -173,7 +173,7 @@ def test_fence_violation_aborts_the_request_with_internal_kv_fence(srv: ServerHa
     assert first.WhichOneof("event") == "chunk"
     before = srv.stats().fence_violations
     # Simulate a recycled page: its generation moves on under the running sequence.
-    _, generated_when_broken = asyncio.run(srv.engine.inject_stale_page("globex"))
+    _, generated_when_broken = asyncio.run(srv.engine.hooks.inject_stale_page("globex"))
     received = 0
     with pytest.raises(grpc.RpcError) as info:
         for response in stream:

@@ -109,8 +109,8 @@ class FreeProbe:
             with self._guard:
                 self.freed.setdefault(seq_id, []).append(self._clock())
 
-        srv.engine.observe_frees(freed)
+        srv.engine.hooks.observe_frees(freed)
         try:
             yield self
         finally:
-            srv.engine.observe_frees(None)
+            srv.engine.hooks.observe_frees(None)
