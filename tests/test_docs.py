@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,23 @@ def test_every_suite_and_every_result_file_reaches_the_benchmarks_page() -> None
     assert tuple(benchmarks_doc.SUITES) == SUITE_ORDER
     named = {json.loads(p.read_text()).get("suite") for p in benchmarks_doc.RESULTS.glob("*.json")}
     assert named - {None} <= set(benchmarks_doc.SUITES)
+
+
+def _named_paths(text: str) -> set[str]:
+    return set(re.findall(r"\b(?:service|kvcache|clients|tools|bench|tests|protos)/[\w/]+\.py\b",
+                          text))
+
+
+def test_every_source_file_the_docs_name_exists() -> None:
+    """A page that names a module that moved or went fails here, so the maps
+    (architecture.md, life-of-a-request.md, ...) say what the code is now."""
+    pages = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    missing = [f"{page.name}: {path}" for page in pages
+               for path in sorted(_named_paths(page.read_text()))
+               if not (ROOT / path).exists()]
+    assert missing == []
+
+
+def test_named_path_check_reads_paths_in_prose() -> None:
+    text = "see `service/admission/gate.py` and service/old_module.py, not service/http/"
+    assert _named_paths(text) == {"service/admission/gate.py", "service/old_module.py"}
