@@ -1,15 +1,23 @@
 """Every mutant, by area. To add one: a few lines in an area file (or a new area file added
 to ``ALL`` here): ``mutant(name, guarantee, edit(path, old, new), ..., tests=...)``."""
 
-from tools.mutants.catalog import fairness, gemma_moe, hardening, kvcache, lora, models, service
+from tools.mutants.catalog import (
+    adapters,
+    families,
+    gemma_moe,
+    hardening,
+    kvcache,
+    scheduling,
+    service,
+)
 from tools.mutants.mutant import Mutant
 
 ALL: tuple[Mutant, ...] = (
     *kvcache.MUTANTS,
     *service.MUTANTS,
-    *fairness.MUTANTS,
+    *scheduling.MUTANTS,
     *hardening.MUTANTS,
-    *models.MUTANTS,
+    *families.MUTANTS,
     *gemma_moe.MUTANTS,
-    *lora.MUTANTS,
+    *adapters.MUTANTS,
 )
