@@ -25,10 +25,16 @@ Format (TOML; every key except ``api_key_sha256``/``mtls_identities`` is optiona
     [shared_prefixes]                          # the operator's prompt prefixes, name = text
     support = "You are the support assistant of Example Inc.\n"
 
+    [shared_prefixes.helpdesk]                 # or a chat's first message: a system message
+    system = "You are the help desk of Example Inc."
+
 A shared prefix is operator data, never a tenant's: its full KV pages are computed once and
 read by the tenants that list its name, on base-model requests without a cache salt whose
-prompt tokens begin with its tokens (kvcache/shared_prefix.py). A tenant naming a prefix the
-file does not declare is refused by name.
+prompt tokens begin with its tokens (kvcache/shared_prefix.py). A text is tokenized as a
+``text`` prompt is; a ``system`` table's text is rendered as a chat's lone system message
+by the served model's chat template (service/serve/shared_prefixes.py). A table holding
+anything but ``system``, or a tenant naming a prefix the file does not declare, is refused
+by name.
 
 Only hashes are stored; ``kvfence tenants add`` prints the plaintext key once. An API-key
 hash may belong to one tenant only, and an mTLS identity names its SAN type (``uri:``,
@@ -119,11 +125,20 @@ def new_api_key() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class DeclaredPrefix:
+    """One entry of ``[shared_prefixes]``: ``text`` as a ``text`` prompt's, or (``system``)
+    the content of a chat's first message, a system message."""
+
+    text: str
+    system: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class TenantRegistry:
     """An immutable snapshot of the tenants file. Reloading builds a new one."""
 
     tenants: Mapping[str, Tenant]
-    shared_prefixes: Mapping[str, str] = field(default_factory=dict)  # name -> text
+    shared_prefixes: Mapping[str, DeclaredPrefix] = field(default_factory=dict)
 
     def by_key(self, key: str) -> Tenant | None:
         """The tenant owning ``key``; compares every stored digest in constant time."""
@@ -198,21 +213,34 @@ def parse_tenants(data: Mapping[str, Any], source: str = "<tenants>") -> TenantR
     return TenantRegistry(tenants=tenants, shared_prefixes=shared)
 
 
-def _shared_prefixes(raw: object, source: str) -> dict[str, str]:
-    """``[shared_prefixes]``: name -> non-empty text, at most ``MAX_SHARED_PREFIX_CHARS``."""
+def _shared_prefixes(raw: object, source: str) -> dict[str, DeclaredPrefix]:
+    """``[shared_prefixes]``: name -> a non-empty text (``name = "text"``) or a chat's system
+    message (``[shared_prefixes.name]`` holding ``system = "text"`` alone), each text at most
+    ``MAX_SHARED_PREFIX_CHARS``."""
     where = f"{source}: [shared_prefixes]"
     if not isinstance(raw, dict):
         raise TenantsFileError(f"{where} must be a table of name = \"text\"")
-    for name, text in raw.items():
+    declared: dict[str, DeclaredPrefix] = {}
+    for name, value in raw.items():
         if not _NAME_RE.match(name):
             raise TenantsFileError(
                 f"{where}: name {name!r} is invalid (letters, digits, '_', '.', '-')"
             )
-        if not isinstance(text, str) or not text or len(text) > MAX_SHARED_PREFIX_CHARS:
+        system = isinstance(value, dict)
+        if system and set(value) != {"system"}:
+            held = ", ".join(repr(k) for k in sorted(value)) or "nothing"
             raise TenantsFileError(
-                f"{where}: {name!r} must be a text of 1 to {MAX_SHARED_PREFIX_CHARS} characters"
+                f"{where}: {name!r} is neither form: name = \"text\", or a table holding "
+                f"system = \"text\" alone (it holds {held})"
             )
-    return dict(raw)
+        text = value["system"] if system else value
+        if not isinstance(text, str) or not text or len(text) > MAX_SHARED_PREFIX_CHARS:
+            what = f"{name!r}: system" if system else repr(name)
+            raise TenantsFileError(
+                f"{where}: {what} must be a text of 1 to {MAX_SHARED_PREFIX_CHARS} characters"
+            )
+        declared[name] = DeclaredPrefix(text, system)
+    return declared
 
 
 def _parse_tenant(name: str, raw: object, source: str) -> Tenant:

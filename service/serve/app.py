@@ -44,7 +44,11 @@ from service.serve.settings import (
     kv_budget,
     kv_tier,
 )
-from service.serve.shared_prefixes import shared_page_budget, shared_prefix_ids
+from service.serve.shared_prefixes import (
+    SharedPrefixError,
+    shared_page_budget,
+    shared_prefix_ids,
+)
 from service.serve.startup import StartupInterrupted, until_stopped
 
 if TYPE_CHECKING:
@@ -141,7 +145,12 @@ def build_server(
     from service.structured.compiler import build_grammar_compiler
 
     cfg = loaded.model.config
-    shared_ids = shared_prefix_ids(registry.shared_prefixes, loaded.tokenizer)
+    try:
+        shared_ids = shared_prefix_ids(
+            registry.shared_prefixes, loaded.tokenizer, loaded.chat_template
+        )
+    except SharedPrefixError as err:
+        raise ConfigError(str(err)) from None
     shared_pages = shared_page_budget(shared_ids, sizing.page_size)
     try:
         cache = cache_config(sizing, shared_pages)

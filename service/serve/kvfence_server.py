@@ -140,7 +140,9 @@ class KVFenceServer:
         self.adapters = Adapters(
             model.lora, model.name, log, self.metrics, apply_pages=self.apply_adapter_pages
         )
-        self.shared_prefixes = SharedPrefixPublisher(engine, model.tokenizer, log)
+        self.shared_prefixes = SharedPrefixPublisher(
+            engine, model.tokenizer, log, model.chat_template
+        )
         adapters = self.adapters.prepare(registry)  # LoraError: refuse to start
         self._apply(registry, self.adapters.reserved_pages(adapters))
         self.adapters.commit(adapters)

@@ -3,17 +3,21 @@ step with each reload.
 
 A declared text is tokenized as a ``text`` prompt is (special tokens added the same way), so
 a request whose text begins with it begins with its tokens, provided the text ends where the
-tokenizer cannot merge across (a newline, say). Only its full KV pages are shared; they are
+tokenizer cannot merge across (a newline, say). A declared ``system`` message is rendered as
+a chat holding that one system message, without a generation prompt, by the served model's
+chat template, and tokenized as the prompt path tokenizes chats
+(``service.admission.prompt``: ``template_messages``, ``render_parts``, ``encode_chat``), so
+a chat whose first message is that system message begins with its tokens wherever the
+template renders the first turn the same whatever follows it (a template that does not is a
+miss, never wrong KV: matching compares tokens). A model without a chat template refuses the
+``system`` form by name, at start and on a reload. Only full KV pages are shared; they are
 computed once on the engine thread (``Engine.publish_shared``) and read by the tenants that
-list its name, on base-model requests without a cache salt (kvcache/shared_prefix.py). A
-chat prompt starts with the chat template's markup, which a declared text never produces
-(special tokens are never parsed out of text), so shared prefixes serve text and token-id
-prompts.
+list its name, on base-model requests without a cache salt (kvcache/shared_prefix.py).
 
 The pages the shared prefixes may hold are fixed at start, before the tenants' KV shares are
-cut from the pool: twice what the declared texts take, so each can be replaced while its old
-pages are still read. A reload that needs more is refused for that prefix (logged; the rest
-of the file applies). Names and sizes are logged, never the text.
+cut from the pool: twice what the declared prefixes take, so each can be replaced while its
+old pages are still read. A reload that needs more is refused for that prefix (logged; the
+rest of the file applies). Names and sizes are logged, never the text.
 """
 
 from __future__ import annotations
@@ -25,16 +29,66 @@ from collections.abc import Mapping, Sequence
 
 from structlog.typing import FilteringBoundLogger
 
-from service.admission.prompt import TokenizerLike
+from protos.kvfence.v1 import inference_pb2
+from service.admission.prompt import ChatTemplateLike, TokenizerLike
+from service.admission.tenants import DeclaredPrefix
 from service.engine import SharedPublish
 from service.protocols import EngineLike
+from service.structured import tools
+
+
+class SharedPrefixError(ValueError):
+    """A declared prefix the served model cannot render; the message names it, in one line.
+    ``reason``: ``no_chat_template``, ``template_refused`` or ``system_not_rendered``."""
+
+    def __init__(self, name: str, reason: str, message: str) -> None:
+        super().__init__(f"tenants file: shared prefix {name!r}: {message}")
+        self.reason = reason
+
+
+def declared_ids(
+    name: str,
+    declared: DeclaredPrefix,
+    tokenizer: TokenizerLike,
+    template: ChatTemplateLike | None,
+) -> list[int]:
+    """The token ids a request beginning with ``declared`` begins with: a ``text`` prompt's,
+    or a chat's whose first message is the declared system message. Raises
+    ``SharedPrefixError``."""
+    if not declared.system:
+        return tokenizer.encode(declared.text, True)
+    if template is None:
+        raise SharedPrefixError(
+            name, "no_chat_template",
+            "declares a chat system message and the served model has no chat template",
+        )
+    chat = inference_pb2.ChatMessages(
+        messages=[inference_pb2.ChatMessage(role="system", content=declared.text)]
+    )
+    messages, tool_list = tools.template_messages(chat, template.native_tools)
+    try:
+        parts = template.render_parts(messages, False, tool_list)
+    except ValueError as err:  # ChatTemplateError: the template's own complaint
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SharedPrefixError(
+            name, "template_refused", f"the chat template refused a lone system message: {first}"
+        ) from None
+    if not any(is_content for _, is_content in parts):
+        raise SharedPrefixError(
+            name, "system_not_rendered",
+            "the chat template does not render a lone system message (it keeps it for the "
+            "first user turn); declare it as a text instead",
+        )
+    return tokenizer.encode_chat(parts)
 
 
 def shared_prefix_ids(
-    texts: Mapping[str, str], tokenizer: TokenizerLike
+    declared: Mapping[str, DeclaredPrefix],
+    tokenizer: TokenizerLike,
+    template: ChatTemplateLike | None = None,
 ) -> dict[str, list[int]]:
-    """Each declared text's token ids, as a ``text`` prompt's."""
-    return {name: tokenizer.encode(text, True) for name, text in texts.items()}
+    """Each declared prefix's token ids (``declared_ids``). Raises ``SharedPrefixError``."""
+    return {name: declared_ids(name, d, tokenizer, template) for name, d in declared.items()}
 
 
 def shared_page_budget(ids: Mapping[str, Sequence[int]], page_size: int) -> int:
@@ -46,29 +100,41 @@ class SharedPrefixPublisher:
     """Publishes what the tenants file declares and withdraws what it no longer does."""
 
     def __init__(
-        self, engine: EngineLike, tokenizer: TokenizerLike, log: FilteringBoundLogger
+        self,
+        engine: EngineLike,
+        tokenizer: TokenizerLike,
+        log: FilteringBoundLogger,
+        template: ChatTemplateLike | None = None,
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
+        self._template = template
         self._log = log
-        self._texts: dict[str, str] = {}  # what was sent to the engine
+        self._declared: dict[str, DeclaredPrefix] = {}  # what was sent to the engine
         self._failed: set[str] = set()  # published but refused or failed: sent again
         self._pending: list[concurrent.futures.Future[SharedPublish]] = []
 
-    def apply(self, texts: Mapping[str, str]) -> None:
-        """Withdraw the names ``texts`` lacks, publish the new and changed ones. Engine
-        commands run in order, so they take effect before any tenant policy sent after."""
-        for name in sorted(set(self._texts) - set(texts)):
+    def apply(self, declared: Mapping[str, DeclaredPrefix]) -> None:
+        """Withdraw the names ``declared`` lacks, publish the new and changed ones. Engine
+        commands run in order, so they take effect before any tenant policy sent after. A
+        prefix the model cannot render is logged by name and keeps what it had."""
+        for name in sorted(set(self._declared) - set(declared)):
             self._engine.withdraw_shared(name)
             self._log.info("shared_prefix.withdrawn", name=name)
-        for name, text in sorted(texts.items()):
-            if self._texts.get(name) == text and name not in self._failed:
+        for name, prefix in sorted(declared.items()):
+            if self._declared.get(name) == prefix and name not in self._failed:
                 continue
             self._failed.discard(name)
-            future = self._engine.publish_shared(name, self._tokenizer.encode(text, True))
+            try:
+                ids = declared_ids(name, prefix, self._tokenizer, self._template)
+            except SharedPrefixError as err:
+                self._failed.add(name)
+                self._log.error("shared_prefix.refused", name=name, reason=err.reason)
+                continue
+            future = self._engine.publish_shared(name, ids)
             future.add_done_callback(functools.partial(self._done, name))
             self._pending.append(future)
-        self._texts = dict(texts)
+        self._declared = dict(declared)
         self._pending = [f for f in self._pending if not f.done()]
 
     async def settled(self) -> None:

@@ -1,11 +1,14 @@
-"""Shared prefixes through a real server on the default model: the tenants file declares one,
-two tenants opt in and one does not. An opted-in tenant's first request reads the shared
-pages and produces exactly the tokens a run that computes every token produces (greedy);
-the tenant that did not opt in reads nothing; a reload that drops the prefix stops the hits.
+"""Shared prefixes through a real server on the default model: the tenants file declares a
+text and a chat system message, two tenants opt in and one does not. An opted-in tenant's
+first request (a text, or a chat whose first message is the declared system message) reads
+the shared pages and produces exactly the tokens a run that computes every token produces
+(greedy); the tenant that did not opt in reads nothing; a reload that drops the prefixes
+stops the hits. A model without a chat template refuses the system form at start, by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +18,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2, inference_pb2_grpc
-from service.admission.tenants import hash_key, new_api_key
+from service.admission.tenants import DeclaredPrefix, hash_key, new_api_key
 from service.serve.app import EngineSizing
+from service.serve.settings import ConfigError
+from service.serve.shared_prefixes import declared_ids
 from tests.serverutil import ServerHandle, running_server
 
 SHARED_TEXT = (
@@ -25,6 +30,10 @@ SHARED_TEXT = (
     "opens at nine and closes at six, Monday to Saturday.\n"
 )
 QUESTION = "Question: When does the shop open?\nAnswer:"
+HELPDESK = (
+    "You are the help desk of Example Inc. Answer questions about accounts, invoices and "
+    "passwords in two short sentences, and never ask anyone for a password."
+)
 SIZING = EngineSizing(kv_memory="64MiB", max_model_len=512, warmup=False)
 PAGE = SIZING.page_size
 
@@ -33,10 +42,11 @@ def _tenants_file(path: Path, keys: dict[str, str], declared: bool) -> None:
     lines = []
     if declared:
         lines += ["[shared_prefixes]", f"support = {json.dumps(SHARED_TEXT)}", ""]
+        lines += ["[shared_prefixes.helpdesk]", f"system = {json.dumps(HELPDESK)}", ""]
     for name in ("alice", "bob", "carol"):
         lines += [f"[tenants.{name}]", f'api_key_sha256 = ["{hash_key(keys[name]).hex()}"]']
         if declared and name != "carol":
-            lines.append('shared_prefixes = ["support"]')
+            lines.append('shared_prefixes = ["support", "helpdesk"]')
         lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -109,6 +119,72 @@ def test_opted_in_tenants_read_the_shared_pages_and_generate_the_same_tokens(
     assert 'kvfence_shared_prefix_hit_tokens_total{tenant="carol"} 0.0' in scrape
 
 
+def _chat(srv: ServerHandle, tenant: str) -> tuple[int, list[int]]:
+    """(Started.cached_prompt_tokens, the output tokens) of a greedy chat that opens with the
+    declared system message."""
+    stub = inference_pb2_grpc.InferenceStub(srv.channel())
+    request = inference_pb2.GenerateRequest(
+        chat=inference_pb2.ChatMessages(messages=[
+            inference_pb2.ChatMessage(role="system", content=HELPDESK),
+            inference_pb2.ChatMessage(role="user", content="How do I change my invoice address?"),
+        ]),
+        sampling=inference_pb2.SamplingParams(temperature=0.0),
+        stopping=inference_pb2.StoppingParams(max_tokens=8, ignore_eos=True),
+    )
+    cached, tokens = -1, []
+    for response in stub.Generate(request, metadata=srv.auth(tenant)):
+        kind = response.WhichOneof("event")
+        if kind == "started":
+            cached = response.started.cached_prompt_tokens
+        elif kind == "chunk":
+            tokens.extend(response.chunk.token_ids)
+    return cached, tokens
+
+
+def _system_tokens(served_model: Any) -> int:
+    """The full pages of the rendered system message, which a chat that goes on after it
+    begins with (the same render and tokenizing as the prompt path's)."""
+    tok, template = served_model.tokenizer, served_model.chat_template
+    ids = declared_ids("helpdesk", DeclaredPrefix(HELPDESK, system=True), tok, template)
+    chat = template.render_parts(
+        [{"role": "system", "content": HELPDESK}, {"role": "user", "content": "Hi"}], True
+    )
+    assert tok.encode_chat(chat)[: len(ids)] == ids
+    return len(ids) // PAGE * PAGE
+
+
+def test_a_chat_opening_with_the_declared_system_message_reads_its_pages(
+    srv: ServerHandle, served_model: Any
+) -> None:
+    expected = _system_tokens(served_model)
+    assert expected >= 2 * PAGE
+    cold, baseline = _chat(srv, "carol")  # not opted in: computes every token
+    assert cold == 0 and len(baseline) == 8
+    before = _usage(srv, "alice")
+    cached, tokens = _chat(srv, "alice")
+    assert cached == expected  # the shared pages of the system turn, nothing of its own
+    assert tokens == baseline
+    after = _usage(srv, "alice")
+    assert after.shared_prefix_hit_tokens - before.shared_prefix_hit_tokens == expected
+    assert after.prefix_hit_tokens == before.prefix_hit_tokens
+    assert _usage(srv, "carol").shared_prefix_hit_tokens == 0
+    assert srv.stats().shared_hits.get("helpdesk") == 1
+
+
+def test_a_model_without_a_chat_template_refuses_the_system_form_by_name(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    keys = {name: new_api_key() for name in ("alice", "bob", "carol")}
+    path = tmp_path / "tenants.toml"
+    _tenants_file(path, keys, declared=True)
+    bare = dataclasses.replace(tiny_model, chat_template=None)
+    with pytest.raises(ConfigError) as err, running_server(bare, path):
+        pass
+    message = str(err.value)
+    assert "shared prefix 'helpdesk'" in message and "no chat template" in message
+    assert "\n" not in message and "support" not in message
+
+
 def test_a_reload_that_drops_the_prefix_stops_its_hits(
     srv: ServerHandle, served_model: Any
 ) -> None:
@@ -123,6 +199,9 @@ def test_a_reload_that_drops_the_prefix_stops_its_hits(
     _tenants_file(srv.tenants_path, srv.keys, declared=True)
     assert srv.server.reload_tenants()
     srv.call(srv.server.shared_prefixes.settled())
-    assert srv.stats().shared_prefixes == {"support": _shared_tokens(served_model) // PAGE}
+    assert srv.stats().shared_prefixes == {
+        "helpdesk": _system_tokens(served_model) // PAGE,
+        "support": _shared_tokens(served_model) // PAGE,
+    }
     cached, _ = _generate(srv, "bob")
     assert cached == _shared_tokens(served_model)

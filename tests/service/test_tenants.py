@@ -11,6 +11,7 @@ from google.rpc.error_details_pb2 import ErrorInfo
 from service.admission.auth import Authenticator
 from service.admission.tenants import (
     MAX_SHARED_PREFIX_CHARS,
+    DeclaredPrefix,
     Quotas,
     TenantsFileError,
     add_tenant,
@@ -265,6 +266,9 @@ SHARED = '''
 support = "You are the support assistant.\\n"
 legal = "Answer as counsel would.\\n"
 
+[shared_prefixes.helpdesk]
+system = "You are the help desk."
+
 [tenants.acme]
 api_key_sha256 = ["{key}"]
 shared_prefixes = ["support", "legal", "support"]
@@ -278,8 +282,9 @@ def test_shared_prefixes_are_declared_once_and_opted_into_by_name(tmp_path: Path
     path = _file(tmp_path, SHARED.format(key=hash_key(KEY_A).hex(), other=hash_key(KEY_B).hex()))
     registry = load_tenants(path)
     assert registry.shared_prefixes == {
-        "support": "You are the support assistant.\n",
-        "legal": "Answer as counsel would.\n",
+        "support": DeclaredPrefix("You are the support assistant.\n"),
+        "legal": DeclaredPrefix("Answer as counsel would.\n"),
+        "helpdesk": DeclaredPrefix("You are the help desk.", system=True),
     }
     assert registry.tenants["acme"].shared_prefixes == ("support", "legal")
     assert registry.tenants["globex"].shared_prefixes == ()
@@ -297,6 +302,16 @@ def test_shared_prefixes_are_declared_once_and_opted_into_by_name(tmp_path: Path
         ('[shared_prefixes]\nsupport = ""\n', "'support' must be a text of 1 to 65536"),
         ("[shared_prefixes]\nsupport = 3\n", "'support' must be a text of 1 to 65536"),
         ('shared_prefixes = "support"\n', "[shared_prefixes] must be a table"),
+        ('[shared_prefixes.support]\nuser = "x"\n',
+         "'support' is neither form: name = \"text\", or a table holding system = \"text\" "
+         "alone (it holds 'user')"),
+        ('[shared_prefixes.support]\nsystem = "x"\nuser = "y"\n',
+         "(it holds 'system', 'user')"),
+        ("[shared_prefixes.support]\n", "(it holds nothing)"),
+        ('[shared_prefixes.support]\nsystem = ""\n',
+         "'support': system must be a text of 1 to 65536"),
+        ("[shared_prefixes.support]\nsystem = [1]\n",
+         "'support': system must be a text of 1 to 65536"),
         ('[tenants.a]\napi_key_sha256 = ["{key}"]\nshared_prefixes = "support"\n',
          "shared_prefixes must be a list of strings"),
     ],
@@ -313,4 +328,8 @@ def test_a_shared_prefix_text_is_bounded(tmp_path: Path) -> None:
     long = "a" * (MAX_SHARED_PREFIX_CHARS + 1)
     with pytest.raises(TenantsFileError):
         parse_tenants({"shared_prefixes": {"big": long}})
-    assert parse_tenants({"shared_prefixes": {"big": long[1:]}}).shared_prefixes["big"] == long[1:]
+    assert parse_tenants({"shared_prefixes": {"big": long[1:]}}).shared_prefixes["big"].text == (
+        long[1:]
+    )
+    with pytest.raises(TenantsFileError):
+        parse_tenants({"shared_prefixes": {"big": {"system": long}}})
