@@ -72,6 +72,26 @@ ORPHAN_ONE = edit(STORE, "                to_zero.extend(self.reclaim(ref.page_i
                   "                    to_zero.extend(self.reclaim(ref.page_id))\n"
                   f"                setattr({_BUILTINS}, 'kvf_orphaned', 1)\n")
 TTL_LINE = "return self.config.default_ttl_s if p is None or p.ttl_s is None else p.ttl_s"
+TIER = "kvcache/tier.py"
+SHARED_OFF = edit(MANAGER, "            if shared:\n                self._shared_match(",
+                  "            if False:\n                self._shared_match(")
+HIT_WAITS = edit(RESPONSES, STARTED, "    if event.cached_tokens:\n"
+                 '        __import__("time").sleep(0.6)\n' + STARTED)
+TIER_KEEPS_NOTHING = edit(TIER, "        ns, tenant = record.namespace, record.namespace.tenant\n",
+                          "        return False\n"
+                          "        ns, tenant = record.namespace, record.namespace.tenant\n")
+TIER_LOOKUPS_OFF = edit("kvcache/page_store.py",
+                        "        if tier is None or not tier.holds(ns, key):\n            return False",
+                        "        if True:\n            return False")
+TIER_PURGE = "in_tier = 0 if self.tier is None else self.tier.purge(tenant)"
+# AES-GCM is CTR mode from the nonce's second counter block, plus a tag: decrypt, skip the tag.
+GCM_OPEN = ("            plain = self._cipher(ns.tenant).decrypt(nonce, blob[head:], "
+            "associated_data(ns, key, number))\n")
+GCM_UNCHECKED = (
+    '            _c = __import__("cryptography.hazmat.primitives.ciphers", fromlist=["Cipher"])\n'
+    "            _d = _c.Cipher(_c.algorithms.AES(tenant_key(self._secret, ns.tenant)),\n"
+    '                           _c.modes.CTR(nonce + b"\\x00\\x00\\x00\\x02")).decryptor()\n'
+    "            plain = _d.update(blob[head:-16]) + _d.finalize()\n")
 
 PROBES: tuple[Probe, ...] = (
     # test_auth_matrix
@@ -261,6 +281,51 @@ PROBES: tuple[Probe, ...] = (
           "test_cross_tenant_cached", "a hit waits 0.6 s (about a cold prefill)",
           edit(RESPONSES, STARTED, "    if event.cached_tokens:\n"
                '        __import__("time").sleep(0.6)\n' + STARTED)),
+    # test_shared_prefix_timing
+    probe("test_shared_prefix_timing::96.7% CI of B's TTFT ratio (not opted in), declared "
+          "prefix / novel (TOST)", "test_a_tenant_not_opted_in",
+          "shared prefixes read without opting in", mutant="shared-without-opt-in"),
+    probe("test_shared_prefix_timing::cached and shared tokens reported to B (Started, GetUsage)",
+          "test_a_tenant_not_opted_in", "Started reports 16 more cached tokens",
+          edit(RESPONSES, "            cached_prompt_tokens=event.cached_tokens,\n            model=",
+               "            cached_prompt_tokens=event.cached_tokens + 16,\n            model=")),
+    probe("test_shared_prefix_timing::A (opted in) shared tokens on its first request (control)",
+          "test_a_tenant_not_opted_in", "shared prefix lookups off", SHARED_OFF),
+    probe("test_shared_prefix_timing::CI upper end, A first request (shared) / B cold (power: a "
+          "real hit)", "test_a_tenant_not_opted_in", "a hit waits 0.6 s (about a cold prefill)",
+          HIT_WAITS),
+    # test_kv_tier_isolation
+    probe("test_kv_tier_isolation::B cached tokens on prompts A holds in its tier (Started, "
+          "GetUsage)", "test_another_tenant_never_hits", "one prefix namespace",
+          mutant="tenant-blind-cache"),
+    probe("test_kv_tier_isolation::A records in the tier while B sent its prompts (control)",
+          "test_another_tenant_never_hits", "the tier keeps nothing", TIER_KEEPS_NOTHING),
+    probe("test_kv_tier_isolation::A tokens restored from its tier on its repeats (control)",
+          "test_another_tenant_never_hits", "tier lookups off", TIER_LOOKUPS_OFF),
+    probe("test_kv_tier_isolation::A tokens restored from its tier, no byte flipped (control)",
+          "test_a_tier_file_with_one_byte", "tier lookups off", TIER_LOOKUPS_OFF),
+    probe("test_kv_tier_isolation::A tokens restored from its tier after one byte of each file "
+          "was flipped", "test_a_tier_file_with_one_byte",
+          "tier records decrypted without checking the GCM tag",
+          edit("kvcache/tier_seal.py", GCM_OPEN, GCM_UNCHECKED)),
+    probe("test_kv_tier_isolation::tier records refused on the way back (tier_rejected)",
+          "test_a_tier_file_with_one_byte", "refusals not counted",
+          edit(TIER, "            self.rejected += 1\n", "            self.rejected += 0\n")),
+    probe("test_kv_tier_isolation::A tier bytes before its Purge (control)",
+          "test_purge_empties", "the tier keeps nothing", TIER_KEEPS_NOTHING),
+    probe("test_kv_tier_isolation::A tier bytes after its Purge (GetUsage)", "test_purge_empties",
+          "Purge leaves the tier", edit(MANAGER, TIER_PURGE, "in_tier = 0")),
+    probe("test_kv_tier_isolation::A tier files left after its Purge", "test_purge_empties",
+          "Purge forgets the tenant's tier records but leaves their files",
+          edit(TIER, "        return self._drop_where(tenant, lambda ns: True)\n",
+               "        n = self.tenant_entries(tenant)\n"
+               "        self.total_bytes -= self.tenant_bytes(tenant)\n"
+               "        self._slots.pop(tenant, None)\n"
+               "        self._bytes.pop(tenant, None)\n"
+               "        return n\n")),
+    probe("test_kv_tier_isolation::B tier bytes and files unchanged by A's Purge",
+          "test_purge_empties", "Purge also purges bob's tier",
+          edit(MANAGER, TIER_PURGE, TIER_PURGE + ' + self.tier.purge("bob")')),
     # test_differential
     probe("test_differential::mismatched tokens in A's outputs, run 1 vs run 2",
           "test_tenant_b_cannot", "a prefix hit zeroes the page it reuses",
