@@ -155,8 +155,11 @@ def test_flashinfer_is_imported_only_inside_its_backend() -> None:
 
 
 def test_client_side_imports_need_no_torch() -> None:
+    """The client verbs and ``kvfence serve``'s checks before loading (preflight, the HTTP
+    guard) answer in well under a second: they load no torch."""
     code = (
-        "import sys, clients, service.serve.commands\n"
+        "import sys, clients, service.serve.commands, service.serve.preflight\n"
+        "import service.http.guard\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'kvcache') "
         "or m.startswith(('service.model', 'service.engine.')) "
         "and m != 'service.engine.tuning']\n"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,44 +27,6 @@ from service.json_input import load as load_json
 
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5
-
-
-#: gRPC field paths (what the shared validator names) -> OpenAI parameter names.
-PARAM_NAMES = {
-    "sampling.temperature": "temperature",
-    "sampling.top_k": "top_k",
-    "sampling.top_p": "top_p",
-    "sampling.min_p": "min_p",
-    "sampling.repetition_penalty": "repetition_penalty",
-    "sampling.presence_penalty": "presence_penalty",
-    "sampling.frequency_penalty": "frequency_penalty",
-    "stopping.max_tokens": "max_tokens",
-    "stopping.min_tokens": "min_tokens",
-    "stopping.stop": "stop",
-    "chat": "messages",
-    "chat.messages": "messages",
-    "text": "prompt",
-    "token_ids": "prompt",
-    "token_ids.ids": "prompt",
-    "logprobs": "top_logprobs",
-    "sampling.logit_bias": "logit_bias",
-}
-
-
-_FUNCTION_PART = re.compile(r"((?:^tools|\.tool_calls)\[\d+\])\.(name|description|parameters|arguments)")
-
-
-def param_name(field: str) -> str:
-    """The OpenAI parameter a gRPC field path refers to (``stopping.stop[2]`` -> ``stop``)."""
-    if field in PARAM_NAMES:
-        return PARAM_NAMES[field]
-    if field.startswith("chat."):  # chat.messages[2].content, chat.tools[0].name, ...
-        # The wire's Tool and ToolCall hold in one message what OpenAI nests in ``function``.
-        return _FUNCTION_PART.sub(r"\1.function.\2", field.removeprefix("chat."))
-    head = field.split("[", 1)[0]
-    if head in PARAM_NAMES:
-        return PARAM_NAMES[head]
-    return field
 
 
 LogprobsKind = Literal["none", "chat", "completion"]
