@@ -14,7 +14,15 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +31,14 @@ from bench.common import Work
 from bench.traces import RequestTrace
 from kvcache import CacheConfig
 from kvcache.config import ScrubPolicy
-from service.admission.tenants import Quotas, Tenant, TenantRegistry, hash_key, new_api_key
+from service.admission.tenants import (
+    DeclaredPrefix,
+    Quotas,
+    Tenant,
+    TenantRegistry,
+    hash_key,
+    new_api_key,
+)
 from service.engine.engine import Engine
 from service.engine.factory import build_engine
 from service.engine.tuning import SchedulerTuning
@@ -63,6 +78,10 @@ class Sizing:
     max_step_ms: float = 0.0
     decode_stretch: float = SchedulerTuning().decode_stretch
     compile: str = "off"  # --compile (service/engine/compiled.py)
+    # The KV tier of the gRPC server (--kv-tier-dir, --kv-tier-bytes, --kv-tier-secret-file).
+    kv_tier_dir: str | None = None
+    kv_tier_bytes: str = "1GiB"
+    kv_tier_secret_file: str | None = None
 
     def engine_config(self) -> EngineConfig:
         tuning = SchedulerTuning(
@@ -90,6 +109,9 @@ class Sizing:
             prefix_ttl_s=self.prefix_ttl_s,
             sampler_seed=0,
             compile=self.compile,
+            kv_tier_dir=self.kv_tier_dir,
+            kv_tier_bytes=self.kv_tier_bytes,
+            kv_tier_secret_file=self.kv_tier_secret_file,
         )
 
 
@@ -118,22 +140,37 @@ def started_engine(loaded: LoadedModel, sizing: Sizing = Sizing()) -> Iterator[E
 
 @asynccontextmanager
 async def grpc_server(
-    loaded: LoadedModel, tenants: Sequence[str], sizing: Sizing = Sizing()
+    loaded: LoadedModel,
+    tenants: Sequence[str],
+    sizing: Sizing = Sizing(),
+    *,
+    shared_prefixes: Mapping[str, str] | None = None,
+    readers: Collection[str] = (),
+    max_kv_pages: int = 0,
 ) -> AsyncIterator[tuple[str, dict[str, str], Engine]]:
     """An in-process server on 127.0.0.1:0 in the running loop, as tests/serverutil.py starts
-    one; yields (target, {tenant: api key}, engine)."""
+    one; yields (target, {tenant: api key}, engine). ``shared_prefixes`` (name -> text) are
+    the tenants file's, read by the tenants in ``readers``; ``max_kv_pages`` (0: a share of
+    the pool by weight) is every tenant's KV share, overcommitted."""
     keys = {t: new_api_key() for t in tenants}
+    declared = {n: DeclaredPrefix(text) for n, text in (shared_prefixes or {}).items()}
+    quotas = Quotas(max_concurrent_streams=STREAM_QUOTA, max_kv_pages=max_kv_pages)
     registry = TenantRegistry(
         {
             t: Tenant(
-                t, key_hashes=(hash_key(k),), quotas=Quotas(max_concurrent_streams=STREAM_QUOTA)
+                t,
+                key_hashes=(hash_key(k),),
+                quotas=quotas,
+                shared_prefixes=tuple(declared) if t in readers else (),
             )
             for t, k in keys.items()
-        }
+        },
+        shared_prefixes=declared,
     )
     log = make_logger("json", io.StringIO())
+    options = ServerOptions(kv_overcommit=bool(max_kv_pages))
     stack = await asyncio.to_thread(
-        build_server, loaded, sizing.serve_sizing(), registry, ServerOptions(), log
+        build_server, loaded, sizing.serve_sizing(), registry, options, log
     )
     try:
         port = await stack.server.start()

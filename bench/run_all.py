@@ -29,6 +29,7 @@ from bench import (
     online_http,
     overhead,
     prefix,
+    shared_prefix,
     single_stream,
 )
 from bench.common import results_dir
@@ -44,6 +45,7 @@ SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
     "online_http": online_http.run,
     "online_guidellm": online_guidellm.run,
     "prefix": prefix.run,
+    "shared_prefix": shared_prefix.run,
     "isolation_cost": isolation_cost.run,
     "lora": lora.run,
 }

@@ -20,6 +20,7 @@ SUITE_ORDER = (
     "online_http",
     "online_guidellm",
     "prefix",
+    "shared_prefix",
     "isolation_cost",
     "lora",
 )
@@ -164,6 +165,15 @@ def summary_markdown(results: dict[str, dict[str, Any]]) -> str:
                     for k, v in prefix["ttft_ms"].items()
                 ],
             ),
+        ]
+    shared = results.get("shared_prefix")
+    if shared and "figures" in shared:
+        from bench.shared_prefix import shared_table, tier_table
+
+        parts += [
+            "## Shared prefix and KV tier (median [min–max] of runs)",
+            shared_table(shared["figures"]),
+            tier_table(shared["figures"]),
         ]
     iso = results.get("isolation_cost")
     if iso and "output_tok_s" in iso:

@@ -51,6 +51,11 @@ SUITES = {
     "and output lengths, each load generator in its own process",
     "prefix": "TTFT of a 1,024-token system prompt: cold, warm (same tenant), other tenant "
     "(stays cold); 5 repetitions",
+    "shared_prefix": "16 tenants opted in to a declared ~2,000-token prefix and 16 not: each "
+    "one's first-request TTFT and the KV pages each side holds, and a tenant not opted in "
+    "(cached tokens, TTFT on the prefix / novel); the KV tier with a pool of a quarter of one "
+    "tenant's working set (8 prompts of a ~500-token prefix) run twice: repeat cached tokens "
+    "and TTFT / novel, another tenant's hits, one byte flipped in each tier file; 3 runs",
     "isolation_cost": "3 tenants, 48 requests, a 384-page pool so pages pass between tenants: "
     "time spent zeroing pages and in prefix-cache lookups over the run's wall time; "
     "throughput with scrub off and the prefix cache off",
