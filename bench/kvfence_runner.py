@@ -178,6 +178,8 @@ async def grpc_server(
         yield f"127.0.0.1:{port}", keys, stack.engine
     finally:
         await stack.server.close()
+        if stack.grammars is not None:  # its compile thread holds the engine (and its pool)
+            stack.grammars.shutdown()
         await asyncio.to_thread(stack.engine.shutdown)
 
 

@@ -23,6 +23,7 @@ RUNS); each run's ratio is of medians within that run, and targets use the worst
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import statistics
 import tempfile
@@ -121,10 +122,11 @@ async def shared_run(
     opted = [f"opted-{i:02d}" for i in range(tenants)]
     unshared = [f"unshared-{i:02d}" for i in range(tenants)]
     names = [*opted, *unshared, "outsider"]
-    # Every prompt stays cached: each tenant's pages, the outsider's pair, the shared budget
-    # (twice the prefix's pages) and room for the running request, a tenth more.
-    pages_each = 2 * (len(declared) + SUFFIX) // 16 + 8
-    pool = int(1.1 * ((2 * tenants + 2) * pages_each + 2 * len(declared) // 16))
+    # Every prompt stays cached: an unshared tenant's whole prompt, an opted-in tenant's own
+    # pages after the prefix, the outsider's pair, the shared budget (twice the prefix's
+    # pages), a tenth more. Each tenant's share holds one whole prompt and its output.
+    pages_each = (len(declared) + SUFFIX) // 16 + 4
+    pool = int(1.1 * ((tenants + 2) * pages_each + tenants * 4 + 2 * len(declared) // 16))
     sizing = Sizing(max_model_len=len(declared) + 256, kv_bytes=pool * _page_bytes(loaded))
     out: dict[str, Any] = {"prefix_tokens": len(declared)}
     async with grpc_server(
@@ -326,7 +328,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     wall, cpu = time.perf_counter(), _cpu_seconds()
     for i in range(runs):  # the two scenarios take turns, each on fresh servers
         shared_runs.append(asyncio.run(shared_run(loaded, tenants, prefix_tokens, pairs, i)))
+        _release()
         tier_runs.append(asyncio.run(tier_run(loaded, working, tier_prefix, 100 + i)))
+        _release()
     # How much of its cores this process got while it measured: well below 1 means another
     # process ran on them too.
     cpu_share = (_cpu_seconds() - cpu) / (time.perf_counter() - wall) / threads
@@ -365,6 +369,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     write_suite(out, SUITE, data, md)
     return data
+
+
+def _release() -> None:
+    """Free the last server's KV pool before the next starts: ``grpc_server`` freezes the
+    collector's objects (as ``kvfence serve`` does), which would keep each pool's cycles."""
+    gc.unfreeze()
+    gc.collect()
 
 
 def _cpu_seconds() -> float:
