@@ -26,6 +26,7 @@ from collections.abc import (
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.common import Work
 from bench.traces import RequestTrace
@@ -55,6 +56,9 @@ from service.model.loader import LoadedModel, load_model
 from service.serve.app import EngineSizing, build_server
 from service.serve.kvfence_server import ServerOptions
 from service.telemetry.logs import make_logger
+
+if TYPE_CHECKING:
+    from clients.aio import AsyncClient
 
 GREEDY = SamplingParams(temperature=0.0)
 # Every tenant may hold more streams than any suite sends, so the gRPC path is never throttled
@@ -331,3 +335,23 @@ def check_complete(work: Sequence[Work], traces: Sequence[RequestTrace]) -> None
             raise RuntimeError(
                 f"request {i}: {t.output_tokens}/{w.max_tokens} tokens, finish={t.finish_reason!r}"
             )
+
+
+async def ttft_and_cached(client: AsyncClient, ids: list[int]) -> tuple[float, int]:
+    """One greedy 2-token request of ``ids`` through ``client``: its time to first token and
+    the cached prompt tokens its ``Started`` reported (-1 if none came)."""
+    from clients.types import Chunk, Started
+
+    start = time.perf_counter()
+    ttft: float | None = None
+    cached = -1
+    async for event in client.generate(
+        token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True
+    ):
+        if isinstance(event, Started):
+            cached = event.cached_prompt_tokens
+        elif isinstance(event, Chunk) and event.token_ids and ttft is None:
+            ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("the stream ended without a token")
+    return ttft, cached

@@ -10,7 +10,6 @@ and the targets are judged on the worst repetition.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import numpy as np
@@ -38,26 +37,8 @@ TENANTS = ("tenant-a", "tenant-b")
 SUFFIX = 16
 
 
-async def _ttft(client: Any, ids: list[int]) -> tuple[float, int]:
-    from clients.types import Chunk, Started
-
-    start = time.perf_counter()
-    ttft: float | None = None
-    cached = -1
-    async for event in client.generate(
-        token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True
-    ):
-        if isinstance(event, Started):
-            cached = event.cached_prompt_tokens
-        elif isinstance(event, Chunk) and event.token_ids and ttft is None:
-            ttft = time.perf_counter() - start
-    if ttft is None:
-        raise RuntimeError("the stream ended without a token")
-    return ttft, cached
-
-
 async def _measure(loaded: Any, system_len: int, reps: int) -> dict[str, list[tuple[float, int]]]:
-    from bench.kvfence_runner import grpc_server
+    from bench.kvfence_runner import grpc_server, ttft_and_cached
     from clients.aio import AsyncClient
 
     rng = np.random.default_rng(0)
@@ -71,13 +52,13 @@ async def _measure(loaded: Any, system_len: int, reps: int) -> dict[str, list[tu
     async with grpc_server(loaded, TENANTS) as (target, keys, _):
         a, b = (AsyncClient(target, api_key=keys[t], retries=0) for t in TENANTS)
         try:
-            await _ttft(a, [int(t) for t in rng.integers(FIRST_PLAIN_TOKEN, vocab, size=64)])
+            await ttft_and_cached(a, [int(t) for t in rng.integers(FIRST_PLAIN_TOKEN, vocab, size=64)])
             for _ in range(reps):
                 await a.purge()
                 await b.purge()
-                out["cold"].append(await _ttft(a, prompt()))
-                out["warm"].append(await _ttft(a, prompt()))
-                out["other tenant"].append(await _ttft(b, prompt()))
+                out["cold"].append(await ttft_and_cached(a, prompt()))
+                out["warm"].append(await ttft_and_cached(a, prompt()))
+                out["other tenant"].append(await ttft_and_cached(b, prompt()))
         finally:
             await a.close()
             await b.close()

@@ -75,24 +75,6 @@ def declared_text(tokenizer: Any, tokens: int) -> str:
     return " ".join(sentences) + "\n"
 
 
-async def _ttft(client: Any, ids: list[int]) -> tuple[float, int]:
-    from clients.types import Chunk, Started
-
-    start = time.perf_counter()
-    ttft: float | None = None
-    cached = -1
-    async for event in client.generate(
-        token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True
-    ):
-        if isinstance(event, Started):
-            cached = event.cached_prompt_tokens
-        elif isinstance(event, Chunk) and event.token_ids and ttft is None:
-            ttft = time.perf_counter() - start
-    if ttft is None:
-        raise RuntimeError("the stream ended without a token")
-    return ttft, cached
-
-
 def _median(values: list[float]) -> float:
     return float(statistics.median(values))
 
@@ -108,7 +90,7 @@ async def shared_run(
     loaded: Any, tenants: int, prefix_tokens: int, pairs: int, seed: int
 ) -> dict[str, Any]:
     """One run of the shared-prefix scenario on a fresh server."""
-    from bench.kvfence_runner import Sizing, grpc_server
+    from bench.kvfence_runner import Sizing, grpc_server, ttft_and_cached
     from clients.aio import AsyncClient
 
     text = declared_text(loaded.tokenizer, prefix_tokens)
@@ -136,14 +118,14 @@ async def shared_run(
         clients = {t: AsyncClient(target, api_key=keys[t], retries=0) for t in names}
         try:
             for t in ("outsider", opted[0], unshared[0]):  # first-call effects go here
-                await _ttft(clients[t], ids(64))
+                await ttft_and_cached(clients[t], ids(64))
             for t in (opted[0], unshared[0]):
                 await clients[t].purge()
             first: dict[str, list[tuple[float, int]]] = {"opted": [], "unshared": []}
             for i in range(tenants):
                 order = [("unshared", unshared[i]), ("opted", opted[i])]
                 for kind, t in order if i % 2 == 0 else reversed(order):
-                    first[kind].append(await _ttft(clients[t], declared + ids(SUFFIX)))
+                    first[kind].append(await ttft_and_cached(clients[t], declared + ids(SUFFIX)))
             own = {}
             for t in (*opted, *unshared):
                 usage = await clients[t].usage()
@@ -154,7 +136,7 @@ async def shared_run(
                 await clients["outsider"].purge()
                 pair = [("prefix", declared + ids(SUFFIX)), ("novel", ids(len(declared) + SUFFIX))]
                 for kind, prompt in pair if k % 2 == 0 else reversed(pair):
-                    outsider[kind].append(await _ttft(clients["outsider"], prompt))
+                    outsider[kind].append(await ttft_and_cached(clients["outsider"], prompt))
             usage = await clients["outsider"].usage()
         finally:
             for c in clients.values():
@@ -193,7 +175,7 @@ def _flip_one_byte_each(directory: Path) -> int:
 async def tier_run(loaded: Any, working: int, prefix_tokens: int, seed: int) -> dict[str, Any]:
     """One run of the KV-tier scenario on a fresh server whose pool holds a quarter of the
     owner's working set."""
-    from bench.kvfence_runner import Sizing, grpc_server
+    from bench.kvfence_runner import Sizing, grpc_server, ttft_and_cached
     from clients.aio import AsyncClient
 
     cfg = loaded.model.config
@@ -220,17 +202,17 @@ async def tier_run(loaded: Any, working: int, prefix_tokens: int, seed: int) -> 
             owner, other = (AsyncClient(target, api_key=keys[t], retries=0)
                             for t in ("owner", "other"))
             try:
-                await _ttft(other, ids(64))  # first-call effects go here
+                await ttft_and_cached(other, ids(64))  # first-call effects go here
                 await other.purge()
-                novel = [await _ttft(owner, p + ids(SUFFIX)) for p in prefixes]
-                repeat = [await _ttft(owner, p + ids(SUFFIX)) for p in prefixes]
+                novel = [await ttft_and_cached(owner, p + ids(SUFFIX)) for p in prefixes]
+                repeat = [await ttft_and_cached(owner, p + ids(SUFFIX)) for p in prefixes]
                 owner_usage = await owner.usage()
-                others = [await _ttft(other, p + ids(SUFFIX)) for p in prefixes]
+                others = [await ttft_and_cached(other, p + ids(SUFFIX)) for p in prefixes]
                 other_usage = await other.usage()
                 before = (await engine.stats()).cache.tier_rejected
                 flipped = _flip_one_byte_each(tier)
                 hits = (await owner.usage()).tier_hit_tokens
-                _, tampered_cached = await _ttft(owner, prefixes[0] + ids(SUFFIX))
+                _, tampered_cached = await ttft_and_cached(owner, prefixes[0] + ids(SUFFIX))
                 tampered_tier = (await owner.usage()).tier_hit_tokens - hits
                 rejected = (await engine.stats()).cache.tier_rejected - before
             finally:
