@@ -11,8 +11,9 @@ at scrape time by a custom collector, so per-tenant series follow reloads exactl
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -29,6 +30,16 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class EngineGauges:
     waiting: int
     running: int
+
+
+_Family = TypeVar("_Family", CounterMetricFamily, GaugeMetricFamily)
+
+
+def _by_key(family: _Family, values: Mapping[str, float]) -> _Family:
+    """``family`` (one label) with one sample per key of ``values``, in key order."""
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
 
 
 class _CacheCollector(Collector):
@@ -78,39 +89,27 @@ class _CacheCollector(Collector):
         yield hits
         yield shared_hits
         yield tier_bytes
-        by_source = CounterMetricFamily(
+        yield _by_key(CounterMetricFamily(
             "kvfence_cached_prompt_tokens_by_source",
             "Prompt tokens not computed, by where their KV came from (pool, tier, shared)",
             labels=["source"],
-        )
-        for source, tokens in sorted(stats.hit_tokens.items()):
-            by_source.add_metric([source], tokens)
-        yield by_source
-        prefix_hits = CounterMetricFamily(
+        ), stats.hit_tokens)
+        yield _by_key(CounterMetricFamily(
             "kvfence_shared_prefix_hits", "Requests that read a shared prefix, by its name",
             labels=["name"],
-        )
-        for prefix, count in sorted(stats.shared_hits.items()):
-            prefix_hits.add_metric([prefix], count)
-        yield prefix_hits
-        prefix_pages = GaugeMetricFamily(
+        ), stats.shared_hits)
+        yield _by_key(GaugeMetricFamily(
             "kvfence_shared_prefix_pages", "KV pages of each declared shared prefix",
             labels=["name"],
-        )
-        for prefix, count in sorted(stats.shared_prefixes.items()):
-            prefix_pages.add_metric([prefix], count)
-        yield prefix_pages
+        ), stats.shared_prefixes)
         yield CounterMetricFamily(
             "kvfence_kv_tier_rejected",
             "KV tier records refused on the way back (altered, moved or replayed: a miss)",
             value=stats.tier_rejected,
         )
-        evictions = CounterMetricFamily(
+        yield _by_key(CounterMetricFamily(
             "kvfence_kv_evictions", "Cached pages evicted", labels=["reason"]
-        )
-        for reason, count in sorted(stats.evictions.items()):
-            evictions.add_metric([reason], count)
-        yield evictions
+        ), stats.evictions)
         yield CounterMetricFamily("kvfence_kv_scrubs", "KV pages zeroed", value=stats.scrubs)
         yield CounterMetricFamily(
             "kvfence_kv_scrub_seconds",
