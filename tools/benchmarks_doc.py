@@ -12,7 +12,6 @@ are refused: a newer run replaces the older file instead of sitting beside it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.summary import SUITE_ORDER, summary_markdown
+from tools.generated_page import check_flag, write_or_check
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -228,24 +228,15 @@ def render(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.benchmarks_doc")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    args = parser.parse_args(argv)
+    check = check_flag("tools.benchmarks_doc", argv)
     results = load()
     bad = duplicates(results)
     if bad:
         print("kvfence: one result per suite and machine:\n  " + "\n  ".join(bad),
               file=sys.stderr)
         return 1
-    text = render(results)
-    if args.check:
-        stale = not DOC.exists() or DOC.read_text() != text
-        if stale:
-            print(f"kvfence: {DOC.relative_to(ROOT)} is stale: run `make docs`", file=sys.stderr)
-        return 1 if stale else 0
-    DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)} ({len(results)} results)")
-    return 0
+    return write_or_check(DOC, render(results), check, "`make docs`",
+                          f" ({len(results)} results)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tools.generated_page import check_flag, write_or_check
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
 _ENV_NOTE = re.compile(r"\s*\[env (KVFENCE_[A-Z0-9_]+)\]$")
@@ -116,18 +118,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.configuration_doc")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not DOC.exists() or DOC.read_text() != text:
-            print(f"kvfence: {DOC.relative_to(ROOT)} is stale: run `make docs`", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)}")
-    return 0
+    check = check_flag("tools.configuration_doc", argv)
+    return write_or_check(DOC, render(), check, "`make docs`")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ committed page differ from ``render()``; ``tests/test_docs.py`` fails in both ca
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import dataclasses
@@ -32,6 +31,8 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+
+from tools.generated_page import check_flag, write_or_check
 
 
 @dataclass(frozen=True, slots=True)
@@ -859,19 +860,8 @@ def render(sections: tuple[Section, ...] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.interfaces_doc")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not DOC.exists() or DOC.read_text() != text:
-            print(f"kvfence: {DOC.relative_to(ROOT)} is stale: run `python -m "
-                  "tools.interfaces_doc`", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)}")
-    return 0
+    check = check_flag("tools.interfaces_doc", argv)
+    return write_or_check(DOC, render(), check, "`python -m tools.interfaces_doc`")
 
 
 if __name__ == "__main__":
