@@ -18,7 +18,6 @@ Runs on the medium random model, as the timing channel does.
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest
 from protos.kvfence.v1 import cache_pb2, cache_pb2_grpc, inference_pb2_grpc
 from service.admission.tenants import hash_key, new_api_key
 from service.serve.app import EngineSizing
-from tests.isolation.test_timing_channel import ALPHA, LOOKS, MARGIN
+from tests.isolation.test_timing_channel import MARGIN, equivalence_trials
 from tests.serverutil import ServerHandle, running_server
 from tests.verify.calls import StreamResult, collect, gen_request
 from tests.verify.recorder import Recorder
@@ -105,29 +104,14 @@ def test_a_tenant_not_opted_in_sees_no_shared_prefix_in_ttft(
 
     for tenant in ("alice", "bob"):  # first-call effects (allocations, lazy init) go here
         _ttft(srv, tenant, ids(PROMPT))
-    a_shared: list[float] = []
-    b_cross: list[float] = []
-    b_cold: list[float] = []
-    a_hits: list[int] = []
-    b_hits: list[int] = []
-    alpha = ALPHA / len(LOOKS)
-    ratio, lo, hi = math.nan, math.nan, math.nan
-    for trial in range(LOOKS[-1]):
-        if trial in LOOKS:
-            ratio, lo, hi = paired_log_ratio_ci(b_cross, b_cold, alpha)
-            if (lo > 1 / MARGIN and hi < MARGIN) or hi < 1 / MARGIN or lo > MARGIN:
-                break
-        first = _ttft(srv, "alice", declared + ids(SUFFIX))
-        a_shared.append(first.ttft or 0.0)
-        a_hits.append(first.started.cached_prompt_tokens if first.started else 0)
+    def trial() -> tuple[StreamResult, list[int], list[int]]:
+        first = _ttft(srv, "alice", declared + ids(SUFFIX))  # A's first request, shared
         cache.Purge(cache_pb2.PurgeRequest(), metadata=srv.auth("bob"))  # no own hit either
-        order = [("cross", declared + ids(SUFFIX)), ("cold", ids(PROMPT))]
-        for kind, prompt in order if trial % 2 == 0 else reversed(order):
-            result = _ttft(srv, "bob", prompt)
-            (b_cross if kind == "cross" else b_cold).append(result.ttft or 0.0)
-            b_hits.append(result.started.cached_prompt_tokens if result.started else -1)
-    else:
-        ratio, lo, hi = paired_log_ratio_ci(b_cross, b_cold, alpha)
+        return first, declared + ids(SUFFIX), ids(PROMPT)
+
+    t = equivalence_trials(trial, lambda prompt: _ttft(srv, "bob", prompt))
+    a_shared, b_cross, b_cold, a_hits, b_hits = t.control, t.cross, t.cold, t.control_hits, t.hits
+    ratio, lo, hi, alpha = t.ratio, t.lo, t.hi, t.alpha
     shared_ratio, _, shared_hi = paired_log_ratio_ci(a_shared, b_cold, alpha)
     bob = _usage(srv, "bob")
     record.info("trials (pairs) until the interval decided", len(b_cold))

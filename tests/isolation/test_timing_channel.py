@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -57,6 +58,49 @@ def _ttft(srv: ServerHandle, tenant: str, prompt: list[int]) -> StreamResult:
     return result
 
 
+@dataclass
+class Trials:
+    """What ``equivalence_trials`` measured: per trial, tenant A's control request (TTFT and
+    cached tokens) and B's TTFT on the cross prompt and on the cold one, B's reported cached
+    tokens, and the interval of B's cross / cold ratio at the look that decided."""
+
+    control: list[float] = field(default_factory=list)
+    control_hits: list[int] = field(default_factory=list)
+    cross: list[float] = field(default_factory=list)
+    cold: list[float] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    ratio: float = math.nan
+    lo: float = math.nan
+    hi: float = math.nan
+    alpha: float = ALPHA / len(LOOKS)
+
+
+def equivalence_trials(
+    trial: Callable[[], tuple[StreamResult, list[int], list[int]]],
+    measure: Callable[[list[int]], StreamResult],
+) -> Trials:
+    """The sequential test of the module docstring: each ``trial()`` runs A's part and
+    returns A's control result with the prompts B then sends (cross, cold), which
+    ``measure`` sends in alternating order; the interval is judged at each of LOOKS and the
+    trials stop at the first look that decides."""
+    t = Trials()
+    for n in range(LOOKS[-1]):
+        if n in LOOKS:
+            t.ratio, t.lo, t.hi = paired_log_ratio_ci(t.cross, t.cold, t.alpha)
+            if (t.lo > 1 / MARGIN and t.hi < MARGIN) or t.hi < 1 / MARGIN or t.lo > MARGIN:
+                return t
+        control, cross, cold = trial()
+        t.control.append(control.ttft or 0.0)
+        t.control_hits.append(control.started.cached_prompt_tokens if control.started else 0)
+        order = [("cross", cross), ("cold", cold)]
+        for kind, prompt in order if n % 2 == 0 else reversed(order):
+            result = measure(prompt)
+            (t.cross if kind == "cross" else t.cold).append(result.ttft or 0.0)
+            t.hits.append(result.started.cached_prompt_tokens if result.started else -1)
+    t.ratio, t.lo, t.hi = paired_log_ratio_ci(t.cross, t.cold, t.alpha)
+    return t
+
+
 @pytest.mark.timeout(size(600, 1800))
 @pytest.mark.slow
 def test_cross_tenant_cached_prefix_is_invisible_in_ttft(srv: ServerHandle, record: Recorder) -> None:
@@ -67,30 +111,14 @@ def test_cross_tenant_cached_prefix_is_invisible_in_ttft(srv: ServerHandle, reco
 
     for tenant in ("alice", "bob"):  # first-call effects (allocations, lazy init) go here
         _ttft(srv, tenant, novel())
-    a_warm: list[float] = []
-    b_cross: list[float] = []
-    b_cold: list[float] = []
-    a_hits: list[int] = []
-    b_hits: list[int] = []
-    alpha = ALPHA / len(LOOKS)
-    ratio, lo, hi = math.nan, math.nan, math.nan
-    for trial in range(LOOKS[-1]):
-        if trial in LOOKS:
-            ratio, lo, hi = paired_log_ratio_ci(b_cross, b_cold, alpha)
-            if (lo > 1 / MARGIN and hi < MARGIN) or hi < 1 / MARGIN or lo > MARGIN:
-                break
+    def trial() -> tuple[StreamResult, list[int], list[int]]:
         shared, fresh = novel(), novel()
         _ttft(srv, "alice", shared)
-        warm = _ttft(srv, "alice", shared)
-        a_warm.append(warm.ttft or 0.0)
-        a_hits.append(warm.started.cached_prompt_tokens if warm.started else 0)
-        order = [("cross", shared), ("cold", fresh)]
-        for kind, prompt in order if trial % 2 == 0 else reversed(order):
-            result = _ttft(srv, "bob", prompt)
-            (b_cross if kind == "cross" else b_cold).append(result.ttft or 0.0)
-            b_hits.append(result.started.cached_prompt_tokens if result.started else -1)
-    else:
-        ratio, lo, hi = paired_log_ratio_ci(b_cross, b_cold, alpha)
+        return _ttft(srv, "alice", shared), shared, fresh  # A's warm repeat
+
+    t = equivalence_trials(trial, lambda prompt: _ttft(srv, "bob", prompt))
+    a_warm, b_cross, b_cold, a_hits, b_hits = t.control, t.cross, t.cold, t.control_hits, t.hits
+    ratio, lo, hi, alpha = t.ratio, t.lo, t.hi, t.alpha
     warm_ratio, _, warm_hi = paired_log_ratio_ci(a_warm, b_cold, alpha)
     record.info("trials (pairs) until the interval decided", len(b_cold))
     record.info("B TTFT median on A's cached prefix (s)", median(b_cross))
