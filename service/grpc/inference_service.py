@@ -47,7 +47,6 @@ class InferenceServicer:
         metrics: Metrics,
         log: FilteringBoundLogger,
         options: InferenceOptions,
-        is_draining: Callable[[], bool],
         clock: Callable[[], float],
         tracing: Tracing | None = None,
         adapters: Adapters | None = None,
@@ -61,7 +60,6 @@ class InferenceServicer:
         self._metrics = metrics
         self._log = log
         self._opts = options
-        self._is_draining = is_draining
         self._clock = clock
 
     async def Generate(

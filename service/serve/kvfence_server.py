@@ -180,7 +180,6 @@ class KVFenceServer:
                 log_content=options.log_content,
                 alert_request_kv_pages=options.alert_request_kv_pages,
             ),
-            lambda: self._draining,
             clock,
             self.tracing,
             self.adapters,
