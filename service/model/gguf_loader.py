@@ -19,7 +19,7 @@ from service.model.families.keys import refuse_unread_gguf
 from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
 from service.model.load_error import ModelLoadError
 from service.model.model_config import ModelConfig
-from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q8_0
+from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q5_0, from_q8_0
 from service.model.tokenizer import Tokenizer
 
 # llama.cpp counts these as end-of-generation when the file marks them as control tokens.
@@ -138,6 +138,7 @@ _INT4_EXACT = {
     GGMLQuantizationType.Q4_0: from_q4_0,
     GGMLQuantizationType.Q4_1: from_q4_1,
     GGMLQuantizationType.Q8_0: from_q8_0,
+    GGMLQuantizationType.Q5_0: from_q5_0,
 }
 
 

@@ -10,7 +10,9 @@ GGUF's 4-bit blocks map onto the first exactly: Q4_1 stores ``w = d * q + m`` (s
 zero ``m + 8d``) and Q4_0 ``w = d * (q - 8)`` (scale ``d``, zero 0). Q8_0 (``w = d * q``, q an
 int8, blocks of 32) has no per-block int8 kernel, so it is split into two 4-bit halves of
 ``u = q + 128 = 16 * hi + lo``: ``w = 16d * (hi - 8) + [d * (lo - 8) + 8d]``, packed side by
-side along K and applied to the input repeated twice. All three are exact: the codes are the
+side along K and applied to the input repeated twice. Q5_0 (``w = d * (q - 16)``, q five
+bits) is such an int8 block too, ``q - 16`` in [-16, 15], and takes the same split. All four are
+exact: the codes are the
 file's, and only the scales and zeros take the compute dtype's rounding (none in fp32).
 """
 
@@ -25,6 +27,7 @@ GROUP = 32
 _Q4_0_BYTES = 18  # fp16 d, 16 bytes of nibbles
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BYTES = 34  # fp16 d, 32 int8
+_Q5_0_BYTES = 22  # fp16 d, 4 bytes of high bits, 16 bytes of low nibbles
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +92,31 @@ def from_q4_1(data: np.ndarray, rows: int) -> Int4Codes:
     return Int4Codes(_nibbles(b[..., 4:], rows), d, m + 8 * d)
 
 
-def from_q8_0(data: np.ndarray, rows: int) -> Int4Codes:
-    b = _blocks(data, rows, _Q8_0_BYTES)
-    d = _f16(b, 0)
-    u = torch.from_numpy(b[..., 2:].copy().view(np.int8).astype(np.int32) + 128)  # [N, G, 32]
+def _int8_codes(q: torch.Tensor, d: torch.Tensor, rows: int) -> Int4Codes:
+    """``w = d * q`` for int8 ``q`` ``[N, G, 32]`` (int32) and scales ``d`` ``[N, G]``: the
+    two 4-bit halves of ``u = q + 128``, side by side along K (``repeat`` 2)."""
+    u = q + 128
     hi, lo = (u >> 4).reshape(rows, -1), (u & 15).reshape(rows, -1)
     scale = torch.cat([16 * d, d], dim=1)
     zero = torch.cat([torch.zeros_like(d), 8 * d], dim=1)
     return Int4Codes(torch.cat([hi, lo], dim=1), scale, zero, repeat=2)
+
+
+def from_q8_0(data: np.ndarray, rows: int) -> Int4Codes:
+    b = _blocks(data, rows, _Q8_0_BYTES)
+    q = torch.from_numpy(b[..., 2:].copy().view(np.int8).astype(np.int32))  # [N, G, 32]
+    return _int8_codes(q, _f16(b, 0), rows)
+
+
+def from_q5_0(data: np.ndarray, rows: int) -> Int4Codes:
+    """Q5_0 as the int8 blocks ``q - 16``: element j's low four bits are byte j's low nibble
+    (j < 16) or byte j - 16's high one, its fifth bit is bit j of the little-endian ``qh``."""
+    b = _blocks(data, rows, _Q5_0_BYTES)
+    qh = b[..., 2:6].copy().view("<u4").astype(np.int64)  # [N, G, 1]
+    low = np.concatenate([b[..., 6:] & 15, b[..., 6:] >> 4], axis=-1).astype(np.int64)
+    high = (qh >> np.arange(32)) & 1
+    q = torch.from_numpy((low | (high << 4)) - 16)
+    return _int8_codes(q.to(torch.int32), _f16(b, 0), rows)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Codes:

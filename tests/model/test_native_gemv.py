@@ -28,6 +28,7 @@ from service.model.quant import (
     Int4Linear,
     from_q4_0,
     from_q4_1,
+    from_q5_0,
     from_q8_0,
     quantize_int4,
 )
@@ -65,6 +66,9 @@ def _ggml(kind: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
         qs = rng.integers(-128, 128, (n, g, 32)).astype(np.int8).view(np.uint8)
         return np.concatenate([d, qs], axis=-1).reshape(n, -1)
     qs = rng.integers(0, 256, (n, g, 16)).astype(np.uint8)
+    if kind == GGMLQuantizationType.Q5_0:
+        qh = rng.integers(0, 256, (n, g, 4)).astype(np.uint8)
+        return np.concatenate([d, qh, qs], axis=-1).reshape(n, -1)
     if kind == GGMLQuantizationType.Q4_0:
         return np.concatenate([d, qs], axis=-1).reshape(n, -1)
     m = rng.uniform(-0.3, 0.1, (n, g)).astype(np.float16)[..., None].view(np.uint8)
@@ -75,6 +79,7 @@ UNPACK = {
     GGMLQuantizationType.Q4_0: from_q4_0,
     GGMLQuantizationType.Q4_1: from_q4_1,
     GGMLQuantizationType.Q8_0: from_q8_0,
+    GGMLQuantizationType.Q5_0: from_q5_0,
 }
 
 
@@ -127,6 +132,8 @@ def test_kernel_reproduces_the_files_weights(
 
 def _exact_weights(kind: GGMLQuantizationType, data: np.ndarray, n: int, k: int) -> torch.Tensor:
     """The blocks' weights in float64, each exactly ``d * q + m`` (``d * q`` for Q8_0)."""
+    if kind == GGMLQuantizationType.Q5_0:  # d * (q - 16): exact in float32 already
+        return torch.from_numpy(dequantize(data, kind).reshape(n, k).astype(np.float64))
     b = data.reshape(n, k // 32, -1)
     d = b[..., 0:2].copy().view(np.float16).astype(np.float64)
     if kind == GGMLQuantizationType.Q8_0:
@@ -275,6 +282,16 @@ def test_q8_0_codes_are_read_as_int8_blocks() -> None:
     other = from_q8_0(data, n)
     other = Int4Codes(other.codes, other.scale * 1.5, other.zero, other.repeat)
     assert native_gemv.q8_blocks(other) is None
+
+
+def test_q5_0_codes_are_read_as_int8_blocks() -> None:
+    """Q5_0's ``q - 16`` is an int8 block: the 8-bit layout, not two 4-bit halves."""
+    n, k = 21, 64
+    lin = native_gemv.Q4Linear.pack(
+        from_q5_0(_ggml(GGMLQuantizationType.Q5_0, n, k, 12), n), _kernel()
+    )
+    assert lin.q8 and lin.repeat == 1
+    assert lin.nbytes == n * (k + 2 * 8)
 
 
 def test_no_rows_give_no_rows() -> None:
@@ -490,7 +507,10 @@ def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path:
         got: list[list[tuple[int, float, tuple[tuple[int, float], ...]]]] = [[], [], []]
         for i, (prompt, n) in enumerate(((20, 6), (33, 9), (47, 12))):
 
-            def sink(event: EngineEvent, out: list[tuple[int, float, tuple[tuple[int, float], ...]]] = got[i]) -> None:
+            def sink(
+                event: EngineEvent,
+                out: list[tuple[int, float, tuple[tuple[int, float], ...]]] = got[i],
+            ) -> None:
                 if isinstance(event, Delta):
                     out.extend((lp.token_id, lp.logprob, lp.top) for lp in event.logprobs)
 
@@ -600,7 +620,11 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
     rows = kv_rows(torch.tensor([2 * 16 + 4]), 16)
     good = decode.step_context(c.num_heads, pool, rows, indptr, indices, lens)
     for bad in (
-        (torch.randn(2, c.hidden_size), lm.model.rope[torch.tensor([4, 5])], good),  # 2 rows, 1 sequence
+        (
+            torch.randn(2, c.hidden_size),
+            lm.model.rope[torch.tensor([4, 5])],
+            good,
+        ),  # 2 rows, 1 sequence
         (x, rope, decode.step_context(c.num_heads, pool[:3], rows, indptr, indices, lens)),
         (x.double(), rope, good),
         (x, rope[:, :, :-2].contiguous(), good),

@@ -20,6 +20,7 @@ from service.model.quant import (
     Int8Linear,
     from_q4_0,
     from_q4_1,
+    from_q5_0,
     from_q8_0,
     quantize_int4,
 )
@@ -39,6 +40,9 @@ def _blocks(kind: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
         qs = rng.integers(-128, 128, (N, g, 32)).astype(np.int8).view(np.uint8)
         return np.concatenate([d, qs], axis=-1).reshape(N, -1)
     qs = rng.integers(0, 256, (N, g, 16)).astype(np.uint8)
+    if kind == GGMLQuantizationType.Q5_0:
+        qh = rng.integers(0, 256, (N, g, 4)).astype(np.uint8)
+        return np.concatenate([d, qh, qs], axis=-1).reshape(N, -1)
     if kind == GGMLQuantizationType.Q4_0:
         return np.concatenate([d, qs], axis=-1).reshape(N, -1)
     m = _f16_bytes(rng.uniform(-0.3, 0.1, (N, g)))
@@ -49,6 +53,7 @@ UNPACK = {
     GGMLQuantizationType.Q4_0: from_q4_0,
     GGMLQuantizationType.Q4_1: from_q4_1,
     GGMLQuantizationType.Q8_0: from_q8_0,
+    GGMLQuantizationType.Q5_0: from_q5_0,
 }
 
 
