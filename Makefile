@@ -68,6 +68,7 @@ test-fast: $(STAMP) model
 KERNEL_TESTS := tests/kvcache/test_cpu_decode.py tests/kvcache/test_cpu_decode_boundary.py \
 	tests/model/test_native_gemv_numerics.py tests/model/test_native_gemv.py \
 	tests/model/test_native_gemv_panels.py tests/model/test_lora_stack.py \
+	tests/model/test_family_stack.py \
 	-k "not auto_on_a_bf16_cpu"
 # Through a real server on each tier's build: PEFT adapters (q_proj/v_proj and all seven
 # projections) in the native stack beside base rows, against transformers + peft.

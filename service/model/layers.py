@@ -18,7 +18,14 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from service.model.native_gemv import DecoderStack, MlpBlock, Q4Linear, Rope, StackLayer
+from service.model.native_gemv import (
+    STACK_GATES,
+    DecoderStack,
+    MlpBlock,
+    Q4Linear,
+    Rope,
+    StackLayer,
+)
 from service.model.packed import Linear, PackedLinears
 
 if TYPE_CHECKING:
@@ -207,7 +214,9 @@ def _gated_into(
 
 def stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | None:
     """Every layer as one native call (:class:`DecoderStack`), where each layer's qkv, o,
-    gate/up and down are the fusing packed GEMV and RoPE runs in the qkv call."""
+    gate/up and down are the fusing packed GEMV: every family's layer (biases, q/k norms,
+    sandwich norms, GeGLU, a RoPE base per layer, windows and softcaps through kvcache's
+    attention); experts (their MLPs run dense) keep the layer loop."""
     c = model.config
     if (
         packed is None
@@ -215,24 +224,15 @@ def stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | Non
         or model.attn_norm.dtype != torch.float32
     ):
         return None
-    if not c.plain_layers:
-        # NOTE: Gemma's norms, GeGLU and per-layer RoPE, and experts, run in the layer loop.
-        log.debug("native_stack_off", arch=c.arch, because="not the plain Llama layer")
+    if c.num_experts or c.activation not in STACK_GATES:
+        # NOTE: experts are dense (service.model.moe): the layer loop runs them.
+        log.debug("native_stack_off", arch=c.arch, because="experts or an unknown gate")
         return None
-    off = [
-        name
-        for name, t in (
-            ("qkv bias", model.qkv_bias),
-            ("q/k norm", model.qk_norm),
-            ("o bias", model.o_bias),
-            ("mlp bias", model.gate_up_bias),
-        )
-        if t is not None
-    ]
-    if off:
-        # NOTE: the native stack computes the plain Llama layer; these run in the layer loop.
-        log.debug("native_stack_off", arch=c.arch, because=", ".join(off))
-        return None
+
+    def row(t: torch.Tensor | None, *at: int) -> torch.Tensor | None:
+        return None if t is None else t[at].detach()
+
+    post = model.post_norms
     layers = []
     for i in range(c.num_layers):
         qkv, o, gate_up, down = packed.qkv[i], packed.o[i], packed.gate_up[i], packed.down[i]
@@ -249,7 +249,28 @@ def stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | Non
             return None
         layers.append(
             StackLayer(
-                model.attn_norm[i].detach(), qkv, o, model.mlp_norm[i].detach(), gate_up, down
+                model.attn_norm[i].detach(),
+                qkv,
+                o,
+                model.mlp_norm[i].detach(),
+                gate_up,
+                down,
+                qkv_bias=row(model.qkv_bias, i),
+                qk_norm=row(model.qk_norm, i),
+                rope_table=model.layer_rope_table(i),
+                o_bias=row(model.o_bias, i),
+                gate_up_bias=row(model.gate_up_bias, i),
+                down_bias=row(model.down_bias, i),
+                post_attn_norm=row(post, i, 0),
+                post_mlp_norm=row(post, i, 1),
             )
         )
-    return DecoderStack(layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+    return DecoderStack(
+        layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.rms_norm_eps,
+        c.activation,
+        c.query_scale,
+    )

@@ -30,6 +30,7 @@ from service.model.rope import attention_factor, cos_sin_table, inv_freq
 class StackFn(Protocol):
     """Every decoder layer of an all-decode step in one call
     (:class:`~service.model.native_gemv.DecoderStack`): ``x`` updated in place and returned,
+    ``rope`` the rows' RoPE rows (``[tables, T, 2, D]`` where layers turn by several bases),
     with ``lora`` the step's adapter deltas by fused projection (None: base rows only)."""
 
     def __call__(
@@ -170,6 +171,10 @@ class LlamaModel(torch.nn.Module):
         # Stored in the compute dtype: the same values the step used to convert on every call.
         return table.to(device=like.device, dtype=like.dtype)
 
+    def layer_rope_table(self, layer: int) -> int:
+        """Which RoPE table (one per base, the model's own base first) ``layer`` turns by."""
+        return self._layer_rope[layer] if self._layer_rope else 0
+
     @property
     def stack(self) -> StackFn | None:
         """The native decoder stack that all-decode steps run through; None where the layer
@@ -269,7 +274,7 @@ class LlamaModel(torch.nn.Module):
         # (DenseAttention: parity, tests) runs per layer below, on the same projections.
         plan = None if stack is None or native is None else native(hq, self.batch_invariant)
         if stack is not None and plan is not None:
-            stack(x, rope, plan, deltas)
+            stack(x, rope if len(rows) == 1 else torch.stack(rows), plan, deltas)
         for i, layer in enumerate(() if plan is not None else layers):
             if layer.roped_qkv is not None and lora is None:
                 # norm, projection and RoPE of the q and k heads in one native call

@@ -69,25 +69,64 @@ class Q4Kernel:
         self.fn = lib.kvf_gemv
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
         ]
         self.mlp = lib.kvf_mlp
         self.mlp.restype = ctypes.c_int
         self.mlp.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-            ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_float,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
         ]
         self.stack = lib.kvf_decoder_stack
         self.stack.restype = ctypes.c_int
         self.stack.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
         ]
         self.stack_columns = int(lib.kvf_stack_columns())
+        self.stack_block_columns = int(lib.kvf_stack_block_columns())
         self.stack_lora_columns = int(lib.kvf_stack_lora_columns())
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
@@ -145,7 +184,9 @@ class Q4Kernel:
             or (gamma is not None and (gamma.dtype != torch.float32 or gamma.shape != (k,)))
             or (
                 into is not None
-                and (into.dtype != torch.float32 or into.shape != (m, n) or not into.is_contiguous())
+                and (
+                    into.dtype != torch.float32 or into.shape != (m, n) or not into.is_contiguous()
+                )
             )
             or (rope is not None and (into is not None or not rope.takes(table, m, n)))
         ):
@@ -159,9 +200,20 @@ class Q4Kernel:
         norm = 0 if gamma is None else gamma.data_ptr()
         heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
         status = self.fn(
-            x.data_ptr(), m, k, blocks.data_ptr(), n, out.data_ptr(), flags(q8, tiles, panels),
+            x.data_ptr(),
+            m,
+            k,
+            blocks.data_ptr(),
+            n,
+            out.data_ptr(),
+            flags(q8, tiles, panels),
             int(gated),
-            norm, eps, int(into is not None), _pointer(table if rope else None), heads, dim,
+            norm,
+            eps,
+            int(into is not None),
+            _pointer(table if rope else None),
+            heads,
+            dim,
         )
         if status != 0:
             raise ValueError("the 4-bit GEMV kernel refused its shapes")
@@ -202,8 +254,14 @@ class MlpBlock:
         self._gamma = gamma  # kept alive for the pointer
         self._weights = (o.blocks, gate_up.blocks, down.blocks)
         self._args = (
-            o.blocks.data_ptr(), o.flags, gamma.data_ptr(), eps,
-            gate_up.blocks.data_ptr(), gate_up.flags, down.blocks.data_ptr(), down.flags,
+            o.blocks.data_ptr(),
+            o.flags,
+            gamma.data_ptr(),
+            eps,
+            gate_up.blocks.data_ptr(),
+            gate_up.flags,
+            down.blocks.data_ptr(),
+            down.flags,
         )
 
     def __call__(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -225,8 +283,21 @@ class MlpBlock:
         h = torch.empty(m, 2 * self._inter)
         o, o_q8, gamma, eps, gate_up, gate_up_q8, down, down_q8 = self._args
         if self._fn(
-            x.data_ptr(), attn.data_ptr(), h.data_ptr(), m, self._hidden, self._q_size,
-            self._inter, o, o_q8, gamma, eps, gate_up, gate_up_q8, down, down_q8,
+            x.data_ptr(),
+            attn.data_ptr(),
+            h.data_ptr(),
+            m,
+            self._hidden,
+            self._q_size,
+            self._inter,
+            o,
+            o_q8,
+            gamma,
+            eps,
+            gate_up,
+            gate_up_q8,
+            down,
+            down_q8,
         ):
             raise ValueError("the 4-bit GEMV kernel refused its shapes")
         return x
@@ -303,9 +374,7 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
     k, groups = kr // 2, kr // 2 // GROUP
     hi_scale, d = w.scale[:, :groups], w.scale[:, groups:]
     hi_zero, lo_zero = w.zero[:, :groups], w.zero[:, groups:]
-    if not (
-        torch.equal(hi_scale, 16 * d) and not hi_zero.any() and torch.equal(lo_zero, 8 * d)
-    ):
+    if not (torch.equal(hi_scale, 16 * d) and not hi_zero.any() and torch.equal(lo_zero, 8 * d)):
         return None
     d16 = d.to(torch.float16)
     if not torch.equal(d16.float(), d):
@@ -427,14 +496,35 @@ class Q4Linear:
             out = torch.empty(m, n) if into is None else into
             heads, dim = (0, 0) if rope is None else (rope.heads, rope.dim)
             if fn(
-                x.data_ptr(), m, k, blocks, n, out.data_ptr(), flag, gated, norm, eps,
-                into is not None, _pointer(table if rope else None), heads, dim,
+                x.data_ptr(),
+                m,
+                k,
+                blocks,
+                n,
+                out.data_ptr(),
+                flag,
+                gated,
+                norm,
+                eps,
+                into is not None,
+                _pointer(table if rope else None),
+                heads,
+                dim,
             ):
                 raise ValueError("the 4-bit GEMV kernel refused its shapes")
             return out
         return self.kernel.matmul(
-            x, self.blocks, self.q8, tiles=self.tiles, panels=self.panels, gated=gated,
-            gamma=gamma, eps=eps, into=into, rope=rope, table=table,
+            x,
+            self.blocks,
+            self.q8,
+            tiles=self.tiles,
+            panels=self.panels,
+            gated=gated,
+            gamma=gamma,
+            eps=eps,
+            into=into,
+            rope=rope,
+            table=table,
         )
 
     @property
@@ -527,9 +617,19 @@ class StackDelta:
     parts: int = 1
 
 
+# The MLP gate's activations the native decoder stack computes, by ModelConfig.activation,
+# and the C code's value for each (GATE_SILU, GATE_GELU_TANH in q4_gemv.c).
+STACK_GATES = {"silu": 1, "gelu_tanh": 2}
+
+
 @dataclass(frozen=True, slots=True)
 class StackLayer:
-    """One decoder layer's packed projections and norm weights for :class:`DecoderStack`."""
+    """One decoder layer's packed projections and norm weights for :class:`DecoderStack`,
+    with the pieces a family's layer has beyond the plain Llama layer (None: it has none;
+    every tensor float32): the qkv, o, gate_up and down biases, the q/k head norms
+    (``[q heads + kv heads, head_dim]``, after the qkv bias, before RoPE), the norms of the
+    attention and MLP outputs before their residual adds (Gemma's sandwich norms), and which
+    of the step's RoPE tables turns its q and k heads."""
 
     attn_norm: torch.Tensor  # [hidden] float32
     qkv: Q4Linear  # [q + 2 kv, hidden]
@@ -537,13 +637,32 @@ class StackLayer:
     mlp_norm: torch.Tensor  # [hidden] float32
     gate_up: Q4Linear  # [2 inter, hidden]
     down: Q4Linear  # [hidden, inter]
+    qkv_bias: torch.Tensor | None = None  # [q + 2 kv]
+    qk_norm: torch.Tensor | None = None  # [q heads + kv heads, head_dim]
+    rope_table: int = 0
+    o_bias: torch.Tensor | None = None  # [hidden]
+    gate_up_bias: torch.Tensor | None = None  # [2 inter]
+    down_bias: torch.Tensor | None = None  # [hidden]
+    post_attn_norm: torch.Tensor | None = None  # [hidden]
+    post_mlp_norm: torch.Tensor | None = None  # [hidden]
+
+    def extras(self) -> tuple[torch.Tensor | None, ...]:
+        """The optional tensors in the C block table's order (B_* in q4_gemv.c, B_ROPE
+        aside)."""
+        return (
+            self.qkv_bias, self.qk_norm, self.o_bias, self.gate_up_bias, self.down_bias,
+            self.post_attn_norm, self.post_mlp_norm,
+        )  # fmt: skip
 
 
 class DecoderStack:
     """Every decoder layer of an all-decode step in one native call (``kvf_decoder_stack``):
-    per layer the fused qkv call (norm, projection, RoPE), kvcache's K/V write and attention
-    through its :class:`~kvcache.attention.NativeAttend`, and :class:`MlpBlock`'s call. The
-    same arithmetic as the layer-by-layer calls, without Python between them.
+    per layer the fused qkv call (norm, projection, RoPE; the bias and q/k head norms
+    between the projection and RoPE where the family has them), kvcache's K/V write and
+    attention through its :class:`~kvcache.attention.NativeAttend` (the layer's window and
+    softcap are kvcache's), and :class:`MlpBlock`'s call (with the family's biases,
+    post-norms and gate activation). The same arithmetic as the layer-by-layer calls,
+    without Python between them.
     NOTE: measured on a 2-core AVX2 EPYC, SmolLM2-135M at B=1, float32: the Python layer loop
     (views, q/k/v copies, per-call checks) took ~2 ms of a ~7 ms step."""
 
@@ -554,21 +673,42 @@ class DecoderStack:
         kv_heads: int,
         head_dim: int,
         eps: float,
+        activation: str = "silu",
+        query_scale: float = 1.0,
     ) -> None:
         first = layers[0]
         kernel = first.qkv.kernel
         hidden, q_size = first.qkv.k, q_heads * head_dim
         inter = first.down.k
+        n_qkv = q_size + 2 * kv_heads * head_dim
+        if activation not in STACK_GATES:
+            raise ValueError(f"the native decoder stack has no {activation!r} gate")
+        tables = 1 + max(layer.rope_table for layer in layers)
         for layer in layers:
             MlpBlock(layer.o, layer.mlp_norm, eps, layer.gate_up, layer.down)  # its checks
             layer.qkv._check_norm(layer.attn_norm)
+            shapes = (
+                (n_qkv,), (q_heads + kv_heads, head_dim), (hidden,), (2 * inter,), (hidden,),
+                (hidden,), (hidden,),
+            )  # fmt: skip
             if not (
                 layer.qkv.kernel is layer.o.kernel is kernel
                 and layer.qkv.k == hidden
-                and layer.qkv.blocks.shape[0] == q_size + 2 * kv_heads * head_dim
+                and layer.qkv.blocks.shape[0] == n_qkv
                 and layer.o.k == q_size
                 and layer.o.blocks.shape[0] == hidden
                 and layer.down.k == inter
+                and layer.rope_table >= 0
+                and all(
+                    t is None
+                    or (
+                        t.dtype == torch.float32
+                        and t.shape == shape
+                        and t.is_contiguous()
+                        and t.is_cpu
+                    )
+                    for t, shape in zip(layer.extras(), shapes, strict=True)
+                )
             ):
                 raise ValueError("layers the native decoder stack does not take")
         self._fn = kernel.stack
@@ -576,6 +716,26 @@ class DecoderStack:
         self._max_rows = kernel.max_rows
         self._shape = (len(layers), hidden, q_heads, kv_heads, head_dim, inter)
         self._eps = eps
+        self._gate = STACK_GATES[activation]
+        self._query_scale = query_scale
+        self._rope_tables = tables
+        # Per layer, the block table (B_* in q4_gemv.c); None where every layer is the plain
+        # Llama layer (no column set), which the C code then runs without one.
+        plain = all(t is None for layer in layers for t in layer.extras()) and tables == 1
+        self._blocks = None if plain else torch.tensor(
+            [
+                [
+                    _pointer(layer.qkv_bias), _pointer(layer.qk_norm), layer.rope_table,
+                    _pointer(layer.o_bias), _pointer(layer.gate_up_bias),
+                    _pointer(layer.down_bias), _pointer(layer.post_attn_norm),
+                    _pointer(layer.post_mlp_norm),
+                ]
+                for layer in layers
+            ],
+            dtype=torch.int64,
+        )  # fmt: skip
+        if self._blocks is not None and self._blocks.shape[1] != kernel.stack_block_columns:
+            raise ValueError("the native decoder stack's block table does not match its kernel")
         self._keep = tuple(layers)  # the weights the table points into
         # the last LoRA table with the deltas it points into: a kept step plan's next steps
         # pass the same deltas (service/model/lora_stack.py)
@@ -583,10 +743,16 @@ class DecoderStack:
         self._table = torch.tensor(
             [
                 [
-                    layer.qkv.blocks.data_ptr(), layer.qkv.flags, layer.attn_norm.data_ptr(),
-                    layer.o.blocks.data_ptr(), layer.o.flags, layer.mlp_norm.data_ptr(),
-                    layer.gate_up.blocks.data_ptr(), layer.gate_up.flags,
-                    layer.down.blocks.data_ptr(), layer.down.flags,
+                    layer.qkv.blocks.data_ptr(),
+                    layer.qkv.flags,
+                    layer.attn_norm.data_ptr(),
+                    layer.o.blocks.data_ptr(),
+                    layer.o.flags,
+                    layer.mlp_norm.data_ptr(),
+                    layer.gate_up.blocks.data_ptr(),
+                    layer.gate_up.flags,
+                    layer.down.blocks.data_ptr(),
+                    layer.down.flags,
                 ]
                 for layer in layers
             ],
@@ -604,18 +770,20 @@ class DecoderStack:
     ) -> torch.Tensor:
         """``x`` ``[M, hidden]`` float32 (the embeddings), run through every layer in place
         and returned; ``rope`` ``[M, 2, head_dim]`` float32 (cos, signed sin) at each row's
-        position; ``attend`` this step's, for ``M`` sequences of one token each. ``lora``:
-        the step's adapter deltas by fused projection (:data:`LORA_GROUPS`); a projection
-        absent from it gets none."""
+        position, or ``[tables, M, 2, head_dim]`` where layers turn by several RoPE bases
+        (:attr:`rope_tables`); ``attend`` this step's, for ``M`` sequences of one token each.
+        ``lora``: the step's adapter deltas by fused projection (:data:`LORA_GROUPS`); a
+        projection absent from it gets none."""
         layers, hidden, hq, hkv, dim, inter = self._shape
         m = x.shape[0]
+        tables = self._rope_tables
         if not (
             x.dtype == torch.float32
             and x.shape == (m, hidden)
             and x.is_contiguous()
             and 0 < m <= self._max_rows
             and rope.dtype == torch.float32
-            and rope.shape == (m, 2, dim)
+            and rope.shape == ((m, 2, dim) if tables == 1 else (tables, m, 2, dim))
             and rope.is_contiguous()
             and x.is_cpu
             and rope.is_cpu
@@ -635,8 +803,24 @@ class DecoderStack:
                 table = self._lora_table(lora, m)
                 self._last_lora = (lora, m, table)
         status = self._fn(
-            x.data_ptr(), m, hidden, layers, self._table.data_ptr(), hq, hkv, dim, inter,
-            self._eps, rope.data_ptr(), attend.fn, attend.ctx, _pointer(table),
+            x.data_ptr(),
+            m,
+            hidden,
+            layers,
+            self._table.data_ptr(),
+            _pointer(self._blocks),
+            hq,
+            hkv,
+            dim,
+            inter,
+            self._eps,
+            self._gate,
+            self._query_scale,
+            rope.data_ptr(),
+            tables,
+            attend.fn,
+            attend.ctx,
+            _pointer(table),
         )
         if status == -2:
             raise KernelRefused(
@@ -645,6 +829,16 @@ class DecoderStack:
         if status != 0:
             raise ValueError("the native decoder stack refused its shapes")
         return x
+
+    @property
+    def layers(self) -> tuple[StackLayer, ...]:
+        """The layers this stack runs, in order."""
+        return self._keep
+
+    @property
+    def rope_tables(self) -> int:
+        """How many RoPE tables a call's ``rope`` holds (one per base the layers turn by)."""
+        return self._rope_tables
 
     def _lora_table(self, lora: Mapping[str, StackDelta], m: int) -> torch.Tensor:
         """The C call's LoRA table ``[layers, 4, 6]`` int64 (per layer and projection: a, b,

@@ -90,14 +90,21 @@ static inline void store(const prepared_x *p, float *dst, float value) {
     *dst = p->accumulate ? *dst + value : value;
 }
 
+/* ``gated``'s values: no gate, silu(gate) * up (SwiGLU), gelu_tanh(gate) * up (GeGLU). */
+enum { GATE_NONE, GATE_SILU, GATE_GELU_TANH, GATE_KINDS };
+
 /* The input row v [k] from x: with ``gated``, x has 2k columns [gate | up] and
- * v = silu(gate) * up; with ``gamma``, v is then RMS-normalized and scaled by gamma
+ * v = act(gate) * up (GATE_SILU: silu, GATE_GELU_TANH: gelu with the tanh approximation);
+ * with ``gamma``, v is then RMS-normalized and scaled by gamma
  * (v * gamma / sqrt(mean(v^2) + eps)), as F.rms_norm computes it. */
 static void silu_gate(const float *x, int k, float *v);
+static void gelu_gate(const float *x, int k, float *v);
 
 static void input_row(const float *x, int k, int gated, const float *gamma, float eps,
                       float *v) {
-    if (gated) {
+    if (gated == GATE_GELU_TANH) {
+        gelu_gate(x, k, v);
+    } else if (gated) {
         silu_gate(x, k, v);
     } else {
         memcpy(v, x, sizeof(float) * (size_t)k);
@@ -166,6 +173,20 @@ static void silu_gate(const float *x, int k, float *v) {
     }
 }
 
+/* v = gelu_tanh(x[:k]) * x[k:], 8 at a time: 0.5 g (1 + tanh(u)) with
+ * u = sqrt(2 / pi) (g + 0.044715 g^3) is g / (1 + exp(-2u)), silu_gate's form at 2u. */
+static void gelu_gate(const float *x, int k, float *v) {
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2.0f * 0.7978845608028654f);
+    const __m256 cube = _mm256_set1_ps(0.044715f);
+    for (int j = 0; j < k; j += 8) {
+        const __m256 g = _mm256_loadu_ps(x + j);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(cube, g), _mm256_mul_ps(g, g), g);
+        const __m256 e = exp8(_mm256_mul_ps(c, inner));
+        _mm256_storeu_ps(v + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(x + k + j)));
+    }
+}
+
 /* round(x * inv) of a block as int16 in element order (round half to even, as lrintf). */
 static inline void block_to_int16(const float *xp, float inv, int16_t *qp) {
     const __m256 vi = _mm256_set1_ps(inv);
@@ -180,6 +201,13 @@ static inline void block_to_int16(const float *xp, float inv, int16_t *qp) {
 #else
 static void silu_gate(const float *x, int k, float *v) {
     for (int j = 0; j < k; ++j) v[j] = x[j] / (1.0f + expf(-x[j])) * x[k + j];
+}
+
+static void gelu_gate(const float *x, int k, float *v) {
+    for (int j = 0; j < k; ++j) {
+        const float g = x[j], u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        v[j] = g / (1.0f + expf(-2.0f * u)) * x[k + j];
+    }
 }
 
 static inline void block_sum_max(const float *xp, float *sum, float *top) {
@@ -1279,7 +1307,7 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
                 int q8, int gated, const float *gamma, float eps, int accumulate,
                 const float *rope, int rope_heads, int rope_dim, lora_job *job) {
     if (rows < 1 || rows > MAX_ROWS || k < BLOCK || k % BLOCK != 0 || k / BLOCK > MAX_GROUPS ||
-        n_total < 1)
+        n_total < 1 || gated < GATE_NONE || gated >= GATE_KINDS)
         return -1;
     if (rope != NULL && (accumulate || rope_heads < 1 || rope_dim < 2 || rope_dim % 2 != 0 ||
                          (int64_t)rope_heads * rope_dim > n_total))
@@ -1356,8 +1384,8 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
 static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
                int inter, const uint8_t *o, int o_q8, const float *gamma, float eps,
                const uint8_t *gate_up, int gate_up_q8, const uint8_t *down, int down_q8,
-               const int64_t *lo, const int64_t *lgu, const int64_t *ldown, float *v, float *u,
-               int *span);
+               const int64_t *block, int act, float *a, const int64_t *lo, const int64_t *lgu,
+               const int64_t *ldown, float *v, float *u, int *span);
 
 int kvf_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size, int inter,
             const uint8_t *o, int o_q8, const float *gamma, float eps, const uint8_t *gate_up,
@@ -1367,7 +1395,7 @@ int kvf_mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_s
         if (ks[i] < BLOCK || ks[i] % BLOCK != 0 || ks[i] / BLOCK > MAX_GROUPS) return -1;
     if (rows < 1 || rows > MAX_ROWS || hidden < 1 || inter < 1 || gamma == NULL) return -1;
     return mlp(x, attn, h, rows, hidden, q_size, inter, o, o_q8, gamma, eps, gate_up, gate_up_q8,
-               down, down_q8, NULL, NULL, NULL, NULL, NULL, NULL);
+               down, down_q8, NULL, GATE_SILU, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
 }
 
 /* kvcache's attention for one layer of an all-decode step (kvcache.attention.NativeAttend):
@@ -1378,6 +1406,21 @@ typedef int (*attend_fn)(const void *ctx, int layer, const float *q, const float
 /* Per layer, the columns of kvf_decoder_stack's table (int64 each: pointers and flags). */
 enum { T_QKV, T_QKV_Q8, T_ATTN_NORM, T_O, T_O_Q8, T_MLP_NORM, T_GATE_UP, T_GATE_UP_Q8, T_DOWN,
        T_DOWN_Q8, T_COLUMNS };
+
+/* Per layer, the columns of kvf_decoder_stack's block table (int64 each): what a family's
+ * layer has beyond the plain Llama layer, each a float32 pointer or 0 for none, and the
+ * layer's RoPE base.
+ *   B_QKV_BIAS [q + 2 kv]    added to the qkv product (Qwen2);
+ *   B_QK_NORM [hq + hkv, d]  each q and k head RMS-normalized and scaled by its row (Qwen3,
+ *                            Gemma 3), after the bias, before RoPE;
+ *   B_ROPE                   which of the step's RoPE tables the layer's q and k turn by;
+ *   B_O_BIAS [hidden], B_GATE_UP_BIAS [2 inter], B_DOWN_BIAS [hidden]: added to the product;
+ *   B_POST_ATTN, B_POST_MLP [hidden]: the o and down products RMS-normalized and scaled by
+ *                            these before their residual add (Gemma's sandwich norms). */
+enum { B_QKV_BIAS, B_QK_NORM, B_ROPE, B_O_BIAS, B_GATE_UP_BIAS, B_DOWN_BIAS, B_POST_ATTN,
+       B_POST_MLP, B_COLUMNS };
+
+int kvf_stack_block_columns(void) { return B_COLUMNS; }
 
 int kvf_stack_columns(void) { return T_COLUMNS; }
 
@@ -1822,51 +1865,104 @@ static inline void lora_input(lora_job *job, const float *x, int gated, const fl
     job->in = job->spare;
 }
 
-/* kvf_mlp's three products, with the LoRA deltas of entries o, gu, down (each NULL: none)
- * added after them: o's on attn, gate_up's on the normed x, down's on silu(gate) * up (each
- * the product's own input). v [rows, max(hidden, inter)], u and span (4 ints a row and 1)
- * scratch. */
+static inline const float *float_at(int64_t address) { return (const float *)(intptr_t)address; }
+
+/* rows of x [rows, width] += bias [width] */
+static void add_bias(float *x, int rows, int width, const float *bias) {
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < width; ++j) x[(size_t)r * width + j] += bias[j];
+}
+
+/* v [dim] = v / sqrt(mean(v^2) + eps) * gamma [dim], as F.rms_norm computes it. */
+static void rms_scale(float *v, int dim, const float *gamma, float eps) {
+    float ss = 0.0f;
+    for (int j = 0; j < dim; ++j) ss += v[j] * v[j];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int j = 0; j < dim; ++j) v[j] = v[j] * inv * gamma[j];
+}
+
+/* kvf_mlp's three products, with what the layer's ``block`` row (B_COLUMNS, or NULL for
+ * none) adds: the o, gate_up and down biases, each added to its product, and the post-norms
+ * (x += rms_norm(product) instead of x += product; the product made in a [rows, hidden]);
+ * ``act`` the gate's activation (GATE_SILU or GATE_GELU_TANH). With the LoRA deltas of
+ * entries o, gu, down (each NULL: none) added after their products: o's on attn, gate_up's on
+ * the normed x, down's on act(gate) * up (each the product's own input). v [rows, max(hidden,
+ * inter)], u and span (4 ints a row and 1) scratch. Without a block and with GATE_SILU these
+ * are the plain layer's three calls, each product added to x inside its call. */
 static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
                int inter, const uint8_t *o, int o_q8, const float *gamma, float eps,
                const uint8_t *gate_up, int gate_up_q8, const uint8_t *down, int down_q8,
-               const int64_t *lo, const int64_t *lgu, const int64_t *ldown, float *v, float *u,
-               int *span) {
+               const int64_t *block, int act, float *a, const int64_t *lo, const int64_t *lgu,
+               const int64_t *ldown, float *v, float *u, int *span) {
     lora_job job;
     const int halves[2] = {inter, 2 * inter};
-    if (gemv(attn, rows, q_size, o, hidden, x, o_q8, 0, NULL, 0.0f, 1, NULL, 0, 0,
-             lora_for(&job, lo, attn, v, rows, q_size, hidden, NULL, x, u, span)) != 0 ||
-        gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, 0, gamma, eps, 0, NULL, 0, 0,
-             lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0 ||
-        gemv(h, rows, inter, down, hidden, x, down_q8, 1, NULL, 0.0f, 1, NULL, 0, 0,
-             lora_for(&job, ldown, NULL, v, rows, inter, hidden, NULL, x, u, span)) != 0)
+    const float *o_bias = block == NULL ? NULL : float_at(block[B_O_BIAS]);
+    const float *gate_up_bias = block == NULL ? NULL : float_at(block[B_GATE_UP_BIAS]);
+    const float *down_bias = block == NULL ? NULL : float_at(block[B_DOWN_BIAS]);
+    const float *post_attn = block == NULL ? NULL : float_at(block[B_POST_ATTN]);
+    const float *post_mlp = block == NULL ? NULL : float_at(block[B_POST_MLP]);
+    const size_t width = (size_t)hidden;
+    float *o_out = post_attn == NULL ? x : a;
+    if (gemv(attn, rows, q_size, o, hidden, o_out, o_q8, GATE_NONE, NULL, 0.0f, post_attn == NULL,
+             NULL, 0, 0, lora_for(&job, lo, attn, v, rows, q_size, hidden, NULL, o_out, u, span)) != 0)
         return -1;
+    if (o_bias != NULL) add_bias(o_out, rows, hidden, o_bias);
+    for (int r = 0; post_attn != NULL && r < rows; ++r) {
+        rms_scale(a + r * width, hidden, post_attn, eps);
+        for (size_t j = 0; j < width; ++j) x[r * width + j] += a[r * width + j];
+    }
+    if (gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, GATE_NONE, gamma, eps, 0, NULL, 0,
+             0, lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)
+        return -1;
+    if (gate_up_bias != NULL) add_bias(h, rows, 2 * inter, gate_up_bias);
+    float *down_out = post_mlp == NULL ? x : a;
+    if (gemv(h, rows, inter, down, hidden, down_out, down_q8, act, NULL, 0.0f, post_mlp == NULL,
+             NULL, 0, 0, lora_for(&job, ldown, NULL, v, rows, inter, hidden, NULL, down_out, u, span)) != 0)
+        return -1;
+    if (down_bias != NULL) add_bias(down_out, rows, hidden, down_bias);
+    for (int r = 0; post_mlp != NULL && r < rows; ++r) {
+        rms_scale(a + r * width, hidden, post_mlp, eps);
+        for (size_t j = 0; j < width; ++j) x[r * width + j] += a[r * width + j];
+    }
     return 0;
 }
 
 /* A whole decode forward's decoder layers in one call, for rows tokens of rows sequences:
  * per layer l, the same calls the layer-by-layer path makes,
- *   qkv = rms_norm(x, attn_norm) @ qkv.T with RoPE (rope [rows, 2, dim]) on the q and k heads;
+ *   qkv = rms_norm(x, attn_norm) @ qkv.T, plus the bias, each q and k head normed
+ *         (blocks' B_QKV_BIAS, B_QK_NORM; each where the layer has it), RoPE on the q and k
+ *         heads by the layer's table (B_ROPE of rope_tables tables of [rows, 2, dim] one
+ *         after another in rope), q times query_scale;
  *   out = attend(ctx, l, q, k, v)        kvcache's write and attention;
- *   kvf_mlp(x, out, ...)                 o, residual, norm, gate/up, SiLU, down, residual.
- * x [rows, hidden] float32, updated in place; table [layers, T_COLUMNS]. With lora
- * [layers, G_COUNT, L_COLUMNS] (else NULL) each projection with an entry also adds its rows'
- * LoRA delta (lora_plan) where the layer loop adds it: qkv's on the normed x before RoPE,
- * o's on the attention output, gate_up's on the normed x, down's on silu(gate) * up.
+ *   mlp(x, out, ...)                     o, residual, norm, gate/up, act, down, residual,
+ *                                        with the layer's biases and post-norms.
+ * x [rows, hidden] float32, updated in place; table [layers, T_COLUMNS]; blocks [layers,
+ * B_COLUMNS] or NULL (the plain Llama layer: none of them, RoPE table 0); act the MLP gate's
+ * activation (GATE_SILU, GATE_GELU_TANH). With lora [layers, G_COUNT, L_COLUMNS] (else NULL)
+ * each projection with an entry also adds its rows' LoRA delta (lora_plan) where the layer
+ * loop adds it: qkv's on the normed x before the bias, o's on the attention output,
+ * gate_up's on the normed x, down's on act(gate) * up.
  * Returns 0; -1 when a shape is outside what the kernel takes (found before anything is
  * written: every layer has the same shapes) or scratch memory cannot be had; -2 when attend
  * refused a layer (it wrote nothing for it, and x holds that layer's input).
  * NOTE: measured on a 2-core AVX2 EPYC, SmolLM2-135M at B=1: the Python layer loop around
  * the same three calls a layer (views, copies, checks) cost ~2 ms a step. */
 int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t *table,
-                      int q_heads, int kv_heads, int dim, int inter, float eps,
-                      const float *rope, attend_fn attend, const void *ctx, const int64_t *lora) {
+                      const int64_t *blocks, int q_heads, int kv_heads, int dim, int inter,
+                      float eps, int act, float query_scale, const float *rope, int rope_tables,
+                      attend_fn attend, const void *ctx, const int64_t *lora) {
     const int q_size = q_heads * dim, kv_size = kv_heads * dim, n_qkv = q_size + 2 * kv_size;
     const int ks[3] = {hidden, q_size, inter};
     for (int i = 0; i < 3; ++i)
         if (ks[i] < BLOCK || ks[i] % BLOCK != 0 || ks[i] / BLOCK > MAX_GROUPS) return -1;
     if (rows < 1 || rows > MAX_ROWS || layers < 1 || q_heads < 1 || kv_heads < 1 || dim < 2 ||
-        dim % 2 != 0 || inter < 1 || rope == NULL || attend == NULL || table == NULL)
+        dim % 2 != 0 || inter < 1 || rope == NULL || attend == NULL || table == NULL ||
+        rope_tables < 1 || (act != GATE_SILU && act != GATE_GELU_TANH) || !isfinite(query_scale))
         return -1;
+    for (int l = 0; blocks != NULL && l < layers; ++l) {
+        const int64_t base = blocks[(size_t)l * B_COLUMNS + B_ROPE];
+        if (base < 0 || base >= rope_tables) return -1;
+    }
     const size_t r = (size_t)rows;
     const int qkv_ends[3] = {q_size, q_size + kv_size, n_qkv};
     int64_t max_ranks = 0;
@@ -1881,8 +1977,10 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         if (g[L_HELD] < 0 || g[L_HELD] >= HELD_KINDS) return -1;
         if (g[L_RANKS] > max_ranks) max_ranks = g[L_RANKS];
     }
-    /* qkv, then q, k, v (contiguous per head block), attention output, and gate/up */
-    float *buf = malloc(sizeof(float) * r * ((size_t)n_qkv * 2 + q_size + 2 * (size_t)inter));
+    /* qkv, then q, k, v (contiguous per head block), attention output, gate/up, and a
+     * product's rows before their post-norm */
+    float *buf = malloc(sizeof(float) * r *
+                        ((size_t)n_qkv * 2 + q_size + 2 * (size_t)inter + (size_t)hidden));
     if (buf == NULL) return -1;
     /* with deltas: a product's normed or gated input [rows, max(hidden, inter)], u, span */
     const size_t wide = (size_t)(hidden > inter ? hidden : inter);
@@ -1897,36 +1995,50 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
     float *lv = lbuf, *lu = lbuf == NULL ? NULL : lbuf + r * wide;
     int *span = lbuf == NULL ? NULL : (int *)(lu + r * (size_t)max_ranks);
     float *qkv = buf, *q = qkv + r * n_qkv, *k = q + r * q_size, *v = k + r * kv_size;
-    float *out = v + r * kv_size, *h = out + r * q_size;
+    float *out = v + r * kv_size, *h = out + r * q_size, *a = h + r * 2 * (size_t)inter;
     int status = 0;
     for (int l = 0; l < layers && status == 0; ++l) {
         const int64_t *t = table + (size_t)l * T_COLUMNS;
-        const float *attn_norm = (const float *)(intptr_t)t[T_ATTN_NORM];
+        const int64_t *b = blocks == NULL ? NULL : blocks + (size_t)l * B_COLUMNS;
+        const float *attn_norm = float_at(t[T_ATTN_NORM]);
+        const float *qkv_bias = b == NULL ? NULL : float_at(b[B_QKV_BIAS]);
+        const float *qk_norm = b == NULL ? NULL : float_at(b[B_QK_NORM]);
+        const float *turn = rope + (size_t)(b == NULL ? 0 : b[B_ROPE]) * r * 2 * (size_t)dim;
+        /* RoPE in the product's call, or after the bias and head norms where there are some */
+        const int after = qkv_bias != NULL || qk_norm != NULL;
         const int64_t *dq = lora_entry(lora, l, G_QKV), *dout = lora_entry(lora, l, G_O);
         const int64_t *dgu = lora_entry(lora, l, G_GATE_UP), *ddown = lora_entry(lora, l, G_DOWN);
         /* the delta goes in before RoPE: the product, then the delta, then RoPE */
         lora_job job;
         if (gemv(x, rows, hidden, (const uint8_t *)(intptr_t)t[T_QKV], n_qkv, qkv,
-                 (int)t[T_QKV_Q8], 0, attn_norm, eps, 0, rope, q_heads + kv_heads, dim,
+                 (int)t[T_QKV_Q8], GATE_NONE, attn_norm, eps, 0, after ? NULL : turn,
+                 q_heads + kv_heads, dim,
                  lora_for(&job, dq, NULL, lv, rows, hidden, n_qkv, qkv_ends, qkv, lu, span)) != 0) {
             status = -1;
             break;
         }
+        if (qkv_bias != NULL) add_bias(qkv, rows, n_qkv, qkv_bias);
+        for (size_t i = 0; qk_norm != NULL && i < r; ++i)
+            for (int hd = 0; hd < q_heads + kv_heads; ++hd)
+                rms_scale(qkv + i * n_qkv + (size_t)hd * dim, dim, qk_norm + (size_t)hd * dim, eps);
+        if (after) rope_rows(qkv, rows, n_qkv, q_heads + kv_heads, dim, turn);
         for (size_t i = 0; i < r; ++i) {
             const float *src = qkv + i * n_qkv;
             memcpy(q + i * q_size, src, sizeof(float) * q_size);
             memcpy(k + i * kv_size, src + q_size, sizeof(float) * kv_size);
             memcpy(v + i * kv_size, src + q_size + kv_size, sizeof(float) * kv_size);
         }
+        if (query_scale != 1.0f)
+            for (size_t i = 0; i < r * (size_t)q_size; ++i) q[i] *= query_scale;
         if (attend(ctx, l, q, k, v, out) != 0) {
             status = -2;
             break;
         }
         status = mlp(x, out, h, rows, hidden, q_size, inter, (const uint8_t *)(intptr_t)t[T_O],
-                     (int)t[T_O_Q8], (const float *)(intptr_t)t[T_MLP_NORM], eps,
+                     (int)t[T_O_Q8], float_at(t[T_MLP_NORM]), eps,
                      (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
-                     (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8], dout, dgu, ddown, lv,
-                     lu, span);
+                     (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8], b, act, a, dout, dgu,
+                     ddown, lv, lu, span);
     }
     free(lbuf);
     free(buf);

@@ -32,8 +32,8 @@ MUTANTS = (
         "stack-skips-gate-up-delta",
         "an adapter row's decode step in the native stack adds every projection's delta",
         edit("service/model/q4_gemv.c",
-             "             lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0 ||",
-             "             NULL) != 0 ||"),
+             "lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)",
+             "NULL) != 0)"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
     ),
     mutant(

@@ -1,0 +1,153 @@
+"""Every family decodes through the native decoder stack: a tiny checkpoint of each, with its
+4-bit packs (``--weights int4``), runs its all-decode steps in one native call per step
+(biases, q/k norms, sandwich norms, GeGLU, a RoPE base per layer, query scaling, windows
+and softcaps) and gives the greedy tokens of the layer loop, logprobs within float32
+rounding; experts (dense) keep the layer loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvcache.attention import NativeAttend
+from service.model import load_model, native_gemv
+from tests.fixtures import tiny_families as tf
+from tests.model.test_families_gemma_moe import CHECKPOINTS
+from tests.model.test_native_gemv import _add_greedy, _small_core
+
+WRITERS: dict[str, Callable[[Path], Path]] = {
+    "qwen2_windowed": tf.write_qwen2_windowed,  # qkv bias, a sliding layer
+    "qwen3": lambda d: tf.write_tiny(d, "qwen3", head_dim=32, seed=31),  # q/k norms
+    "llama_biased": tf.write_llama_biased,  # q/k/v, o and gate/up/down biases
+    "phi3": tf.write_phi3,
+    # sandwich norms, GeGLU, query_pre_attn_scalar, two RoPE bases, a window
+    "gemma3_text": lambda d: tf.write_tiny(d, "gemma3_text", **CHECKPOINTS["gemma3_text"]),
+    # the same with an attention softcap (kvcache's) and a final one
+    "gemma2": lambda d: tf.write_tiny(d, "gemma2", **CHECKPOINTS["gemma2"]),
+}
+
+Out = list[tuple[int, float]]
+
+
+def _decode(lm: Any, stack: Any) -> list[Out]:
+    """Three greedy requests, the third arriving beside the first two's decodes, through a
+    thread-free core; the model's decode steps on ``stack`` (None: the layer loop)."""
+    from service.engine.types import Delta, EngineEvent
+
+    lm.model.use_stack(stack)
+    core = _small_core(lm)
+    got: list[Out] = [[], [], []]
+
+    def add(i: int, prompt: int, n: int) -> None:
+        def sink(event: EngineEvent, out: Out = got[i]) -> None:
+            if isinstance(event, Delta):
+                out.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
+
+        _add_greedy(core, i, 5, prompt, n, 1, sink)
+
+    add(0, 2 * tf.WINDOW + 3, 10)  # longer than the window: the sliding layers cut it
+    add(1, 5, 8)
+    with torch.inference_mode():
+        core.step()
+        core.step()
+        add(2, 6, 6)
+        while core.has_work():
+            core.step()
+    return got
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_each_family_decodes_through_the_stack_as_the_layer_loop(name: str, tmp_path: Path) -> None:
+    path = WRITERS[name](tmp_path / name)
+    lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
+    stack = lm.model.stack
+    assert isinstance(stack, native_gemv.DecoderStack), name
+    rows: list[int] = []
+
+    def spy(
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        attend: NativeAttend,
+        lora: Mapping[str, native_gemv.StackDelta] | None = None,
+    ) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return stack(x, rope, attend, lora)
+
+    try:
+        loop = _decode(lm, None)
+        assert not rows
+        native = _decode(lm, spy)
+    finally:
+        lm.model.use_stack(stack)
+    assert [len(g) for g in loop] == [10, 8, 6]
+    assert rows and max(rows) >= 2  # decode steps of several rows ran in the stack
+    assert [[t for t, _ in g] for g in native] == [[t for t, _ in g] for g in loop]
+    for g, w in zip(native, loop, strict=True):
+        assert max(abs(a - b) for (_, a), (_, b) in zip(g, w, strict=True)) < 1e-3
+
+
+def test_what_the_stack_adds_is_what_changes_its_output(tmp_path: Path) -> None:
+    """Each family piece the stack computes is read: Gemma 3's tokens through the stack
+    change when its post-norms, its GeGLU or its query scale are taken away from the stack
+    alone (the layer loop it matched keeps them)."""
+    path = WRITERS["gemma3_text"](tmp_path / "gemma3")
+    lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
+    stack = lm.model.stack
+    assert isinstance(stack, native_gemv.DecoderStack)
+    want = _decode(lm, stack)
+    c = lm.model.config
+    layers = stack.layers
+    hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    variants = {
+        "post-norms": native_gemv.DecoderStack(
+            [replace(x, post_attn_norm=None, post_mlp_norm=None) for x in layers],
+            hq, hkv, d, eps, c.activation, c.query_scale,
+        ),
+        "gelu": native_gemv.DecoderStack(layers, hq, hkv, d, eps, "silu", c.query_scale),
+        "query scale": native_gemv.DecoderStack(layers, hq, hkv, d, eps, c.activation, 1.0),
+        "q/k norms": native_gemv.DecoderStack(
+            [replace(x, qk_norm=None) for x in layers], hq, hkv, d, eps, c.activation,
+            c.query_scale,
+        ),
+    }  # fmt: skip
+    try:
+        for piece, other in variants.items():
+            got = _decode(lm, other)
+            assert got != want, piece
+    finally:
+        lm.model.use_stack(stack)
+
+
+def test_experts_keep_the_layer_loop(tmp_path: Path) -> None:
+    path = tf.write_tiny(tmp_path / "mixtral", "mixtral", **{**CHECKPOINTS["mixtral"]})
+    lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
+    assert lm.model.stack is None
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_the_families_run_batch_invariant(name: str, tmp_path: Path) -> None:
+    """With every layer on the stack, these families load ``--batch-invariant on``: a
+    request's logprobs are the same bits alone and beside others."""
+    path = WRITERS[name](tmp_path / name)
+    lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="on")
+    assert lm.batch_invariant
+    together = _decode(lm, lm.model.stack)
+    from service.engine.types import Delta, EngineEvent
+
+    core = _small_core(lm)
+    alone: Out = []
+
+    def sink(event: EngineEvent) -> None:
+        if isinstance(event, Delta):
+            alone.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
+
+    _add_greedy(core, 1, 5, 5, 8, 1, sink)
+    with torch.inference_mode():
+        while core.has_work():
+            core.step()
+    assert alone == together[1]
