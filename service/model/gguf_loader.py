@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,16 @@ from service.model.families.keys import refuse_unread_gguf
 from service.model.gguf_tokenizer import GGUFVocab, build_gguf_tokenizer
 from service.model.load_error import ModelLoadError
 from service.model.model_config import ModelConfig
-from service.model.quant import Int4Codes, from_q4_0, from_q4_1, from_q5_0, from_q8_0
+from service.model.quant import (
+    Int4Codes,
+    KBlocks,
+    from_q4_0,
+    from_q4_1,
+    from_q4_k,
+    from_q5_0,
+    from_q6_k,
+    from_q8_0,
+)
 from service.model.tokenizer import Tokenizer
 
 # llama.cpp counts these as end-of-generation when the file marks them as control tokens.
@@ -93,7 +103,9 @@ class GGUFCheckpoint:
             )
         if src.expert >= 0 and (len(raw.shape) != 3 or src.expert >= int(raw.shape[-1])):
             shape = tuple(int(n) for n in reversed(raw.shape.tolist()))
-            raise ModelLoadError(f"tensor {raw.name} has shape {shape}, without expert {src.expert}")
+            raise ModelLoadError(
+                f"tensor {raw.name} has shape {shape}, without expert {src.expert}"
+            )
         return raw, src
 
     def _permuted(self, name: str) -> int:
@@ -113,11 +125,12 @@ class GGUFCheckpoint:
             w = _inverse_permute(w, heads)
         return w
 
-    def int4_codes(self, name: str) -> Int4Codes | None:
-        """The tensor's own blocks as exact int4 codes, or None when its type has no exact
-        int4 mapping (see service/model/quant.py)."""
+    def file_blocks(self, name: str) -> Int4Codes | KBlocks | None:
+        """The tensor's own blocks, exactly: as int4 codes (Q4_0, Q4_1, Q5_0, Q8_0) or as
+        K-quant blocks with float32 scales (Q4_K, Q6_K); None for a type with neither
+        mapping (see service/model/quant.py)."""
         raw, src = self._raw(name)
-        unpack = _INT4_EXACT.get(GGMLQuantizationType(raw.tensor_type))
+        unpack = _EXACT.get(GGMLQuantizationType(raw.tensor_type))
         if unpack is None or src.expert >= 0 or len(raw.shape) != 2 or int(raw.shape[0]) % 32:
             return None
         rows = int(raw.shape[1])
@@ -134,11 +147,13 @@ class GGUFCheckpoint:
         return codes
 
 
-_INT4_EXACT = {
+_EXACT: dict[GGMLQuantizationType, Callable[[np.ndarray, int], Int4Codes | KBlocks]] = {
     GGMLQuantizationType.Q4_0: from_q4_0,
     GGMLQuantizationType.Q4_1: from_q4_1,
     GGMLQuantizationType.Q8_0: from_q8_0,
     GGMLQuantizationType.Q5_0: from_q5_0,
+    GGMLQuantizationType.Q4_K: from_q4_k,
+    GGMLQuantizationType.Q6_K: from_q6_k,
 }
 
 

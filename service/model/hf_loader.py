@@ -79,8 +79,8 @@ class HFCheckpoint:
         """The name of the file tensor decoder tensor ``name`` comes from."""
         return self.source(name).name
 
-    def int4_codes(self, name: str) -> None:
-        """safetensors hold no 4-bit blocks; ``--weights int4`` quantizes the dense tensor."""
+    def file_blocks(self, name: str) -> None:
+        """safetensors hold no quantized blocks; ``--weights int4`` quantizes the dense tensor."""
         return None
 
     def get(self, name: str) -> torch.Tensor:

@@ -172,7 +172,7 @@ def load_model(
                     device,
                     bar,
                     weights=mode,
-                    codes=checkpoint.int4_codes,
+                    codes=checkpoint.file_blocks,
                     dense_dtype=dense_dtype,
                 )
             )

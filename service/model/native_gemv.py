@@ -30,7 +30,7 @@ import torch
 from kvcache.attention import NativeAttend
 from kvcache.errors import KernelRefused
 from kvcache.native_build import load_once
-from service.model.quant import GROUP, Int4Codes
+from service.model.quant import GROUP, Int4Codes, KBlocks
 
 SOURCE = Path(__file__).with_name("q4_gemv.c")  # the kernel's C source
 PANEL = 16  # output rows per panel of the panel layout (PANEL in q4_gemv.c)
@@ -149,6 +149,7 @@ class Q4Kernel:
         *,
         tiles: bool = False,
         panels: bool = False,
+        wide: bool = False,
         gated: bool = False,
         gamma: torch.Tensor | None = None,
         eps: float = 0.0,
@@ -166,7 +167,8 @@ class Q4Kernel:
         by ``table`` (:class:`Rope`). With ``tiles`` a batch of :attr:`amx_min_rows` or more
         rows may run on the tile unit (:attr:`amx`), in the dense bf16 matmul's arithmetic.
         With ``panels`` ``blocks`` are in the panel layout
-        (:func:`to_panels`, N a multiple of 16)."""
+        (:func:`to_panels`, N a multiple of 16); with ``wide`` in a wide layout
+        (:func:`wide_blocks`)."""
         m, width = x.shape
         k = width // 2 if gated else width
         n, row_bytes_ = blocks.shape
@@ -179,8 +181,8 @@ class Q4Kernel:
             or (gated and width % 2 != 0)
             or not GROUP <= k <= self.max_k
             or k % GROUP != 0
-            or row_bytes_ != (panel_row_bytes(k, q8) if panels else row_bytes(k, q8))
-            or (panels and n % PANEL != 0)
+            or row_bytes_ != (panel_row_bytes(k, q8) if panels else row_bytes(k, q8, wide))
+            or (panels and (n % PANEL != 0 or wide))
             or (gamma is not None and (gamma.dtype != torch.float32 or gamma.shape != (k,)))
             or (
                 into is not None
@@ -206,7 +208,7 @@ class Q4Kernel:
             blocks.data_ptr(),
             n,
             out.data_ptr(),
-            flags(q8, tiles, panels),
+            flags(q8, tiles, panels, wide),
             int(gated),
             norm,
             eps,
@@ -330,17 +332,19 @@ def _padded(scales: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(scales, (0, pad)) if pad else scales
 
 
-def flags(q8: bool, tiles: bool, panels: bool = False) -> int:
+def flags(q8: bool, tiles: bool, panels: bool = False, wide: bool = False) -> int:
     """A weight's q8 argument to the kernel: bit 0 for 8-bit blocks, bit 1 (KVF_TILES in
     q4_gemv.c) to let batches run on the tile unit, bit 2 (KVF_PANELS) for 4-bit blocks in
-    the panel layout."""
-    return int(q8) | (2 if tiles else 0) | (4 if panels else 0)
+    the panel layout, bit 3 (KVF_WIDE) for a wide layout (:func:`wide_blocks`)."""
+    return int(q8) | (2 if tiles else 0) | (4 if panels else 0) | (8 if wide else 0)
 
 
-def row_bytes(k: int, q8: bool) -> int:
+def row_bytes(k: int, q8: bool, wide: bool = False) -> int:
     """Bytes of one output row of the kernel's layout for an input of ``k``."""
     groups = k // GROUP
     padded = groups + (-groups % 8)
+    if wide:  # float32 scales: two a block (8-bit) or a scale and a minimum (4-bit)
+        return groups * (32 if q8 else 16) + 8 * padded
     return groups * 32 + 2 * padded if q8 else groups * 16 + 4 * padded
 
 
@@ -383,6 +387,27 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
     return _rows(q.to(torch.int8), _padded(d16))
 
 
+def _padded32(values: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` float32 values padded to a multiple of 8 with zeros, as bytes."""
+    padded = torch.nn.functional.pad(values.float(), (0, -values.shape[1] % 8))
+    return padded.contiguous().view(torch.uint8)
+
+
+def wide_blocks(w: KBlocks) -> torch.Tensor:
+    """``w`` in the kernel's wide row layout (:func:`row_bytes` with ``wide``): 4-bit (Q4_K)
+    the blocks' nibbles (j low, j + 16 high), their float32 scales, then their float32
+    minimums; 8-bit (Q6_K) the blocks' int8 codes, the float32 scales of codes 0-15 of each
+    block, then of codes 16-31. The file's codes and scales, exactly."""
+    n, k = w.codes.shape
+    groups = k // GROUP
+    if w.minimum is None:
+        halves = w.scale.view(n, groups, 2)
+        return _rows(w.codes.to(torch.int8), _padded32(halves[..., 0]), _padded32(halves[..., 1]))
+    codes = w.codes.to(torch.uint8).view(n, groups, GROUP)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    return _rows(nibbles, _padded32(w.scale), _padded32(w.minimum))
+
+
 def to_panels(blocks: torch.Tensor, k: int, q8: bool = False) -> torch.Tensor:
     """``blocks`` (:func:`service.model.native_gemv.to_blocks`, or with ``q8``
     :func:`~service.model.native_gemv.q8_blocks`; ``[N, row bytes]``, N a multiple of 16) in
@@ -419,6 +444,8 @@ class Q4Linear:
     tiles: bool = False
     # blocks in the panel layout (to_panels, :meth:`in_panels`)
     panels: bool = False
+    # blocks in a wide layout (wide_blocks: GGUF K-quants, float32 scales)
+    wide: bool = False
     # (C function, blocks pointer, k, flags) for the per-call fast path, set in __post_init__
     _fast: tuple[Any, int, int, int] = field(init=False, repr=False, compare=False)
 
@@ -429,6 +456,11 @@ class Q4Linear:
             return cls(q8, 1, kernel, q8=True, k=w.codes.shape[1] // 2, tiles=tiles)
         return cls(to_blocks(w), w.repeat, kernel, k=w.codes.shape[1], tiles=tiles)
 
+    @classmethod
+    def pack_k(cls, w: KBlocks, kernel: Q4Kernel) -> Q4Linear:
+        """A K-quant weight in its wide layout (never on the tile unit or in panels)."""
+        return cls(wide_blocks(w), 1, kernel, q8=w.eight_bit, k=w.codes.shape[1], wide=True)
+
     def in_panels(self) -> Q4Linear:
         """This weight in the panel layout where the kernel runs it on SIMD and its rows
         fill panels of 16 (one exact integer a block and one float chain per output in
@@ -436,6 +468,7 @@ class Q4Linear:
         if (
             not self.kernel.panel_simd
             or self.panels
+            or self.wide
             or self.repeat != 1
             or self.blocks.shape[0] % PANEL != 0
         ):
@@ -446,14 +479,16 @@ class Q4Linear:
 
     def __post_init__(self) -> None:
         # The blocks are checked once here, so a call checks only its input (below).
-        self.kernel.matmul(torch.zeros(1, self.k), self.blocks, self.q8, panels=self.panels)
+        self.kernel.matmul(
+            torch.zeros(1, self.k), self.blocks, self.q8, panels=self.panels, wide=self.wide
+        )
         fast = (self.kernel.fn, self.blocks.data_ptr(), self.k, self.flags)
         object.__setattr__(self, "_fast", fast)
 
     @property
     def flags(self) -> int:
         """This weight's q8 argument to the kernel (:func:`flags`)."""
-        return flags(self.q8, self.tiles, self.panels)
+        return flags(self.q8, self.tiles, self.panels, self.wide)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.repeat > 1:
@@ -519,6 +554,7 @@ class Q4Linear:
             self.q8,
             tiles=self.tiles,
             panels=self.panels,
+            wide=self.wide,
             gated=gated,
             gamma=gamma,
             eps=eps,

@@ -17,7 +17,15 @@ import torch
 
 from service.model import native_gemv
 from service.model.model_config import ModelConfig
-from service.model.quant import Int4Codes, Int4Linear, Int8Linear, concat_rows, quantize_int4
+from service.model.quant import (
+    Int4Codes,
+    Int4Linear,
+    Int8Linear,
+    KBlocks,
+    concat_k,
+    concat_rows,
+    quantize_int4,
+)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 WeightsMode = Literal["auto", "bf16", "int4", "int8"]
@@ -47,8 +55,9 @@ PANEL_MAX_PACKED_ROWS = 16
 # Packs run in these dtypes at speed; fp32 works (parity uses it) but is several times slower.
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
-# name -> exact int4 codes from the file, or None when its storage has no exact mapping.
-CodesGetter = Callable[[str], Int4Codes | None]
+# name -> the file's own blocks, exactly (int4 codes, or K-quant blocks with float32
+# scales), or None when its storage has no exact mapping.
+CodesGetter = Callable[[str], Int4Codes | KBlocks | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +148,16 @@ def build_packed(
         if mode == "int8":
             return Int8Linear.quantize(dense(fused), dtype)
         file_codes = [codes(n) for n in names]
-        if all(c is not None for c in file_codes) and len({c.repeat for c in file_codes if c}) == 1:
-            return pack4(concat_rows([c for c in file_codes if c is not None]))
+        int4 = [c for c in file_codes if isinstance(c, Int4Codes)]
+        if len(int4) == len(names) and len({c.repeat for c in int4}) == 1:
+            return pack4(concat_rows(int4))
+        k_blocks = [c for c in file_codes if isinstance(c, KBlocks)]
+        if len(k_blocks) == len(names) and kernel is not None:
+            # K-quants on kvfence's GEMV only, in their wide layouts (float32 scales); parts
+            # of one fused projection in different K-quants stay dense
+            joined = concat_k(k_blocks)
+            if joined is not None:
+                return native_gemv.Q4Linear.pack_k(joined, kernel)
         if mode == "int4":
             return pack4(quantize_int4(dense(fused)))
         return None  # "file": this weight is stored wider than any kernel; it stays dense

@@ -16,6 +16,12 @@
  *          of a block holds element j (low nibble) and j + 16 (high), as ggml's Q4_0/Q4_1
  *          do, and w = d * q + m.
  *   8-bit (q8): G x 32 int8 q, then G fp16 scales d; w = d * q (ggml's Q8_0).
+ * The wide layouts (KVF_WIDE) hold GGUF's K-quants, whose sub-block scales are float32
+ * products (the super-block's fp16 scale times a 6-bit or int8 integer) fp16 cannot hold:
+ *   4-bit wide: G x 16 bytes of nibbles as above, then G float32 scales, then G float32
+ *          minimums (Q4_K: sub-blocks of 32 with a scale and a minimum each);
+ *   8-bit wide: G x 32 int8 q, then G float32 scales of codes 0-15 of each block, then G
+ *          of codes 16-31 (Q6_K: sub-blocks of 16 with a scale each).
  * Then sum_k x_k w_k = sum_blocks (d * sum_j q_j x_j + m * sum_j x_j). The x sums are
  * float32, taken once per call. For sum_j q_j x_j the SIMD path rounds each block of x to
  * int16 with its own scale s = max|x| / 32767 (relative error <= 2^-16 of the block's largest
@@ -42,6 +48,9 @@ static inline int omp_get_thread_num(void) { return 0; }
 #define KVF_TILES 2
 /* In a weight's q8 argument: the weights are in the panel layout (q4_panels below). */
 #define KVF_PANELS 4
+/* In a weight's q8 argument: the row layout's scales (and minimums) are float32, and 8-bit
+ * blocks have two scales, one per 16 codes (the wide layouts above). */
+#define KVF_WIDE 8
 /* Rows (a step's tokens) in one call: the per-row work is the same at any count (the
  * scratch is on the heap), so a batch-invariant step sends all its tokens in one call; the
  * packs' max_rows picks how many a batch-variant step sends here. */
@@ -394,16 +403,21 @@ static inline __m256i block_dot(__m256i lo, __m256i xa, __m256i hi, __m256i xb) 
 #endif
 }
 
-static inline void scales8(const uint8_t *dh, const float *xs, int groups, float *step) {
-    for (int g0 = 0; g0 < groups; g0 += 8)
-        _mm256_storeu_ps(step + g0, _mm256_mul_ps(halves8(dh + 2 * g0), _mm256_loadu_ps(xs + g0)));
+/* 8 of a row's block scales (or minimums) as floats: fp16, or float32 in a wide layout. */
+static inline __m256 scale8(const uint8_t *src, int g0, int wide) {
+    return wide ? _mm256_loadu_ps((const float *)(const void *)src + g0) : halves8(src + 2 * g0);
 }
 
-/* sum_g a[g] * b[g] for fp16 a (padded to 8), as 8 partial sums. */
-static inline __m256 dot8(const uint8_t *a16, const float *b, int groups) {
+static inline void scales8(const uint8_t *dh, const float *xs, int groups, float *step, int wide) {
+    for (int g0 = 0; g0 < groups; g0 += 8)
+        _mm256_storeu_ps(step + g0, _mm256_mul_ps(scale8(dh, g0, wide), _mm256_loadu_ps(xs + g0)));
+}
+
+/* sum_g a[g] * b[g] for a row's fp16 (or wide: float32) a (padded to 8), as 8 partial sums. */
+static inline __m256 dot8(const uint8_t *a16, const float *b, int groups, int wide) {
     __m256 acc = _mm256_setzero_ps();
     for (int g0 = 0; g0 < groups; g0 += 8)
-        acc = _mm256_fmadd_ps(halves8(a16 + 2 * g0), _mm256_loadu_ps(b + g0), acc);
+        acc = _mm256_fmadd_ps(scale8(a16, g0, wide), _mm256_loadu_ps(b + g0), acc);
     return acc;
 }
 
@@ -411,7 +425,7 @@ static inline __m256 dot8(const uint8_t *a16, const float *b, int groups) {
  * accumulator chains in flight. */
 static inline __attribute__((always_inline)) void rows_q4(
     const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
-    float *out, int n, int n_total, const int W) {
+    float *out, int n, int n_total, const int W, const int wide) {
     const int padded = (groups + 7) & ~7;
     float (*step)[MAX_GROUPS] = (float (*)[MAX_GROUPS])thread_steps();
     for (int r = r_begin; r < rows; ++r) {
@@ -420,8 +434,9 @@ static inline __attribute__((always_inline)) void rows_q4(
         __m256 acc[4], macc[4];
         for (int i = 0; i < W; ++i) {
             const uint8_t *dh = w + (size_t)(n + i) * row_bytes + (size_t)groups * 16;
-            scales8(dh, xs, groups, step[i]);
-            macc[i] = dot8(dh + 2 * padded, xsum, groups); /* minimums times the exact x sums */
+            scales8(dh, xs, groups, step[i], wide);
+            /* minimums times the exact x sums */
+            macc[i] = dot8(dh + (wide ? 4 : 2) * padded, xsum, groups, wide);
             acc[i] = _mm256_setzero_ps();
         }
         for (int g = 0; g < groups; ++g) {
@@ -444,10 +459,11 @@ static inline __attribute__((always_inline)) void rows_q4(
 }
 
 /* Q8_0 rows: the same without minimums. A NaN/inf block of x has step 0 and sum NaN, and
- * 0 * NaN carries the NaN into the row's output as float math would. */
+ * 0 * NaN carries the NaN into the row's output as float math would. Wide (Q6_K): each
+ * block's two halves take their own scale (steps step[i] and step[4 + i]). */
 static inline __attribute__((always_inline)) void rows_q8(
     const prepared_x *p, int r_begin, int rows, int k, int groups, const uint8_t *w, size_t row_bytes,
-    float *out, int n, int n_total, const int W) {
+    float *out, int n, int n_total, const int W, const int wide) {
     const int padded = (groups + 7) & ~7;
     float (*step)[MAX_GROUPS] = (float (*)[MAX_GROUPS])thread_steps();
     for (int r = r_begin; r < rows; ++r) {
@@ -457,7 +473,9 @@ static inline __attribute__((always_inline)) void rows_q8(
         for (int g0 = 0; g0 < groups; g0 += 8)
             nan_carry = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), nan_carry);
         for (int i = 0; i < W; ++i) {
-            scales8(w + (size_t)(n + i) * row_bytes + (size_t)groups * BLOCK, xs, groups, step[i]);
+            const uint8_t *dh = w + (size_t)(n + i) * row_bytes + (size_t)groups * BLOCK;
+            scales8(dh, xs, groups, step[i], wide);
+            if (wide) scales8(dh + 4 * (size_t)padded, xs, groups, step[4 + i], 1);
             acc[i] = _mm256_setzero_ps();
         }
         for (int g = 0; g < groups; ++g) {
@@ -469,6 +487,14 @@ static inline __attribute__((always_inline)) void rows_q8(
                 prefetch_ahead(w, row_bytes, n + i, g, groups);
                 __m256i lo, hi;
                 unpack_q8(at, &lo, &hi);
+                if (wide) {
+                    const __m256i sa = _mm256_madd_epi16(lo, xa), sb = _mm256_madd_epi16(hi, xb);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa),
+                                             _mm256_broadcast_ss(step[i] + g), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb),
+                                             _mm256_broadcast_ss(step[4 + i] + g), acc[i]);
+                    continue;
+                }
                 const __m256i s = block_dot(lo, xa, hi, xb);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(step[i] + g),
                                          acc[i]);
@@ -501,7 +527,7 @@ static inline __attribute__((always_inline)) void tile(
         _Pragma("GCC unroll 8")
         for (int r = 0; r < TILE; ++r)
             scales8(w + (size_t)(n + i) * row_bytes + scales_at,
-                    p->scale + (size_t)(r0 + r) * padded, groups, step[i][r]);
+                    p->scale + (size_t)(r0 + r) * padded, groups, step[i][r], 0);
     __m256 acc[2][TILE];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < W; ++i)
@@ -540,16 +566,31 @@ static inline __attribute__((always_inline)) void tile(
                 for (int g0 = 0; g0 < groups; g0 += 8)
                     extra = _mm256_fmadd_ps(_mm256_setzero_ps(), _mm256_loadu_ps(xsum + g0), extra);
             else
-                extra = dot8(mh, xsum, groups);
+                extra = dot8(mh, xsum, groups, 0);
             store(p, out + (size_t)(r0 + r) * n_total + n + i, hsum8(_mm256_add_ps(acc[i][r], extra)));
         }
     }
 }
 
-/* Output rows n (and n + 1 when pair) of the weights at w (8-bit with q8), for every row of
- * x: whole tiles of TILE rows, then the rest one row at a time (the faster loop for one). */
+/* Output rows n .. n + count - 1 of the weights at w (8-bit with q8) for every row of x:
+ * whole tiles of TILE rows, then the rest one row at a time (the faster loop for one). Wide
+ * weights (K-quants) run every row on the one-row loops. */
 static void row_blocks(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
-                       size_t row_bytes, float *out, int n, int n_total, int count, int q8) {
+                       size_t row_bytes, float *out, int n, int n_total, int count, int q8,
+                       int wide) {
+    if (wide) {
+        switch (count * 2 + q8) {
+        case 8: rows_q4(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 1); break;
+        case 9: rows_q8(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 1); break;
+        case 6: rows_q4(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 3, 1); break;
+        case 7: rows_q8(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 3, 1); break;
+        case 4: rows_q4(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 2, 1); break;
+        case 5: rows_q8(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 2, 1); break;
+        case 3: rows_q8(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 1, 1); break;
+        default: rows_q4(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 1, 1); break;
+        }
+        return;
+    }
     int r0 = 0;
     for (; r0 + TILE <= rows; r0 += TILE) {
         for (int j = 0; j < count; j += 2) {
@@ -562,23 +603,31 @@ static void row_blocks(const prepared_x *p, int rows, int k, int groups, const u
     }
     if (r0 == rows) return;
     switch (count * 2 + q8) {
-    case 8: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 4); break;
-    case 9: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 4); break;
-    case 6: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 3); break;
-    case 7: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 3); break;
-    case 4: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2); break;
-    case 5: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2); break;
-    case 3: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1); break;
-    default: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1); break;
+    case 8: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 0); break;
+    case 9: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 0); break;
+    case 6: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 3, 0); break;
+    case 7: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 3, 0); break;
+    case 4: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2, 0); break;
+    case 5: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 2, 0); break;
+    case 3: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1, 0); break;
+    default: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 1, 0); break;
     }
 }
 #else
 
+/* A row's block scale (or minimum) g: fp16, or float32 in a wide layout. */
+static inline float scale_at(const uint8_t *src, int g, int wide) {
+    float f;
+    if (!wide) return half_at(src + 2 * (size_t)g);
+    memcpy(&f, src + 4 * (size_t)g, 4);
+    return f;
+}
+
 static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8_t *wrow,
-                   float *out, int n, int n_total) {
+                   float *out, int n, int n_total, int wide) {
     const float *x = p->x;
     const uint8_t *nib = wrow, *dh = wrow + (size_t)groups * 16;
-    const uint8_t *mh = dh + (size_t)((groups + 7) & ~7) * 2;
+    const uint8_t *mh = dh + (size_t)((groups + 7) & ~7) * (wide ? 4 : 2);
     for (int r = 0; r < rows; ++r) {
         const float *xr = x + (size_t)r * k;
         float total = 0.0f;
@@ -590,16 +639,17 @@ static void row_q4(const prepared_x *p, int rows, int k, int groups, const uint8
                 dot += (float)(blk[j] & 0x0f) * xp[j];
                 dot += (float)(blk[j] >> 4) * xp[j + 16];
             }
-            total += half_at(dh + 2 * g) * dot +
-                     half_at(mh + 2 * g) * p->sum[(size_t)r * ((groups + 7) & ~7) + g];
+            total += scale_at(dh, g, wide) * dot +
+                     scale_at(mh, g, wide) * p->sum[(size_t)r * ((groups + 7) & ~7) + g];
         }
         store(p, out + (size_t)r * n_total + n, total);
     }
 }
 
 static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8_t *wrow,
-                   float *out, int n, int n_total) {
+                   float *out, int n, int n_total, int wide) {
     const uint8_t *qs = wrow, *dh = wrow + (size_t)groups * BLOCK;
+    const uint8_t *dh2 = dh + (size_t)((groups + 7) & ~7) * 4; /* wide: codes 16-31's scales */
     const float *x = p->x;
     for (int r = 0; r < rows; ++r) {
         const float *xr = x + (size_t)r * k;
@@ -607,7 +657,13 @@ static void row_q8(const prepared_x *p, int rows, int k, int groups, const uint8
         for (int g = 0; g < groups; ++g) {
             const uint8_t *b = qs + (size_t)g * BLOCK;
             const float *xp = xr + (size_t)g * BLOCK;
-            float dot = 0.0f;
+            float dot = 0.0f, dot2 = 0.0f;
+            if (wide) {
+                for (int j = 0; j < 16; ++j) dot += (float)(int8_t)b[j] * xp[j];
+                for (int j = 16; j < BLOCK; ++j) dot2 += (float)(int8_t)b[j] * xp[j];
+                total += scale_at(dh, g, 1) * dot + scale_at(dh2, g, 1) * dot2;
+                continue;
+            }
             for (int j = 0; j < BLOCK; ++j) dot += (float)(int8_t)b[j] * xp[j];
             total += half_at(dh + 2 * g) * dot;
         }
@@ -1313,11 +1369,14 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
                          (int64_t)rope_heads * rope_dim > n_total))
         return -1;
     const int may_tile = (q8 & KVF_TILES) != 0, panels = (q8 & KVF_PANELS) != 0;
+    const int wide = (q8 & KVF_WIDE) != 0;
     q8 &= 1;
-    if (panels && n_total % PANEL != 0) return -1;
+    if (panels && (n_total % PANEL != 0 || wide)) return -1;
     const int groups = k / BLOCK;
     const size_t padded = (size_t)((groups + 7) & ~7);
-    const size_t row_bytes = q8 ? (size_t)groups * 32 + 2 * padded : (size_t)groups * 16 + 4 * padded;
+    const size_t row_bytes = wide ? (size_t)groups * (q8 ? 32 : 16) + 8 * padded
+                             : q8 ? (size_t)groups * 32 + 2 * padded
+                                  : (size_t)groups * 16 + 4 * padded;
     if (panels) {
         prepared_x p;
         if (prepare(x, rows, k, gated, gamma, eps, &p) != 0) return -1;
@@ -1328,7 +1387,8 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
         return 0;
     }
 #ifdef KVF_AMX
-    if (may_tile && amx_gemv(x, rows, k, w, n_total, out, q8, gated, gamma, eps, accumulate, row_bytes) == 0) {
+    if (may_tile && !wide &&
+        amx_gemv(x, rows, k, w, n_total, out, q8, gated, gamma, eps, accumulate, row_bytes) == 0) {
         if (job != NULL) {
             lora_input(job, x, gated, gamma, eps);
             lora_run(job);
@@ -1356,7 +1416,8 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
 #pragma omp for schedule(static) nowait
         for (int i = 0; i < quads; ++i) {
             const int n = 4 * i, count = n_total - n < 4 ? n_total - n : 4;
-            if (!no_memory) row_blocks(&p, rows, k, groups, w, row_bytes, out, n, n_total, count, q8);
+            if (!no_memory)
+                row_blocks(&p, rows, k, groups, w, row_bytes, out, n, n_total, count, q8, wide);
         }
         if (job != NULL) lora_products(job);
     }
@@ -1364,8 +1425,8 @@ static int gemv(const float *x, int rows, int k, const uint8_t *w, int n_total, 
 #else
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < n_total; ++n) {
-        if (q8) row_q8(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
-        else row_q4(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total);
+        if (q8) row_q8(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total, wide);
+        else row_q4(&p, rows, k, groups, w + (size_t)n * row_bytes, out, n, n_total, wide);
     }
     if (job != NULL) lora_run(job);
 #endif

@@ -119,6 +119,101 @@ def from_q5_0(data: np.ndarray, rows: int) -> Int4Codes:
     return _int8_codes(q.to(torch.int32), _f16(b, 0), rows)
 
 
+_QK_K = 256  # elements of a K-quant super-block
+_Q4_K_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles
+_Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d
+
+
+@dataclass(frozen=True, slots=True)
+class KBlocks:
+    """A GGUF K-quant tensor's own codes with float32 sub-block scales. Each sub-block's
+    scale (and minimum) is the super-block's fp16 scale times its 6-bit (Q4_K) or int8 (Q6_K)
+    integer, a float32 product without rounding (11 + 8 significant bits), so the codes and
+    scales are the file's, exactly:
+
+    - 4-bit (Q4_K): ``w = scale[n, g] * q + minimum[n, g]``, q in [0, 15], g = k // 32;
+    - 8-bit (Q6_K): ``w = scale[n, h] * q``, q in [-32, 31], h = k // 16, minimum None.
+    """
+
+    codes: torch.Tensor  # [N, K] int32
+    scale: torch.Tensor  # [N, K / 32] (4-bit) or [N, K / 16] (8-bit) float32
+    minimum: torch.Tensor | None  # [N, K / 32] float32 (4-bit), None (8-bit)
+
+    @property
+    def eight_bit(self) -> bool:
+        return self.minimum is None
+
+    @property
+    def sub(self) -> int:
+        """Elements per scale."""
+        return 16 if self.eight_bit else GROUP
+
+    def rows(self, order: torch.Tensor) -> KBlocks:
+        """The same weights with output rows taken in ``order``."""
+        minimum = None if self.minimum is None else self.minimum[order]
+        return KBlocks(self.codes[order], self.scale[order], minimum)
+
+    def exact(self) -> torch.Tensor:
+        """The dense ``[N, K]`` weights in float64, each exactly ``scale * q + minimum``."""
+        n, k = self.codes.shape
+        w = self.codes.double().view(n, -1, self.sub) * self.scale.double()[..., None]
+        if self.minimum is not None:
+            w = w + self.minimum.double()[..., None]
+        return w.view(n, k)
+
+
+def concat_k(parts: list[KBlocks]) -> KBlocks | None:
+    """Several K-quant weights' output rows stacked, or None where their kinds differ."""
+    if len({p.eight_bit for p in parts}) != 1 or len({p.codes.shape[1] for p in parts}) != 1:
+        return None
+    minima = [p.minimum for p in parts if p.minimum is not None]
+    return KBlocks(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        torch.cat(minima) if minima else None,
+    )
+
+
+def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+
+
+def from_q4_k(data: np.ndarray, rows: int) -> KBlocks:
+    """Q4_K: per super-block of 256, 8 sub-blocks of 32 with a 6-bit scale and minimum
+    (packed 12 bytes: the first four of each in the low six bits of bytes 0-3 and 4-7, the
+    last four in bytes 8-11's nibbles with their top two bits in those bytes' top bits);
+    chunk c's 32 bytes hold sub-block 2c in their low nibbles and 2c + 1 in their high."""
+    b = np.ascontiguousarray(data).reshape(-1, _Q4_K_BYTES)
+    d, dmin = _halves(b, 0), _halves(b, 2)
+    sc_bytes = b[:, 4:16].reshape(-1, 3, 4)
+    lo, mid, top = sc_bytes[:, 0], sc_bytes[:, 1], sc_bytes[:, 2]
+    sc = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, -1).astype(np.int32)
+    scale = (d * sc.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin * mn.astype(np.float32)).reshape(rows, -1)
+    return KBlocks(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+
+def from_q6_k(data: np.ndarray, rows: int) -> KBlocks:
+    """Q6_K: per super-block of 256, 16 sub-blocks of 16 with an int8 scale; a value's low
+    four bits in ``ql`` (each 128-element half: 64 bytes, low nibbles then high), its top two
+    in ``qh`` (32 bytes a half, four 2-bit fields a byte), q - 32."""
+    b = np.ascontiguousarray(data).reshape(-1, _Q6_K_BYTES)
+    low = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+        1, 1, 4, 1
+    )
+    ql, qh = (low & 0x0F).reshape(-1, 8, 32), (high & 0x03).reshape(-1, 8, 32)
+    q = (ql | (qh << 4)).astype(np.int32) - 32
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)
+    scale = _halves(b, 208) * sc
+    return KBlocks(
+        torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)), None
+    )
+
+
 def quantize_int4(w: torch.Tensor) -> Int4Codes:
     """Asymmetric 4-bit, groups of 32 (min/max per group): lossy, for weights stored wider."""
     n, k = w.shape

@@ -26,9 +26,12 @@ from service.model.loader import resolve_precision
 from service.model.quant import (
     Int4Codes,
     Int4Linear,
+    KBlocks,
     from_q4_0,
     from_q4_1,
+    from_q4_k,
     from_q5_0,
+    from_q6_k,
     from_q8_0,
     quantize_int4,
 )
@@ -269,6 +272,77 @@ def test_a_non_finite_input_never_gives_a_finite_output() -> None:
         x[1, 40] = float("inf")
         out = lin(x)
         assert torch.equal(out[0], alone[0]) and not out[1].isfinite().any()
+
+
+def _k_quant(kind: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    """Random, valid ggml K-quant blocks of ``kind`` for an [n, k] tensor (k of 256s)."""
+    rng = np.random.default_rng(seed)
+    blocks = n * k // 256
+
+    def halves(lo: float, hi: float) -> np.ndarray:
+        return rng.uniform(lo, hi, (blocks, 1)).astype(np.float16).view(np.uint8)
+
+    def raw(width: int) -> np.ndarray:
+        return rng.integers(0, 256, (blocks, width)).astype(np.uint8)
+
+    if kind == GGMLQuantizationType.Q4_K:  # d, dmin, 12 bytes of scales and minimums, 128 of q
+        parts = [halves(0.0005, 0.004), halves(0.0005, 0.004), raw(12), raw(128)]
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d
+        parts = [raw(128), raw(64), raw(16), halves(0.0002, 0.002)]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+K_UNPACK = {GGMLQuantizationType.Q4_K: from_q4_k, GGMLQuantizationType.Q6_K: from_q6_k}
+
+
+def _k_bound(x: torch.Tensor, blocks: KBlocks, reference: torch.Tensor) -> torch.Tensor:
+    """:func:`_bound` for K-quant blocks: x's int16 rounding per block of 32 times the
+    block's sum of |scale * q| (the minimums multiply exact x sums), plus float32 rounding."""
+    n, k = blocks.codes.shape
+    xb = x.abs().double().view(x.shape[0], -1, 32)
+    half_step = xb.amax(dim=-1) / 32767 / 2
+    scaled = blocks.codes.double().view(n, -1, blocks.sub) * blocks.scale.double()[..., None]
+    dq = scaled.abs().view(n, k // 32, 32).sum(dim=-1)
+    return half_step @ dq.T + 1e-5 * (x.abs().double() @ reference.abs().double().T)
+
+
+@pytest.mark.parametrize("kind", list(K_UNPACK), ids=lambda k: k.name)
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_kernel_reproduces_the_files_k_quant_weights(
+    kind: GGMLQuantizationType, portable: bool, tmp_path: Path
+) -> None:
+    """Q4_K and Q6_K are served from their own codes with float32 sub-block scales (the
+    wide layouts): the codes and scales are the file's exactly, the identity reads every
+    weight back, a product stays within the input's int16 rounding, and a row's result does
+    not depend on its batch."""
+    n, k = 37, 512
+    data = _k_quant(kind, n, k, int(kind))
+    blocks = K_UNPACK[kind](data, n)
+    reference = torch.from_numpy(dequantize(data, kind).reshape(n, k).astype(np.float32))
+    assert torch.equal(blocks.exact().float(), reference)
+    kernel = _portable(tmp_path) if portable else _kernel()
+    lin = native_gemv.Q4Linear.pack_k(blocks, kernel)
+    assert lin.wide and lin.q8 == (kind == GGMLQuantizationType.Q6_K)
+    assert lin.in_panels() is lin and not lin.tiles
+    assert lin.blocks.shape == (n, native_gemv.row_bytes(k, lin.q8, wide=True))
+    exact = blocks.exact()
+    for start in range(0, k, 128):
+        eye = torch.eye(k)[start : start + 128]
+        want = exact[:, start : start + 128].T
+        assert (lin(eye).double() - want).abs().max().item() <= 1e-6 * exact.abs().max().item()
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+    bound = _k_bound(x, blocks, reference)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(9)])
+    for m in (1, 2, 4, 5, 9):
+        got = lin(x[:m])
+        assert ((got.double() - x[:m].double() @ exact.T).abs() <= bound[:m]).all()
+        assert torch.equal(got, alone[:m])
+    # the fused norm and gate read the same weights
+    gamma = torch.rand(k) + 0.5
+    normed = torch.nn.functional.rms_norm(x, (k,), gamma, 1e-5)
+    # (the kernel's norm and torch's round the normed input apart by float32 ulps)
+    off = (lin.normed(x, gamma, 1e-5).double() - normed.double() @ exact.T).abs()
+    assert (off <= 2 * _k_bound(normed, blocks, reference)).all()
 
 
 def test_q8_0_codes_are_read_as_int8_blocks() -> None:

@@ -100,14 +100,14 @@ def test_default_model_codes_match_its_dequantized_tensors(default_model_path: P
         "model.layers.0.self_attn.k_proj.weight",
         "model.layers.3.mlp.down_proj.weight",
     ):
-        codes = ckpt.int4_codes(name)
+        codes = ckpt.file_blocks(name)
         assert codes is not None
         assert torch.equal(codes.dequantize(), ckpt.get(name))
-    embed = ckpt.int4_codes("model.embed_tokens.weight")  # Q8_0: the tied output projection
+    embed = ckpt.file_blocks("model.embed_tokens.weight")  # Q8_0: the tied output projection
     assert embed is not None and embed.repeat == 2
     rows = torch.arange(0, 49152, 97)
     assert torch.equal(embed.rows(rows).dequantize(), ckpt.get("model.embed_tokens.weight")[rows])
-    assert ckpt.int4_codes("model.layers.0.input_layernorm.weight") is None  # F32: no blocks
+    assert ckpt.file_blocks("model.layers.0.input_layernorm.weight") is None  # F32: no blocks
 
 
 def test_auto_resolves_to_the_files_blocks_only_where_a_fast_kernel_exists(

@@ -214,6 +214,14 @@ MUTANTS = (
         tests="tests/model/test_family_stack.py",
     ),
     mutant(
+        "k-quant-one-scale-a-block",
+        "a Q6_K block's codes 16-31 take their own sub-block's scale in the GEMV",
+        edit("service/model/q4_gemv.c",
+             "            if (wide) scales8(dh + 4 * (size_t)padded, xs, groups, step[4 + i], 1);",
+             "            if (wide) scales8(dh, xs, groups, step[4 + i], 1);"),
+        tests="tests/model/test_native_gemv.py::test_kernel_reproduces_the_files_k_quant_weights",
+    ),
+    mutant(
         "q4-gamma-copy-alive",
         "a strided norm weight's contiguous copy outlives the 4-bit GEMV call",
         edit("service/model/native_gemv.py",
