@@ -186,9 +186,7 @@ class Q4Kernel:
             or (gamma is not None and (gamma.dtype != torch.float32 or gamma.shape != (k,)))
             or (
                 into is not None
-                and (
-                    into.dtype != torch.float32 or into.shape != (m, n) or not into.is_contiguous()
-                )
+                and (into.dtype != torch.float32 or into.shape != (m, n) or not into.is_contiguous())
             )
             or (rope is not None and (into is not None or not rope.takes(table, m, n)))
         ):
@@ -256,14 +254,8 @@ class MlpBlock:
         self._gamma = gamma  # kept alive for the pointer
         self._weights = (o.blocks, gate_up.blocks, down.blocks)
         self._args = (
-            o.blocks.data_ptr(),
-            o.flags,
-            gamma.data_ptr(),
-            eps,
-            gate_up.blocks.data_ptr(),
-            gate_up.flags,
-            down.blocks.data_ptr(),
-            down.flags,
+            o.blocks.data_ptr(), o.flags, gamma.data_ptr(), eps,
+            gate_up.blocks.data_ptr(), gate_up.flags, down.blocks.data_ptr(), down.flags,
         )
 
     def __call__(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -285,21 +277,8 @@ class MlpBlock:
         h = torch.empty(m, 2 * self._inter)
         o, o_q8, gamma, eps, gate_up, gate_up_q8, down, down_q8 = self._args
         if self._fn(
-            x.data_ptr(),
-            attn.data_ptr(),
-            h.data_ptr(),
-            m,
-            self._hidden,
-            self._q_size,
-            self._inter,
-            o,
-            o_q8,
-            gamma,
-            eps,
-            gate_up,
-            gate_up_q8,
-            down,
-            down_q8,
+            x.data_ptr(), attn.data_ptr(), h.data_ptr(), m, self._hidden, self._q_size,
+            self._inter, o, o_q8, gamma, eps, gate_up, gate_up_q8, down, down_q8,
         ):
             raise ValueError("the 4-bit GEMV kernel refused its shapes")
         return x
@@ -378,7 +357,9 @@ def q8_blocks(w: Int4Codes) -> torch.Tensor | None:
     k, groups = kr // 2, kr // 2 // GROUP
     hi_scale, d = w.scale[:, :groups], w.scale[:, groups:]
     hi_zero, lo_zero = w.zero[:, :groups], w.zero[:, groups:]
-    if not (torch.equal(hi_scale, 16 * d) and not hi_zero.any() and torch.equal(lo_zero, 8 * d)):
+    if not (
+        torch.equal(hi_scale, 16 * d) and not hi_zero.any() and torch.equal(lo_zero, 8 * d)
+    ):
         return None
     d16 = d.to(torch.float16)
     if not torch.equal(d16.float(), d):
@@ -779,16 +760,10 @@ class DecoderStack:
         self._table = torch.tensor(
             [
                 [
-                    layer.qkv.blocks.data_ptr(),
-                    layer.qkv.flags,
-                    layer.attn_norm.data_ptr(),
-                    layer.o.blocks.data_ptr(),
-                    layer.o.flags,
-                    layer.mlp_norm.data_ptr(),
-                    layer.gate_up.blocks.data_ptr(),
-                    layer.gate_up.flags,
-                    layer.down.blocks.data_ptr(),
-                    layer.down.flags,
+                    layer.qkv.blocks.data_ptr(), layer.qkv.flags, layer.attn_norm.data_ptr(),
+                    layer.o.blocks.data_ptr(), layer.o.flags, layer.mlp_norm.data_ptr(),
+                    layer.gate_up.blocks.data_ptr(), layer.gate_up.flags,
+                    layer.down.blocks.data_ptr(), layer.down.flags,
                 ]
                 for layer in layers
             ],
