@@ -3,7 +3,7 @@
 64 prompts x 128 random tokens; output lengths ~ Exponential(mean 64), capped at 256 (>= 1).
 Both run at most MAX_BATCH sequences at a time. Continuous = the kvfence engine (a finished
 sequence's slot is refilled at the next step). Static = fixed batches in request order, each
-run to its longest member: a bare greedy loop over `LlamaModel.forward` with the paged KV
+run to its longest member: a bare greedy loop over `DecoderModel.forward` with the paged KV
 cache, where finished rows keep decoding until the batch ends (as padded static batching does),
 and a request completes when its batch does. The two modes are timed RUNS times, interleaved;
 every figure is the median [min–max] of the runs, and the speedup is paired run by run.

@@ -66,7 +66,7 @@ SECTIONS: tuple[Section, ...] = (
         title="model: the decoder and its loader (`service/model/`)",
         intro=(
             "Between `service/model/` and its callers (the engine, the service and its "
-            "startup). Every family computes on the one decoder, `LlamaModel`, described by "
+            "startup). Every family computes on the one decoder, `DecoderModel`, described by "
             "`ModelConfig` and nothing else; the engine calls only its `forward`. Models are "
             "read through `open_model` (header and tokenizer, no weights) and `load_model`, "
             "which refuse a bad file with one `ModelLoadError` line."
@@ -74,7 +74,7 @@ SECTIONS: tuple[Section, ...] = (
         symbols=(
             "service.model:ModelConfig",
             "service.model:RopeScaling",
-            "service.model:LlamaModel",
+            "service.model:DecoderModel",
             "service.model:LoadedModel",
             "service.model:ModelFile",
             "service.model:open_model",

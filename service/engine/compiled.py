@@ -52,7 +52,7 @@ from kvcache.graph_step import FusedDecodeAttention
 from kvcache.pool import PagePool
 from service.engine.core import EngineCore
 from service.engine.cuda_graphs import DecodeGraphs, Forward
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +71,7 @@ def cxx_compiler() -> str | None:
     return None
 
 
-def unavailable_reason(model: LlamaModel, pool: PagePool) -> str | None:
+def unavailable_reason(model: DecoderModel, pool: PagePool) -> str | None:
     """Why the compiled decode path cannot run for this model, or None if it can."""
     if model.device.type != "cpu":
         return f"it runs on CPU (device is {model.device})"
@@ -91,7 +91,7 @@ def unavailable_reason(model: LlamaModel, pool: PagePool) -> str | None:
     return None
 
 
-def decode_buckets(model: LlamaModel, max_num_seqs: int) -> tuple[int, ...]:
+def decode_buckets(model: DecoderModel, max_num_seqs: int) -> tuple[int, ...]:
     """The decode batch sizes that get a compiled forward: 1, 2, 4 up to the largest batch
     the packed GEMVs serve and ``max_num_seqs``."""
     top = min(model.max_packed_rows, max_num_seqs)
@@ -151,7 +151,7 @@ def compile_recorder(forward: Forward) -> tuple[Callable[[], None], torch.Tensor
     return replay, out
 
 
-def attach(core: EngineCore, model: LlamaModel, mode: str) -> DecodeGraphs | None:
+def attach(core: EngineCore, model: DecoderModel, mode: str) -> DecodeGraphs | None:
     """Give ``core`` compiled decode forwards per ``mode`` (auto | on | off); returns them,
     or None when ``mode`` is off or (``auto``) the path cannot run here. Call before any
     request: the compiles write dummy K/V to page 0 and zero it again."""

@@ -54,7 +54,7 @@ from service.engine.types import (
     TenantSchedPolicy,
     TokenLogprob,
 )
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 from service.structured.grammar import GrammarMatcher
 
 log = structlog.get_logger(__name__)
@@ -113,7 +113,7 @@ class EngineCore:
     @classmethod
     def for_model(
         cls,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: TokenizerLike,
         cache: KVCacheManager,
         config: EngineConfig,

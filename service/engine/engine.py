@@ -43,7 +43,7 @@ from service.engine.types import (
     TenantSchedPolicy,
 )
 from service.engine.warmup import WarmupProgress, run_warmup
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 
 if TYPE_CHECKING:
     from service.engine.hooks import EngineHooks
@@ -69,7 +69,7 @@ class Engine:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: TokenizerLike,
         cache: KVCacheManager,
         config: EngineConfig,

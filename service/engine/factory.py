@@ -21,13 +21,13 @@ from service.engine.core import EngineCore
 from service.engine.engine import Engine
 from service.engine.hooks import CoreHooks, EngineHooks
 from service.engine.types import EngineConfig
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 from service.model.loader import LoadedModel
 from service.model.threads import on_fresh_thread
 
 
 def build_cache(
-    model: LlamaModel,
+    model: DecoderModel,
     cache_config: CacheConfig,
     *,
     kv_pages: int | None = None,

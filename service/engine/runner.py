@@ -24,7 +24,7 @@ from service.model.lora_stack import LoraStacks
 
 
 class ForwardModel(Protocol):
-    """What the runner needs of ``service.model.LlamaModel``."""
+    """What the runner needs of ``service.model.DecoderModel``."""
 
     def __call__(
         self,

@@ -3,7 +3,7 @@ the fused native forms the packed 4-bit GEMV offers, picked once at load.
 
 Every family computes on these. A feature the fused forms cannot compute (a bias between
 two fused steps) turns that fusion off for the model; the layer loop in
-:class:`~service.model.llama.LlamaModel` then runs the plain form, and the load says so in
+:class:`~service.model.decoder.DecoderModel` then runs the plain form, and the load says so in
 a debug log.
 """
 
@@ -29,7 +29,7 @@ from service.model.native_gemv import (
 from service.model.packed import Linear, PackedLinears
 
 if TYPE_CHECKING:
-    from service.model.llama import LlamaModel
+    from service.model.decoder import DecoderModel
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +104,7 @@ def dense(weight: torch.Tensor, compute: torch.dtype) -> Linear:
     return functools.partial(_cast, linear=linear, dtype=weight.dtype)
 
 
-def layers(model: LlamaModel, packed: PackedLinears | None) -> tuple[Layer, ...]:
+def layers(model: DecoderModel, packed: PackedLinears | None) -> tuple[Layer, ...]:
     """Per-layer views and callables; ``packed`` entries replace the dense ones they cover."""
 
     none: tuple[Linear | None, ...] = (None,) * model.config.num_layers
@@ -212,7 +212,7 @@ def _gated_into(
     return None
 
 
-def stack(model: LlamaModel, packed: PackedLinears | None) -> DecoderStack | None:
+def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | None:
     """Every layer as one native call (:class:`DecoderStack`), where each layer's qkv, o,
     gate/up and down are the fusing packed GEMV: every family's layer (biases, q/k norms,
     sandwich norms, GeGLU, a RoPE base per layer, windows and softcaps through kvcache's

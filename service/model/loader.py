@@ -16,10 +16,10 @@ import torch
 
 from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
+from service.model.decoder import DecoderModel
 from service.model.families.base import refuse_unused
 from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
-from service.model.llama import LlamaModel
 from service.model.load_error import ModelLoadError
 from service.model.model_config import ModelConfig
 from service.model.packed import resolve_weights
@@ -36,7 +36,7 @@ _GGUF_MAGIC = b"GGUF"
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     name: str
@@ -44,7 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "bf16"  # resolved --weights mode: bf16 (dense only), file, int4 or int8
     dense_dtype: torch.dtype | None = None  # the dense projections' dtype where not ``dtype``
-    batch_invariant: bool = False  # resolved --batch-invariant (LlamaModel.batch_invariant)
+    batch_invariant: bool = False  # resolved --batch-invariant (DecoderModel.batch_invariant)
 
     @property
     def dense_weights_dtype(self) -> torch.dtype:
@@ -187,8 +187,8 @@ def load_model(
         raise ModelLoadError(f"{p}: {e}") from None
     factors = checkpoint.rope_freq_factors if isinstance(checkpoint, GGUFCheckpoint) else None
 
-    def build(invariant: bool) -> LlamaModel:
-        return LlamaModel(
+    def build(invariant: bool) -> DecoderModel:
+        return DecoderModel(
             checkpoint.config, built, rope_freq_factors=factors, batch_invariant=invariant
         ).eval()
 

@@ -1,7 +1,7 @@
 """The shape of a decoder, independent of the family and file format it came from.
 
 Every registered family (:mod:`service.model.families`) turns its checkpoint's config into
-one :class:`ModelConfig`; the shared decoder (:mod:`service.model.llama`) computes with
+one :class:`ModelConfig`; the shared decoder (:mod:`service.model.decoder`) computes with
 exactly these fields and nothing else.
 """
 

@@ -42,7 +42,7 @@ _loaded: dict[str, Q4Kernel | None] = {}
 class Rope:
     """RoPE for the first ``heads`` heads of ``dim`` columns of each output row (a fused qkv
     projection's q and k heads), from a ``table`` ``[M, 2, dim]`` float32 given with each
-    call: each row's cos, and its sin with the first half negated (``LlamaModel.rope`` at
+    call: each row's cos, and its sin with the first half negated (``DecoderModel.rope`` at
     the rows' positions)."""
 
     heads: int

@@ -1,5 +1,5 @@
 """Turn a checkpoint's per-tensor weights (HF names) into the fused, stacked layout
-:class:`~service.model.llama.LlamaModel` runs on."""
+:class:`~service.model.decoder.DecoderModel` runs on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.model.llama import DecoderWeights
+from service.model.decoder import DecoderWeights
 from service.model.load_error import ModelLoadError
 from service.model.model_config import ModelConfig
 from service.model.packed import CodesGetter, build_packed

@@ -26,8 +26,8 @@ from service.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from service.model import LlamaModel, LoadedModel, ModelConfig, Tokenizer
-from service.model.llama import DecoderWeights
+from service.model import DecoderModel, LoadedModel, ModelConfig, Tokenizer
+from service.model.decoder import DecoderWeights
 from tests.fixtures.tiny_models import write_tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -74,7 +74,7 @@ def tiny_llama(directory: Path, seed: int = 0, std: float = 0.15) -> LoadedModel
         gate_up=rand(layers, 2 * i, h),
         down=rand(layers, h, i),
     )
-    model = LlamaModel(config, weights)
+    model = DecoderModel(config, weights)
     return LoadedModel(model, tokenizer, None, "tiny", directory, torch.float32)
 
 

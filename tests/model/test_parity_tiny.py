@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from service.model import load_model
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 from tests.fixtures.oracles import Tiny, tiny_oracles, weights_of
 from tests.fixtures.tiny_gguf import write_gguf_from_hf
 from tests.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3
@@ -69,7 +69,7 @@ def test_llama3_rope_scaling_changes_logits(tiny: dict[str, Tiny]) -> None:
     """Guards the parity test above: without the scaling the logits would be different."""
     _, ours, _ = tiny["llama3_rope"]
     m = ours.model
-    unscaled = LlamaModel(dataclasses.replace(m.config, rope_scaling=None), weights_of(m))
+    unscaled = DecoderModel(dataclasses.replace(m.config, rope_scaling=None), weights_of(m))
     ids = ours.tokenizer.encode(TEXTS[1])
     diff = (parity.logits_ours(m, ids) - parity.logits_ours(unscaled, ids)).abs().max().item()
     assert diff > 1e-2

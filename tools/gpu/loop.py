@@ -14,7 +14,7 @@ import torch
 from kvcache import KVCacheManager, StepAttention, StepEntry, UnknownSequence
 from service.engine.cuda_graphs import DecodeGraphs
 from service.engine.runner import BatchInputs, ModelRunner
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 
 TENANT = "gpu-check"
 
@@ -68,7 +68,7 @@ def _fenced(cache: KVCacheManager, entries: list[StepEntry]) -> StepAttention:
 
 
 def generate(
-    model: LlamaModel,
+    model: DecoderModel,
     cache: KVCacheManager,
     prompts: Sequence[Sequence[int]],
     new_tokens: int,

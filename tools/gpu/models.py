@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from service.model.llama import DecoderWeights, LlamaModel
+from service.model.decoder import DecoderModel, DecoderWeights
 from service.model.model_config import ModelConfig
 from tests.fixtures.tiny_models import write_tiny_tokenizer
 
@@ -94,7 +94,7 @@ def model_config(shape: Shape, max_positions: int) -> ModelConfig:
 
 def random_llama(
     shape: Shape, max_positions: int, dtype: torch.dtype, device: torch.device, seed: int = 0
-) -> LlamaModel:
+) -> DecoderModel:
     """A Llama decoder with random weights generated on ``device`` (no file, no host copy)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     s = shape
@@ -119,10 +119,10 @@ def random_llama(
         gate_up=rand(s.layers, 2 * s.intermediate, s.hidden),
         down=rand(s.layers, s.hidden, s.intermediate),
     )
-    return LlamaModel(model_config(shape, max_positions), weights).eval()
+    return DecoderModel(model_config(shape, max_positions), weights).eval()
 
 
-def hf_twin(model: LlamaModel) -> Any:
+def hf_twin(model: DecoderModel) -> Any:
     """transformers ``LlamaForCausalLM`` whose parameters are views of ``model``'s weights."""
     import transformers
 

@@ -11,7 +11,7 @@ from kvcache.backends import AttentionBackend, TorchBackend
 from kvcache.backends.flashinfer_backend import FlashInferBackend, HeadShape
 from kvcache.graph_step import graph_kernels
 from service.engine.cuda_graphs import DecodeGraphs, cuda_available, cuda_recorder, eager_recorder
-from service.model.llama import LlamaModel
+from service.model.decoder import DecoderModel
 
 SECRET = b"gpu-check-secret-0123456789abcdef"
 
@@ -34,7 +34,7 @@ def make_backend(
 
 
 def make_cache(
-    model: LlamaModel, backend_name: str, page_size: int, num_pages: int
+    model: DecoderModel, backend_name: str, page_size: int, num_pages: int
 ) -> tuple[KVCacheManager, AttentionBackend]:
     c = model.config
     backend = make_backend(
@@ -50,7 +50,7 @@ def make_cache(
 
 
 def make_graphs(
-    model: LlamaModel,
+    model: DecoderModel,
     cache: KVCacheManager,
     backend: AttentionBackend,
     buckets: Sequence[int],

@@ -30,7 +30,7 @@ MUTANTS = (
     mutant(
         "o-bias-dropped",
         "an attention output bias in the checkpoint is applied",
-        edit("service/model/llama.py", "            if layer.o_bias is not None:\n                x.add_(layer.o_bias)",
+        edit("service/model/decoder.py", "            if layer.o_bias is not None:\n                x.add_(layer.o_bias)",
              "            if layer.o_bias is not None:\n                pass"),
         tests=f"{T_STRICT}::test_attention_bias_applies_the_o_proj_bias_and_matches_transformers",
     ),

@@ -29,7 +29,7 @@ MUTANTS = (
     mutant(
         "gemma-output-norms-skipped",
         "Gemma normalises the attention and MLP outputs before each residual add",
-        edit("service/model/llama.py",
+        edit("service/model/decoder.py",
              "        x.add_(m if post is None else F.rms_norm(m, hidden, post[i, 1], eps))",
              "        x.add_(m)"),
         tests=f"{T_FAM}::test_each_family_matches_transformers_shorter_and_longer_than_the_window",

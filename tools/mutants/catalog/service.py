@@ -232,7 +232,7 @@ MUTANTS = (
     mutant(
         "batch-invariant-packs-ignored",
         "a batch-invariant model runs every projection on the GEMV with the tile unit off",
-        edit("service/model/llama.py",
+        edit("service/model/decoder.py",
              "self.packed = invariant_packs(weights.packed) if batch_invariant else weights.packed",
              "self.packed = weights.packed"),
         tests="tests/model/test_native_gemv.py::test_the_invariant_model_turns_the_tile_unit_off_for_weights_left_out_of_panels",

@@ -75,7 +75,7 @@ def _optional(t: torch.Tensor | None) -> torch.nn.Parameter | None:
     return None if t is None else _param(t)
 
 
-class LlamaModel(torch.nn.Module):
+class DecoderModel(torch.nn.Module):
     """Decoder-only transformer over a flattened batch of tokens."""
 
     rope: torch.Tensor  # [max_positions, 2, head_dim] cos / signed sin, set in __init__
