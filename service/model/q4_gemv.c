@@ -1942,6 +1942,15 @@ static void rms_scale(float *v, int dim, const float *gamma, float eps) {
     for (int j = 0; j < dim; ++j) v[j] = v[j] * inv * gamma[j];
 }
 
+/* x [rows, width] += each row of a RMS-normalized and scaled by gamma (a is overwritten). */
+static void add_normed(float *x, float *a, int rows, int width, const float *gamma, float eps) {
+    for (int r = 0; r < rows; ++r) {
+        float *ar = a + (size_t)r * width, *xr = x + (size_t)r * width;
+        rms_scale(ar, width, gamma, eps);
+        for (int j = 0; j < width; ++j) xr[j] += ar[j];
+    }
+}
+
 /* kvf_mlp's three products, with what the layer's ``block`` row (B_COLUMNS, or NULL for
  * none) adds: the o, gate_up and down biases, each added to its product, and the post-norms
  * (x += rms_norm(product) instead of x += product; the product made in a [rows, hidden]);
@@ -1962,16 +1971,12 @@ static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int 
     const float *down_bias = block == NULL ? NULL : float_at(block[B_DOWN_BIAS]);
     const float *post_attn = block == NULL ? NULL : float_at(block[B_POST_ATTN]);
     const float *post_mlp = block == NULL ? NULL : float_at(block[B_POST_MLP]);
-    const size_t width = (size_t)hidden;
     float *o_out = post_attn == NULL ? x : a;
     if (gemv(attn, rows, q_size, o, hidden, o_out, o_q8, GATE_NONE, NULL, 0.0f, post_attn == NULL,
              NULL, 0, 0, lora_for(&job, lo, attn, v, rows, q_size, hidden, NULL, o_out, u, span)) != 0)
         return -1;
     if (o_bias != NULL) add_bias(o_out, rows, hidden, o_bias);
-    for (int r = 0; post_attn != NULL && r < rows; ++r) {
-        rms_scale(a + r * width, hidden, post_attn, eps);
-        for (size_t j = 0; j < width; ++j) x[r * width + j] += a[r * width + j];
-    }
+    if (post_attn != NULL) add_normed(x, a, rows, hidden, post_attn, eps);
     if (gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, GATE_NONE, gamma, eps, 0, NULL, 0,
              0, lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)
         return -1;
@@ -1981,10 +1986,7 @@ static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int 
              NULL, 0, 0, lora_for(&job, ldown, NULL, v, rows, inter, hidden, NULL, down_out, u, span)) != 0)
         return -1;
     if (down_bias != NULL) add_bias(down_out, rows, hidden, down_bias);
-    for (int r = 0; post_mlp != NULL && r < rows; ++r) {
-        rms_scale(a + r * width, hidden, post_mlp, eps);
-        for (size_t j = 0; j < width; ++j) x[r * width + j] += a[r * width + j];
-    }
+    if (post_mlp != NULL) add_normed(x, a, rows, hidden, post_mlp, eps);
     return 0;
 }
 

@@ -6,7 +6,7 @@ rounding; experts (dense) keep the layer loop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,11 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvcache.attention import NativeAttend
 from service.model import load_model, native_gemv
 from tests.fixtures import tiny_families as tf
 from tests.model.test_families_gemma_moe import CHECKPOINTS
-from tests.model.test_native_gemv import _add_greedy, _small_core
+from tests.model.test_native_gemv import _add_greedy, _small_core, _spied_stack
 
 WRITERS: dict[str, Callable[[Path], Path]] = {
     "qwen2_windowed": tf.write_qwen2_windowed,  # qkv bias, a sliding layer
@@ -63,21 +62,7 @@ def _decode(lm: Any, stack: Any) -> list[Out]:
 
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_each_family_decodes_through_the_stack_as_the_layer_loop(name: str, tmp_path: Path) -> None:
-    path = WRITERS[name](tmp_path / name)
-    lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
-    stack = lm.model.stack
-    assert isinstance(stack, native_gemv.DecoderStack), name
-    rows: list[int] = []
-
-    def spy(
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        attend: NativeAttend,
-        lora: Mapping[str, native_gemv.StackDelta] | None = None,
-    ) -> torch.Tensor:
-        rows.append(x.shape[0])
-        return stack(x, rope, attend, lora)
-
+    lm, stack, rows, spy = _spied_stack(WRITERS[name](tmp_path / name), "int4")
     try:
         loop = _decode(lm, None)
         assert not rows

@@ -503,13 +503,13 @@ def test_fused_mlp_call_equals_its_three_calls() -> None:
 
 
 def _spied_stack(
-    path: Path,
+    path: Path, weights: str = "auto"
 ) -> tuple[Any, native_gemv.DecoderStack, list[int], Callable[..., torch.Tensor]]:
-    """The float32 ``auto`` model, its decoder stack, and a spy on it recording each call's
-    rows into the returned list: ``(loaded, stack, batches, spy)``. Batch-variant
-    (``batch_invariant="off"``): the layer loop it is compared with then attends prefill
-    tokens as the stack does for decode-sized steps only."""
-    lm = load_model(path, dtype="float32", weights="auto", progress=False, batch_invariant="off")
+    """The float32 model (``weights`` as ``--weights``), its decoder stack, and a spy on it
+    recording each call's rows into the returned list: ``(loaded, stack, batches, spy)``.
+    Batch-variant (``batch_invariant="off"``): the layer loop it is compared with then
+    attends prefill tokens as the stack does for decode-sized steps only."""
+    lm = load_model(path, dtype="float32", weights=weights, progress=False, batch_invariant="off")
     stack = lm.model.stack
     assert isinstance(stack, native_gemv.DecoderStack)
     batches: list[int] = []

@@ -201,8 +201,8 @@ MUTANTS = (
         "stack-family-post-norms",
         "Gemma's output norms run in the native decoder stack before each residual add",
         edit("service/model/q4_gemv.c",
-             "        rms_scale(a + r * width, hidden, post_mlp, eps);",
-             "        (void)post_mlp;"),
+             "    if (post_mlp != NULL) add_normed(x, a, rows, hidden, post_mlp, eps);",
+             "    if (post_mlp != NULL) add_bias(x, rows, hidden, a);"),
         tests="tests/model/test_family_stack.py",
     ),
     mutant(
