@@ -572,12 +572,33 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+/* Weight rows of at most this many blocks go through the one-row loops one weight row at a
+ * time (W = 1) rather than four together: the same arithmetic per output, so the same bits.
+ * NOTE: measured on a 2-core EPYC with AVX-512 (the AVX2 build, KVFENCE_KERNEL_ISA=avx2), one
+ * input row, random weights, 2 threads: Q8_0 262144x640 (Gemma 3's head) 11.5 against 18.8
+ * ms, 49152x576 2.8 against 3.8; Q4_1 262144x640 5.6 against 11.7, 49152x576 0.93 against
+ * 1.45-2.0; at 2048 columns mixed (Q8_0 0.54 against 0.72 ms, Q4_1 0.55 against 0.50), and
+ * at 10240 four together win (Q8_0 9.0 against 11.5 ms, Q4_1 7.7 against 9.7). Four short
+ * rows read at once cost more than their shared input loads save. Building with
+ * -DROW_ALONE_GROUPS=0 (KVFENCE_KERNEL_CFLAGS) restores four together, for measuring. */
+#ifndef ROW_ALONE_GROUPS
+#define ROW_ALONE_GROUPS 48
+#endif
+
 /* Output rows n .. n + count - 1 of the weights at w (8-bit with q8) for every row of x:
  * whole tiles of TILE rows, then the rest one row at a time (the faster loop for one). Wide
  * weights (K-quants) run every row on the one-row loops. */
 static void row_blocks(const prepared_x *p, int rows, int k, int groups, const uint8_t *w,
                        size_t row_bytes, float *out, int n, int n_total, int count, int q8,
                        int wide) {
+    const int alone = groups <= ROW_ALONE_GROUPS;
+    if (wide && alone) {
+        for (int e = 0; e < count; ++e) {
+            if (q8) rows_q8(p, 0, rows, k, groups, w, row_bytes, out, n + e, n_total, 1, 1);
+            else rows_q4(p, 0, rows, k, groups, w, row_bytes, out, n + e, n_total, 1, 1);
+        }
+        return;
+    }
     if (wide) {
         switch (count * 2 + q8) {
         case 8: rows_q4(p, 0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 1); break;
@@ -602,6 +623,13 @@ static void row_blocks(const prepared_x *p, int rows, int k, int groups, const u
         }
     }
     if (r0 == rows) return;
+    if (alone) {
+        for (int e = 0; e < count; ++e) {
+            if (q8) rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n + e, n_total, 1, 0);
+            else rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n + e, n_total, 1, 0);
+        }
+        return;
+    }
     switch (count * 2 + q8) {
     case 8: rows_q4(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 0); break;
     case 9: rows_q8(p, r0, rows, k, groups, w, row_bytes, out, n, n_total, 4, 0); break;
