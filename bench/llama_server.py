@@ -27,7 +27,7 @@ from pathlib import Path
 from service.model.default import kvfence_home
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER, BATCHED_BENCH = "llama-server", "llama-batched-bench"
+SERVER, BATCHED_BENCH, LLAMA_BENCH = "llama-server", "llama-batched-bench", "llama-bench"
 # Per request: llama-server refuses a prompt + max_tokens beyond a slot's context.
 SLOT_CONTEXT = 512
 # What every request carries besides the load generator's own fields.
@@ -49,15 +49,18 @@ def pinned_version(pyproject: Path = ROOT / "pyproject.toml") -> str:
     raise ValueError(f"{pyproject}: the bench extra does not pin llama-cpp-python with ==")
 
 
-def peer_root(version: str | None = None) -> Path:
+def peer_root(version: str | None = None, tier: str = "native") -> Path:
     """Where ``make peers`` puts one version's source, build tree and binaries: beside the
     models, in kvfence's user cache (``$KVFENCE_HOME``, else ``$XDG_CACHE_HOME/kvfence``, else
-    ``~/.cache/kvfence``), so every checkout on the machine shares one build."""
-    return kvfence_home() / "llama.cpp" / (version or pinned_version())
+    ``~/.cache/kvfence``), so every checkout on the machine shares one build. The native
+    build is the version's folder; another kernel tier's (bench.llamacpp_flags.tiers) is a
+    folder of that name inside it."""
+    root = kvfence_home() / "llama.cpp" / (version or pinned_version())
+    return root if tier == "native" else root / tier
 
 
-def binary(name: str) -> Path:
-    path = peer_root() / "bin" / name
+def binary(name: str, tier: str = "native") -> Path:
+    path = peer_root(tier=tier) / "bin" / name
     if not os.access(path, os.X_OK):
         raise PeerMissing(f"{path} is not built: run `make peers`")
     return path
@@ -70,15 +73,17 @@ class ServerConfig:
     slots: int
     ubatch: int = 512
     threads: int = 1
+    tier: str = "native"  # whose build runs (bench.llamacpp_flags.tiers)
 
     @property
     def label(self) -> str:
-        return f"llama-server np={self.slots} ub={self.ubatch}"
+        built = "" if self.tier == "native" else f" ({self.tier} build)"
+        return f"llama-server np={self.slots} ub={self.ubatch}{built}"
 
     def args(self, gguf: Path, port: int) -> list[str]:
         # -c is the whole KV cache, split between the slots; -b >= -ub, as llama.cpp requires.
         return [
-            str(binary(SERVER)), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            str(binary(SERVER, self.tier)), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(self.slots), "-c", str(self.slots * SLOT_CONTEXT),
             "-b", str(max(2048, self.ubatch)), "-ub", str(self.ubatch),
             "-t", str(self.threads), "-tb", str(self.threads), "--no-webui",
@@ -142,6 +147,7 @@ def sweep(
     threads: int,
     measure: Callable[[ServerConfig], float],
     errors: dict[str, str],
+    tier: str = "native",
 ) -> tuple[ServerConfig | None, dict[str, float]]:
     """The fastest configuration by ``measure`` (output tok/s) and every label's figure: each
     slot count at the default physical batch, then the other ``ubatches`` at the best count.
@@ -158,10 +164,10 @@ def sweep(
               flush=True)
 
     for n in slots:
-        one(ServerConfig(n, threads=threads))
+        one(ServerConfig(n, threads=threads, tier=tier))
     if scores and ubatches:
         best_slots = max(scores, key=lambda c: scores[c]).slots
         for ub in ubatches:
-            one(ServerConfig(best_slots, ub, threads))
+            one(ServerConfig(best_slots, ub, threads, tier))
     best = max(scores, key=lambda c: scores[c]) if scores else None
     return best, {c.label: v for c, v in scores.items()}

@@ -31,6 +31,7 @@ from bench import (
     prefix,
     shared_prefix,
     single_stream,
+    tiers,
 )
 from bench.common import results_dir
 from bench.summary import SUITE_ORDER, write_summary
@@ -48,6 +49,7 @@ SUITES: dict[str, Callable[[bool], dict[str, Any]]] = {
     "shared_prefix": shared_prefix.run,
     "isolation_cost": isolation_cost.run,
     "lora": lora.run,
+    "tiers": tiers.run,
 }
 assert tuple(SUITES) == SUITE_ORDER
 

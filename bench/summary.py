@@ -23,6 +23,7 @@ SUITE_ORDER = (
     "shared_prefix",
     "isolation_cost",
     "lora",
+    "tiers",
 )
 
 

@@ -62,6 +62,12 @@ SUITES = {
     "lora": "rank-16 random LoRA adapters on all seven projections: 16 streams over 4 adapters "
     "vs 16 base streams (total tok/s), 1 stream with an adapter vs the base (decode tok/s); "
     "3 interleaved runs after a warm-up",
+    "tiers": "each kernel tier of the CPU (native, and `KVFENCE_KERNEL_ISA=avx2` where the CPU "
+    "has more) on SmolLM2-135M Q4_1 and gemma-3-270m Q4_K_M over gRPC, against llama.cpp "
+    "built for the same instruction sets: decode (5 requests of 32 + 128 tokens, one at a "
+    "time) vs `llama-bench` tg128, TTFT of a 512-token prompt vs pp512, the offline 64 "
+    "requests vs the tier's `llama-server` at its swept best, and each decode figure's "
+    "fraction of the measured memory read roofline; 3 interleaved runs",
 }
 
 HEAD = """# Benchmarks
@@ -85,7 +91,9 @@ speeds): compare the ratios measured within one run.
   that the llama-cpp-python sdist pinned in `pyproject.toml` vendors, in Release, statically
   linked, with the CPU flags `python -m bench.llamacpp_flags` prints (on CPUs with AMX, ggml's
   AMX backend is left out: it crashes on this model's first multi-token batch), into
-  `~/.cache/kvfence/llama.cpp/<version>/bin/`. The server runs with `-np <slots>`, a context
+  `~/.cache/kvfence/llama.cpp/<version>/bin/`; where the CPU has more than AVX2, a second
+  build for AVX, AVX2, FMA, F16C and BMI2 only (the peer of kvfence's `avx2` tier, suite
+  `tiers`) goes to `<version>/avx2/bin/`, with `llama-bench`. The server runs with `-np <slots>`, a context
   of 512 tokens per slot, continuous batching (its default), `-b 2048 -ub <ubatch>` and all
   the suite's server threads; every request sends `cache_prompt: false`, as kvfence's runs
   bypass its prefix cache. It is driven by the same client as kvfence's HTTP front

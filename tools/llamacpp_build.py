@@ -1,6 +1,7 @@
-"""Builds the llama.cpp peers, ``llama-server`` and ``llama-batched-bench``: ``make peers``.
+"""Builds the llama.cpp peers, ``llama-server``, ``llama-batched-bench`` and ``llama-bench``,
+once per kernel tier of this CPU: ``make peers``.
 
-    python -m tools.llamacpp_build [--jobs N]
+    python -m tools.llamacpp_build [--jobs N] [--tier native|avx2 ...]
 
 The source is the llama.cpp tree vendored by the llama-cpp-python sdist at the version the
 ``bench`` extra pins (``pip download --no-binary :all: --no-deps``), so the peers are the same
@@ -8,7 +9,9 @@ llama.cpp the extra installs, built with the same CPU flags (bench/llamacpp_flag
 Release and statically linked. The binaries land in kvfence's user cache,
 ``~/.cache/kvfence/llama.cpp/<version>/bin/`` (bench.llama_server.peer_root), with a
 ``build.json`` naming the version and flags; a second call with the same pin and flags finds
-them and builds nothing.
+them and builds nothing. Where the CPU has more than AVX2, a second build for AVX2 only
+(bench.llamacpp_flags.tier_args: the peer of ``KVFENCE_KERNEL_ISA=avx2``) lands in
+``<version>/avx2/bin/`` from the same source.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import sys
 import tarfile
 from pathlib import Path
 
-from bench.llama_server import BATCHED_BENCH, SERVER, peer_root, pinned_version
-from bench.llamacpp_flags import cmake_args, cpu_flags
+from bench.llama_server import BATCHED_BENCH, LLAMA_BENCH, SERVER, peer_root, pinned_version
+from bench.llamacpp_flags import this_cpu, tier_args, tiers
 
-TARGETS = (SERVER, BATCHED_BENCH)
+TARGETS = (SERVER, BATCHED_BENCH, LLAMA_BENCH)
 BASE_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -83,24 +86,30 @@ def build(root: Path, tree: Path, cpu_args: str, jobs: int) -> None:
         shutil.copy2(out / "bin" / target, root / "bin" / target)
 
 
+def build_tier(version: str, tier: str, cpu_args: str, jobs: int) -> None:
+    """One tier's peers, unless its stamp says they are built with these flags."""
+    stamp = wanted(version, cpu_args)
+    root = peer_root(version, tier)
+    if up_to_date(root, stamp):
+        print(f"kvfence: llama.cpp peers ({tier}) up to date in {root / 'bin'}")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    build(root, vendored_source(peer_root(version), version), cpu_args, jobs)
+    (root / "build.json").write_text(json.dumps(stamp, indent=1) + "\n")
+    print(f"kvfence: built {', '.join(TARGETS)} ({tier}) into {root / 'bin'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.llamacpp_build", description=__doc__)
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    flags = this_cpu()
+    have = tiers(flags)
+    parser.add_argument("--tier", action="append", choices=have,
+                        help=f"build only this tier's peers (repeatable; default: {', '.join(have)})")
     args = parser.parse_args(argv)
     version = pinned_version()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    cpu_args = cmake_args(cpu_flags(info))
-    stamp = wanted(version, cpu_args)
-    root = peer_root(version)
-    if up_to_date(root, stamp):
-        print(f"kvfence: llama.cpp peers up to date in {root / 'bin'}")
-        return 0
-    build(root, vendored_source(root, version), cpu_args, args.jobs)
-    (root / "build.json").write_text(json.dumps(stamp, indent=1) + "\n")
-    print(f"kvfence: built {', '.join(TARGETS)} into {root / 'bin'}")
+    for tier in args.tier or have:
+        build_tier(version, tier, tier_args(tier, flags), args.jobs)
     return 0
 
 

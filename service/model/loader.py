@@ -14,6 +14,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from kvcache import native_build
 from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
 from service.model.decoder import DecoderModel
@@ -65,6 +66,17 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def tier_has_bf16() -> bool:
+    """Whether this process computes in bf16 where the CPU has it: not under a forced lower
+    kernel tier (``KVFENCE_KERNEL_ISA=avx2`` or ``portable``), which stands for a CPU without
+    AVX-512, where the dense weights are float32 as they would be on that CPU."""
+    try:
+        forced = native_build.march() != "native"
+    except native_build.KernelBuildError:
+        forced = False  # the kernels refuse the value and say so; the CPU decides here
+    return not forced and cpu_has_bf16()
+
+
 def resolve_precision(
     dtype: str, device: str, weights: str = "auto"
 ) -> tuple[torch.dtype, torch.dtype]:
@@ -89,7 +101,7 @@ def resolve_precision(
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     if device.startswith("cuda"):
         return torch.bfloat16, torch.bfloat16
-    if not cpu_has_bf16():
+    if not tier_has_bf16():
         return torch.float32, torch.float32
     if weights in ("auto", "int4") and native_gemv.kernel() is not None:
         return torch.float32, torch.bfloat16

@@ -11,7 +11,7 @@ import pytest
 from bench import llama_server
 from bench.llama_server import ServerConfig, pinned_version, sweep
 from bench.offline_llama import parse_batched
-from tools.llamacpp_build import up_to_date, wanted
+from tools.llamacpp_build import TARGETS, up_to_date, wanted
 
 
 def test_the_pin_is_read_from_the_bench_extra(tmp_path: Path) -> None:
@@ -31,14 +31,28 @@ def test_the_repository_pins_the_version_make_peers_builds() -> None:
 def test_the_server_gets_a_context_per_slot_and_its_batch_sizes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(llama_server, "binary", lambda name: tmp_path / name)
+    monkeypatch.setattr(llama_server, "binary", lambda name, tier: tmp_path / tier / name)
     args = ServerConfig(slots=8, ubatch=256, threads=2).args(Path("m.gguf"), 9000)
     flags = dict(zip(args[1::2], args[2::2], strict=False))
-    assert args[0] == str(tmp_path / "llama-server")
+    assert args[0] == str(tmp_path / "native" / "llama-server")
+    avx2 = ServerConfig(slots=8, threads=2, tier="avx2")
+    assert avx2.args(Path("m.gguf"), 9000)[0] == str(tmp_path / "avx2" / "llama-server")
+    assert avx2.label == "llama-server np=8 ub=512 (avx2 build)"
     assert flags["-np"] == "8" and flags["-c"] == str(8 * llama_server.SLOT_CONTEXT)
     assert (flags["-b"], flags["-ub"], flags["-t"], flags["-tb"]) == ("2048", "256", "2", "2")
     assert flags["--port"] == "9000" and flags["-m"] == "m.gguf"
     assert ServerConfig(1, 4096).args(Path("m"), 1)[11:15] == ["-b", "4096", "-ub", "4096"]
+
+
+def test_each_tier_has_its_own_build_folder_inside_the_versions(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KVFENCE_HOME", str(tmp_path))
+    native = llama_server.peer_root("0.3.36")
+    assert native == tmp_path / "llama.cpp" / "0.3.36"
+    assert llama_server.peer_root("0.3.36", "avx2") == native / "avx2"
+    with pytest.raises(llama_server.PeerMissing, match="make peers"):
+        llama_server.binary(llama_server.LLAMA_BENCH, "avx2")
 
 
 def test_the_sweep_tries_batches_at_the_best_slot_count_and_keeps_failures_out() -> None:
@@ -72,7 +86,7 @@ def test_a_build_is_redone_when_its_flags_or_binaries_change(tmp_path: Path) -> 
     stamp = wanted("0.3.36", "-DGGML_NATIVE=ON")
     assert not up_to_date(tmp_path, stamp)
     (tmp_path / "bin").mkdir()
-    for name in ("llama-server", "llama-batched-bench"):
+    for name in TARGETS:
         (tmp_path / "bin" / name).write_bytes(b"")
     (tmp_path / "build.json").write_text(json.dumps(stamp))
     assert up_to_date(tmp_path, stamp)

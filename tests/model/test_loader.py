@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.model import load_model
-from service.model.loader import cpu_has_bf16, resolve_dtype
+from service.model.loader import cpu_has_bf16, resolve_dtype, tier_has_bf16
 from tests.fixtures.tiny_models import write_tiny_qwen2
 
 
@@ -21,13 +21,27 @@ def test_cpu_bf16_detection_reads_flags(tmp_path: Path) -> None:
     assert not cpu_has_bf16(tmp_path / "absent")
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_a_forced_lower_tier_computes_as_a_cpu_without_bf16(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: True)
+    monkeypatch.setenv("KVFENCE_KERNEL_ISA", "native")
+    assert tier_has_bf16()
+    monkeypatch.setenv("KVFENCE_KERNEL_ISA", isa)
+    assert not tier_has_bf16()
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setenv("KVFENCE_KERNEL_ISA", "sse9")  # refused by the kernels, not here
+    assert tier_has_bf16()
+
+
 def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_dtype("float32", "cuda") == torch.float32
     assert resolve_dtype("float16", "cpu") == torch.float16
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
-    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: False)
+    monkeypatch.setattr("service.model.loader.tier_has_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") == torch.float32
-    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("service.model.loader.tier_has_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu", "bf16") == torch.bfloat16
     # 4-bit decode weights: float32 compute through kvfence's GEMV where it builds
     monkeypatch.setattr("service.model.native_gemv.kernel", lambda: None)

@@ -713,7 +713,7 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
 def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense_bf16(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("service.model.loader.tier_has_bf16", lambda: True)
     assert resolve_precision("auto", "cpu", "auto") == (torch.float32, torch.bfloat16)
     assert resolve_precision("auto", "cpu", "int4") == (torch.float32, torch.bfloat16)
     # no 4-bit decode weights, an explicit dtype, or no kernel: one dtype throughout
@@ -765,7 +765,7 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
 def test_auto_on_a_bf16_cpu_without_the_kernel_computes_bf16(
     default_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("service.model.loader.cpu_has_bf16", lambda: True)
+    monkeypatch.setattr("service.model.loader.tier_has_bf16", lambda: True)
     monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
     assert resolve_precision("auto", "cpu", "auto") == (torch.bfloat16, torch.bfloat16)
     lm = load_model(default_model_path, weights="auto", progress=False)
