@@ -30,6 +30,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -224,6 +225,31 @@ def load(source: Path, stem: str, wrap: Callable[[ctypes.CDLL], K]) -> K | None:
         return None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path) -> bytes:
+    """``source`` and every file it includes with quotes, recursively (each once, in the
+    order first reached, its path beside its bytes): what a build's key covers, so a change
+    to any header the kernel is built from builds it again."""
+    seen: list[Path] = []
+
+    def visit(path: Path) -> None:
+        path = path.resolve()
+        if path in seen:
+            return
+        seen.append(path)
+        for name in _LOCAL_INCLUDE.findall(path.read_bytes()):
+            visit(path.parent / name.decode())
+
+    visit(source)
+    root = source.resolve().parent
+    return b"".join(
+        str(p.relative_to(root) if p.is_relative_to(root) else p).encode() + b"\0" + p.read_bytes()
+        for p in seen
+    )
+
+
 class _Build:
     """One kernel's cache entry: ``<stem>-<key>.so`` and its ``.sha256`` beside it."""
 
@@ -234,7 +260,7 @@ class _Build:
             [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
         ).stdout
         built_by = "\n".join([version, *FLAGS, *self.extra, self.arch, _cpu_flags()])
-        key = hashlib.sha256(source.read_bytes() + built_by.encode()).hexdigest()[:16]
+        key = hashlib.sha256(source_bytes(source) + built_by.encode()).hexdigest()[:16]
         self.name = f"{stem}-{key}.so"
 
     def load(self, wrap: Callable[[ctypes.CDLL], K]) -> K:

@@ -316,3 +316,20 @@ def test_a_truncated_decode_kernel_is_rebuilt_and_attends(
     assert again is not None and torch.equal(again.run(q, layer, *plan), want)
     assert entry.read_bytes() == whole
     assert [e["event"] for e in logs] == ["native_kernel_rebuilt"]
+
+
+def test_a_change_to_an_included_file_builds_the_kernel_again(
+    env: Path, tmp_path: Path
+) -> None:
+    src = tmp_path / "src"
+    (src / "parts").mkdir()
+    (src / "parts" / "answer.h").write_text('#include "../value.h"\n')
+    (src / "value.h").write_text("#define ANSWER 42\n")
+    (src / "probe.c").write_text('#include "parts/answer.h"\nint probe(void) { return ANSWER; }\n')
+    first = _load(tmp_path)
+    assert first is not None and first.value == 42
+    (src / "value.h").write_text("#define ANSWER 43\n")  # two includes down
+    second = _load(tmp_path)
+    assert second is not None and second.value == 43
+    assert len(list((env / "kernels").glob("probe-*.so"))) == 2
+    assert b"value.h\0#define ANSWER 43" in native_build.source_bytes(src / "probe.c")
