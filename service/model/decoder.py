@@ -21,7 +21,7 @@ from service.model.invariance import invariant_packs
 from service.model.layers import Layer, dense, layers, normed, stack
 from service.model.lora_batch import LoraBatch, lora_qkv, lora_rest
 from service.model.model_config import ModelConfig
-from service.model.moe import Activation, MoeRouting, moe_mlp
+from service.model.moe import Activation, MoeRouting, experts_mlp
 from service.model.native_gemv import StackDelta
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import attention_factor, cos_sin_table, inv_freq
@@ -359,9 +359,9 @@ class DecoderModel(torch.nn.Module):
         act = _ACTIVATIONS[c.activation]
         if self.routing is not None:
             assert self.router is not None
-            assert self.experts_gate_up is not None and self.experts_down is not None
-            m = moe_mlp(
-                h, self.router[i], self.experts_gate_up[i], self.experts_down[i], self.routing, act
+            # the experts' packs on decode-sized batches, as the dense MLP's (Layer)
+            m = experts_mlp(
+                h, self.router[i], layer.experts_gate_up, layer.experts_down, self.routing, act
             )
         else:
             gate_up = layer.gate_up(h)

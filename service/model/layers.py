@@ -24,9 +24,10 @@ from service.model.native_gemv import (
     MlpBlock,
     Q4Linear,
     Rope,
+    StackExperts,
     StackLayer,
 )
-from service.model.packed import Linear, PackedLinears
+from service.model.packed import Experts, Linear, PackedLinears
 
 if TYPE_CHECKING:
     from service.model.decoder import DecoderModel
@@ -58,6 +59,9 @@ class Layer:
     gated_down_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # (attn, x): everything from o to the down projection's residual add in one call
     mlp_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # A mixture-of-experts layer's experts' projections (dense or packed), one per expert
+    experts_gate_up: Experts = ()
+    experts_down: Experts = ()
 
 
 # Any batch size works with a packed weight; the hint only picks oneDNN's blocking.
@@ -130,6 +134,19 @@ def layers(model: DecoderModel, packed: PackedLinears | None) -> tuple[Layer, ..
     def bias(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
         return None if t is None else t[i]
 
+    def experts(weights: torch.Tensor | None, packs: tuple[Experts | None, ...], i: int) -> Experts:
+        small = packs[i] if packs else None
+        if small is not None:
+            return small
+        # dense experts as moe_mlp runs them (F.linear, no prepacked copy of every expert)
+        return (
+            ()
+            if weights is None
+            else tuple(functools.partial(F.linear, weight=w) for w in weights[i])
+        )
+
+    egu, edown = ((), ()) if packed is None else (packed.experts_gate_up, packed.experts_down)
+
     # The one-call block runs o to the down projection's residual add with nothing between:
     # a bias on any of them is added between those steps, so the block is off.
     block = model.o_bias is None and model.gate_up_bias is None
@@ -154,6 +171,8 @@ def layers(model: DecoderModel, packed: PackedLinears | None) -> tuple[Layer, ..
             o_bias=bias(model.o_bias, i),
             gate_up_bias=bias(model.gate_up_bias, i),
             down_bias=bias(model.down_bias, i),
+            experts_gate_up=experts(model.experts_gate_up, egu, i),
+            experts_down=experts(model.experts_down, edown, i),
         )
         for i in range(model.config.num_layers)
     )
@@ -214,9 +233,9 @@ def _gated_into(
 
 def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | None:
     """Every layer as one native call (:class:`DecoderStack`), where each layer's qkv, o,
-    gate/up and down are the fusing packed GEMV: every family's layer (biases, q/k norms,
-    sandwich norms, GeGLU, a RoPE base per layer, windows and softcaps through kvcache's
-    attention); experts (their MLPs run dense) keep the layer loop."""
+    gate/up and down (or each of its experts' gate/up and down) are the fusing packed GEMV:
+    every family's layer (biases, q/k norms, sandwich norms, GeGLU, a RoPE base per layer,
+    experts with their float32 router, windows and softcaps through kvcache's attention)."""
     c = model.config
     if (
         packed is None
@@ -224,9 +243,8 @@ def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | N
         or model.attn_norm.dtype != torch.float32
     ):
         return None
-    if c.num_experts or c.activation not in STACK_GATES:
-        # NOTE: experts are dense (service.model.moe): the layer loop runs them.
-        log.debug("native_stack_off", arch=c.arch, because="experts or an unknown gate")
+    if c.activation not in STACK_GATES:
+        log.debug("native_stack_off", arch=c.arch, because="an unknown gate")
         return None
 
     def row(t: torch.Tensor | None, *at: int) -> torch.Tensor | None:
@@ -235,17 +253,25 @@ def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | N
     post = model.post_norms
     layers = []
     for i in range(c.num_layers):
-        qkv, o, gate_up, down = packed.qkv[i], packed.o[i], packed.gate_up[i], packed.down[i]
+        qkv, o = packed.qkv[i], packed.o[i]
+        experts = _stack_experts(model, packed, i)
+        gate_up, down = packed.gate_up[i], packed.down[i]
         if not (
             isinstance(qkv, Q4Linear)
             and isinstance(o, Q4Linear)
-            and isinstance(gate_up, Q4Linear)
-            and isinstance(down, Q4Linear)
             and qkv.fuses
             and o.fuses
-            and gate_up.fuses
-            and down.fuses
+            and (
+                experts is not None
+                or (
+                    isinstance(gate_up, Q4Linear)
+                    and isinstance(down, Q4Linear)
+                    and gate_up.fuses
+                    and down.fuses
+                )
+            )
         ):
+            log.debug("native_stack_off", arch=c.arch, because="a projection off the 4-bit GEMV")
             return None
         layers.append(
             StackLayer(
@@ -253,8 +279,8 @@ def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | N
                 qkv,
                 o,
                 model.mlp_norm[i].detach(),
-                gate_up,
-                down,
+                gate_up if experts is None and isinstance(gate_up, Q4Linear) else None,
+                down if experts is None and isinstance(down, Q4Linear) else None,
                 qkv_bias=row(model.qkv_bias, i),
                 qk_norm=row(model.qk_norm, i),
                 rope_table=model.layer_rope_table(i),
@@ -263,6 +289,7 @@ def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | N
                 down_bias=row(model.down_bias, i),
                 post_attn_norm=row(post, i, 0),
                 post_mlp_norm=row(post, i, 1),
+                experts=experts,
             )
         )
     return DecoderStack(
@@ -273,4 +300,28 @@ def stack(model: DecoderModel, packed: PackedLinears | None) -> DecoderStack | N
         c.rms_norm_eps,
         c.activation,
         c.query_scale,
+    )
+
+
+def _stack_experts(model: DecoderModel, packed: PackedLinears, i: int) -> StackExperts | None:
+    """Layer ``i``'s experts for the native stack: its float32 router and every expert's
+    packs on the fusing 4-bit GEMV; None where the layer has no experts or they are not so
+    packed."""
+    routing, router = model.routing, model.router
+    if routing is None or router is None or not packed.experts_gate_up:
+        return None
+    gate_up, down = packed.experts_gate_up[i], packed.experts_down[i]
+    if (
+        gate_up is None
+        or down is None
+        or router.dtype != torch.float32
+        or not all(isinstance(lin, Q4Linear) and lin.fuses for lin in (*gate_up, *down))
+    ):
+        return None
+    return StackExperts(
+        router[i].detach().contiguous(),
+        tuple(lin for lin in gate_up if isinstance(lin, Q4Linear)),
+        tuple(lin for lin in down if isinstance(lin, Q4Linear)),
+        routing.top_k,
+        routing.normalize_top_k,
     )

@@ -7,18 +7,21 @@ router logit, the ``top_k`` largest probabilities, then, where the family says s
 Experts run grouped: the ``(token, slot)`` assignments are sorted by expert, so each expert's
 tokens are one contiguous block and every expert that has any runs one gated-MLP matmul on
 its block. The Python loop is over experts (a few dozen), never over tokens; the weighted
-outputs go back to their tokens with one ``index_add_``.
+outputs go back to their tokens with one ``index_add_``, so each token's expert outputs add
+in expert order (the native decoder stack adds them in the same order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+Projection = Callable[[torch.Tensor], torch.Tensor]  # x -> x @ w.T, dense or packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,26 @@ def moe_mlp(
 
     ``router``: ``[E, H]``; ``gate_up``: ``[E, 2I, H]`` (gate rows, then up rows);
     ``down``: ``[E, H, I]``. Returns ``[T, H]`` in ``x``'s dtype."""
+    return experts_mlp(
+        x,
+        router,
+        [functools.partial(F.linear, weight=w) for w in gate_up],
+        [functools.partial(F.linear, weight=w) for w in down],
+        routing,
+        act,
+    )
+
+
+def experts_mlp(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: Sequence[Projection],
+    down: Sequence[Projection],
+    routing: MoeRouting,
+    act: Activation,
+) -> torch.Tensor:
+    """:func:`moe_mlp` with each expert's projections as callables (``gate_up[e]``,
+    ``down[e]``): dense, or the packed ones decode-sized batches run."""
     weights, experts = route(F.linear(x, router), routing)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -68,8 +91,8 @@ def moe_mlp(
     for e, n in enumerate(counts):
         if n:
             rows = grouped[start : start + n]
-            gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            parts.append(F.linear(act(gate) * up, down[e]))
+            gate, up = gate_up[e](rows).chunk(2, dim=-1)
+            parts.append(down[e](act(gate) * up))
         start += n
     if not parts:
         return out

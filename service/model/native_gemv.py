@@ -128,6 +128,7 @@ class Q4Kernel:
         self.stack_columns = int(lib.kvf_stack_columns())
         self.stack_block_columns = int(lib.kvf_stack_block_columns())
         self.stack_lora_columns = int(lib.kvf_stack_lora_columns())
+        self.stack_max_experts = int(lib.kvf_stack_max_experts())
         self.max_rows = int(lib.kvf_q4_max_rows())
         self.max_k = int(lib.kvf_q4_max_k())
         self.simd = bool(lib.kvf_q4_simd())
@@ -286,6 +287,33 @@ class MlpBlock:
 
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _weight(lin: Q4Linear | None) -> tuple[int, int]:
+    """A weight's (blocks pointer, flags) in the stack's table; (0, 0) for none."""
+    return (0, 0) if lin is None else (lin.blocks.data_ptr(), lin.flags)
+
+
+def _check_mlp(layer: StackLayer, eps: float) -> None:
+    """Raises ValueError where ``layer``'s MLP is not one the native decoder stack takes:
+    :class:`MlpBlock`'s projections, or experts (:class:`StackExperts`, checked as built)
+    with no dense MLP and no MLP biases beside them."""
+    if layer.experts is None:
+        if layer.gate_up is None or layer.down is None:
+            raise ValueError("a layer without an MLP")
+        MlpBlock(layer.o, layer.mlp_norm, eps, layer.gate_up, layer.down)  # its checks
+        return
+    if not (
+        layer.gate_up is None
+        and layer.down is None
+        and layer.gate_up_bias is None
+        and layer.down_bias is None
+        and layer.o.fuses
+        and layer.experts.gate_up[0].kernel is layer.o.kernel
+        and layer.experts.gate_up[0].k == layer.o.blocks.shape[0]
+    ):
+        raise ValueError("experts beside a dense MLP or its biases")
+    layer.experts.gate_up[0]._check_norm(layer.mlp_norm)
 
 
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -640,20 +668,81 @@ STACK_GATES = {"silu": 1, "gelu_tanh": 2}
 
 
 @dataclass(frozen=True, slots=True)
+class StackExperts:
+    """A layer's mixture-of-experts MLP for :class:`DecoderStack`, in place of its dense one:
+    each row's float32 router logits (``router`` ``[experts, hidden]``), their softmax, the
+    ``top_k`` largest (ties to the lower expert), renormalised to sum to one with
+    ``normalize`` (:func:`service.model.moe.route`), then each picked expert's gated MLP
+    (``gate_up[e]`` ``[2 inter, hidden]``, ``down[e]`` ``[hidden, inter]``) weighted and
+    summed in expert order before the residual add. Each row is routed and computed on its
+    own, so its arithmetic does not depend on the rows beside it."""
+
+    router: torch.Tensor  # [experts, hidden] float32
+    gate_up: tuple[Q4Linear, ...]
+    down: tuple[Q4Linear, ...]
+    top_k: int
+    normalize: bool
+    # [experts, 4] int64: each expert's gate_up and down pointers and flags (E_* in
+    # q4_gemv.c), set in __post_init__
+    table: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        count = len(self.gate_up)
+        first = self.gate_up[0] if count else None
+        if not (
+            first is not None
+            and len(self.down) == count
+            and 0 < self.top_k <= count <= first.kernel.stack_max_experts
+            and self.router.dtype == torch.float32
+            and self.router.shape == (count, first.k)
+            and self.router.is_contiguous()
+            and self.router.is_cpu
+            and all(
+                g.fuses
+                and d.fuses
+                and g.kernel is d.kernel is first.kernel
+                and g.k == first.k
+                and g.blocks.shape[0] == 2 * d.k == 2 * self.down[0].k
+                and d.blocks.shape[0] == first.k
+                for g, d in zip(self.gate_up, self.down, strict=True)
+            )
+        ):
+            raise ValueError("experts the native decoder stack does not take")
+        rows = [
+            [g.blocks.data_ptr(), g.flags, d.blocks.data_ptr(), d.flags]
+            for g, d in zip(self.gate_up, self.down, strict=True)
+        ]
+        object.__setattr__(self, "table", torch.tensor(rows, dtype=torch.int64))
+
+    @property
+    def inter(self) -> int:
+        """Each expert's intermediate width."""
+        return self.down[0].k
+
+    def columns(self) -> list[int]:
+        """The C block table's expert columns (B_ROUTER to B_NORM_TOP_K in q4_gemv.c)."""
+        return [
+            self.router.data_ptr(), self.table.data_ptr(), len(self.gate_up), self.top_k,
+            int(self.normalize),
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class StackLayer:
     """One decoder layer's packed projections and norm weights for :class:`DecoderStack`,
     with the pieces a family's layer has beyond the plain Llama layer (None: it has none;
     every tensor float32): the qkv, o, gate_up and down biases, the q/k head norms
     (``[q heads + kv heads, head_dim]``, after the qkv bias, before RoPE), the norms of the
-    attention and MLP outputs before their residual adds (Gemma's sandwich norms), and which
-    of the step's RoPE tables turns its q and k heads."""
+    attention and MLP outputs before their residual adds (Gemma's sandwich norms), which
+    of the step's RoPE tables turns its q and k heads, and ``experts`` where its MLP is a
+    mixture of experts (then ``gate_up`` and ``down`` are None)."""
 
     attn_norm: torch.Tensor  # [hidden] float32
     qkv: Q4Linear  # [q + 2 kv, hidden]
     o: Q4Linear  # [hidden, q]
     mlp_norm: torch.Tensor  # [hidden] float32
-    gate_up: Q4Linear  # [2 inter, hidden]
-    down: Q4Linear  # [hidden, inter]
+    gate_up: Q4Linear | None  # [2 inter, hidden]; None with experts
+    down: Q4Linear | None  # [hidden, inter]; None with experts
     qkv_bias: torch.Tensor | None = None  # [q + 2 kv]
     qk_norm: torch.Tensor | None = None  # [q heads + kv heads, head_dim]
     rope_table: int = 0
@@ -662,6 +751,15 @@ class StackLayer:
     down_bias: torch.Tensor | None = None  # [hidden]
     post_attn_norm: torch.Tensor | None = None  # [hidden]
     post_mlp_norm: torch.Tensor | None = None  # [hidden]
+    experts: StackExperts | None = None
+
+    @property
+    def inter(self) -> int:
+        """The MLP's intermediate width (each expert's, with experts)."""
+        if self.experts is not None:
+            return self.experts.inter
+        assert self.down is not None
+        return self.down.k
 
     def extras(self) -> tuple[torch.Tensor | None, ...]:
         """The optional tensors in the C block table's order (B_* in q4_gemv.c, B_ROPE
@@ -696,13 +794,13 @@ class DecoderStack:
         first = layers[0]
         kernel = first.qkv.kernel
         hidden, q_size = first.qkv.k, q_heads * head_dim
-        inter = first.down.k
+        inter = first.inter
         n_qkv = q_size + 2 * kv_heads * head_dim
         if activation not in STACK_GATES:
             raise ValueError(f"the native decoder stack has no {activation!r} gate")
         tables = 1 + max(layer.rope_table for layer in layers)
         for layer in layers:
-            MlpBlock(layer.o, layer.mlp_norm, eps, layer.gate_up, layer.down)  # its checks
+            _check_mlp(layer, eps)
             layer.qkv._check_norm(layer.attn_norm)
             shapes = (
                 (n_qkv,), (q_heads + kv_heads, head_dim), (hidden,), (2 * inter,), (hidden,),
@@ -714,7 +812,7 @@ class DecoderStack:
                 and layer.qkv.blocks.shape[0] == n_qkv
                 and layer.o.k == q_size
                 and layer.o.blocks.shape[0] == hidden
-                and layer.down.k == inter
+                and layer.inter == inter
                 and layer.rope_table >= 0
                 and all(
                     t is None
@@ -738,7 +836,11 @@ class DecoderStack:
         self._rope_tables = tables
         # Per layer, the block table (B_* in q4_gemv.c); None where every layer is the plain
         # Llama layer (no column set), which the C code then runs without one.
-        plain = all(t is None for layer in layers for t in layer.extras()) and tables == 1
+        plain = (
+            all(t is None for layer in layers for t in layer.extras())
+            and tables == 1
+            and all(layer.experts is None for layer in layers)
+        )
         self._blocks = None if plain else torch.tensor(
             [
                 [
@@ -746,6 +848,7 @@ class DecoderStack:
                     _pointer(layer.o_bias), _pointer(layer.gate_up_bias),
                     _pointer(layer.down_bias), _pointer(layer.post_attn_norm),
                     _pointer(layer.post_mlp_norm),
+                    *(layer.experts.columns() if layer.experts else [0] * 5),
                 ]
                 for layer in layers
             ],
@@ -762,8 +865,7 @@ class DecoderStack:
                 [
                     layer.qkv.blocks.data_ptr(), layer.qkv.flags, layer.attn_norm.data_ptr(),
                     layer.o.blocks.data_ptr(), layer.o.flags, layer.mlp_norm.data_ptr(),
-                    layer.gate_up.blocks.data_ptr(), layer.gate_up.flags,
-                    layer.down.blocks.data_ptr(), layer.down.flags,
+                    *_weight(layer.gate_up), *_weight(layer.down),
                 ]
                 for layer in layers
             ],
@@ -862,7 +964,10 @@ class DecoderStack:
             "qkv": (hidden, n_qkv), "o": (hq * dim, hidden),
             "gate_up": (hidden, 2 * inter), "down": (inter, hidden),
         }  # fmt: skip
-        if not set(lora) <= set(LORA_GROUPS):
+        if not set(lora) <= set(LORA_GROUPS) or (
+            any(layer.experts is not None for layer in self._keep)
+            and not set(lora) <= {"qkv", "o"}
+        ):
             raise ValueError("LoRA deltas for projections the native decoder stack does not have")
         most = {"qkv": 3, "gate_up": 2}
         table = torch.zeros(layers, len(LORA_GROUPS), 6, dtype=torch.int64)

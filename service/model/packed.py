@@ -18,6 +18,7 @@ import torch
 from service.model import native_gemv
 from service.model.model_config import ModelConfig
 from service.model.quant import (
+    GROUP,
     Int4Codes,
     Int4Linear,
     Int8Linear,
@@ -55,6 +56,9 @@ PANEL_MAX_PACKED_ROWS = 16
 # Packs run in these dtypes at speed; fp32 works (parity uses it) but is several times slower.
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
+# A layer's experts' packs, one per expert.
+Experts = tuple[Linear, ...]
+
 # name -> the file's own blocks, exactly (int4 codes, or K-quant blocks with float32
 # scales), or None when its storage has no exact mapping.
 CodesGetter = Callable[[str], Int4Codes | KBlocks | None]
@@ -62,7 +66,10 @@ CodesGetter = Callable[[str], Int4Codes | KBlocks | None]
 
 @dataclass(frozen=True, slots=True)
 class PackedLinears:
-    """Per-layer packed projections; an entry is None where that weight stays dense."""
+    """Per-layer packed projections; an entry is None where that weight stays dense. A
+    mixture-of-experts model's ``gate_up`` and ``down`` are None (it has no dense MLP) and
+    its experts' packs are per layer in ``experts_gate_up`` and ``experts_down`` (None where
+    that layer's experts stay dense; both empty without experts)."""
 
     qkv: tuple[Linear | None, ...]
     o: tuple[Linear | None, ...]
@@ -70,10 +77,15 @@ class PackedLinears:
     down: tuple[Linear | None, ...]
     lm_head: Linear | None
     max_rows: int = MAX_PACKED_ROWS
+    experts_gate_up: tuple[Experts | None, ...] = ()
+    experts_down: tuple[Experts | None, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        every = [*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head]
+        experts = [
+            lin for layer in (*self.experts_gate_up, *self.experts_down) for lin in layer or ()
+        ]
+        every = [*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head, *experts]
         return sum(int(getattr(lin, "nbytes", 0)) for lin in every)
 
 
@@ -108,7 +120,8 @@ def build_packed(
     dense_dtype: torch.dtype | None = None,
 ) -> PackedLinears | None:
     """Packs for ``mode`` (``resolve_weights``' answer). ``dense(name)`` is the layer's
-    dense weight by fused name (``qkv.{i}``, ``o.{i}``, ``gate_up.{i}``, ``down.{i}``, ``lm_head``).
+    dense weight by fused name (``qkv.{i}``, ``o.{i}``, ``gate_up.{i}``, ``down.{i}``,
+    ``lm_head``, and expert ``e``'s ``experts_gate_up.{i}.{e}`` and ``experts_down.{i}.{e}``).
     ``dense_dtype`` is the dtype the dense weights will run in (default ``dtype``): it picks
     from how many rows a batch leaves the packs for them."""
     if mode == "bf16":
@@ -120,6 +133,8 @@ def build_packed(
         "gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
         "down": [mlp + "down_proj.weight"],
     }
+    # each expert's, under mlp.experts.{e}.
+    expert_parts = {"gate_up": ["gate_proj.weight", "up_proj.weight"], "down": ["down_proj.weight"]}
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     # float32 decode reads 4-bit blocks through kvfence's own kernel (torch's is for bf16).
     kernel = native_gemv.kernel() if dtype == torch.float32 else None
@@ -164,11 +179,31 @@ def build_packed(
 
     def layers(kind: str) -> tuple[Linear | None, ...]:
         if config.num_experts and kind in ("gate_up", "down"):
-            return (None,) * config.num_layers  # experts run dense (service.model.moe)
+            return (None,) * config.num_layers  # no dense MLP: its experts (below)
         return tuple(
             one(f"{kind}.{i}", [n.format(i=i) for n in parts[kind]])
             for i in range(config.num_layers)
         )
+
+    def experts(kind: str) -> tuple[Experts | None, ...]:
+        """Each layer's experts packed as the dense MLP's projections are, or None for a
+        layer where one of them stays dense (the layer's experts then all do)."""
+        if not config.num_experts:
+            return ()
+        # NOTE: 4-bit packs take inputs of whole blocks of 32 (an expert width of 48 does not)
+        if mode != "int8" and (config.hidden_size % GROUP or config.intermediate_size % GROUP):
+            return (None,) * config.num_layers
+        names = [mlp + "experts.{e}." + n for n in expert_parts[kind]]
+        out: list[Experts | None] = []
+        for i in range(config.num_layers):
+            packs = [
+                one(f"experts_{kind}.{i}.{e}", [n.format(i=i, e=e) for n in names])
+                for e in range(config.num_experts)
+            ]
+            out.append(
+                None if any(p is None for p in packs) else tuple(p for p in packs if p is not None)
+            )
+        return tuple(out)
 
     return PackedLinears(
         qkv=layers("qkv"),
@@ -177,4 +212,6 @@ def build_packed(
         down=layers("down"),
         lm_head=one("lm_head", [head]),
         max_rows=max_rows,
+        experts_gate_up=experts("gate_up"),
+        experts_down=experts("down"),
     )

@@ -1505,9 +1505,21 @@ enum { T_QKV, T_QKV_Q8, T_ATTN_NORM, T_O, T_O_Q8, T_MLP_NORM, T_GATE_UP, T_GATE_
  *   B_ROPE                   which of the step's RoPE tables the layer's q and k turn by;
  *   B_O_BIAS [hidden], B_GATE_UP_BIAS [2 inter], B_DOWN_BIAS [hidden]: added to the product;
  *   B_POST_ATTN, B_POST_MLP [hidden]: the o and down products RMS-normalized and scaled by
- *                            these before their residual add (Gemma's sandwich norms). */
+ *                            these before their residual add (Gemma's sandwich norms);
+ *   B_ROUTER [experts, hidden], B_EXPERTS [experts, E_COLUMNS] int64, B_EXPERT_COUNT,
+ *   B_TOP_K, B_NORM_TOP_K:   a mixture-of-experts MLP in place of the dense one (Mixtral,
+ *                            Qwen3-MoE; experts_mlp), B_EXPERTS 0 for none. */
 enum { B_QKV_BIAS, B_QK_NORM, B_ROPE, B_O_BIAS, B_GATE_UP_BIAS, B_DOWN_BIAS, B_POST_ATTN,
-       B_POST_MLP, B_COLUMNS };
+       B_POST_MLP, B_ROUTER, B_EXPERTS, B_EXPERT_COUNT, B_TOP_K, B_NORM_TOP_K, B_COLUMNS };
+
+/* Per expert, the columns of a layer's expert table (B_EXPERTS): its gate_up [2 inter, hidden]
+ * and down [hidden, inter] weights and their q8 flags, as the table's T_GATE_UP..T_DOWN_Q8. */
+enum { E_GATE_UP, E_GATE_UP_Q8, E_DOWN, E_DOWN_Q8, E_COLUMNS };
+
+/* The most experts a layer may have: a row's router logits are kept on the stack. */
+#define MAX_EXPERTS 1024
+
+int kvf_stack_max_experts(void) { return MAX_EXPERTS; }
 
 int kvf_stack_block_columns(void) { return B_COLUMNS; }
 
@@ -1979,32 +1991,39 @@ static void add_normed(float *x, float *a, int rows, int width, const float *gam
     }
 }
 
-/* kvf_mlp's three products, with what the layer's ``block`` row (B_COLUMNS, or NULL for
- * none) adds: the o, gate_up and down biases, each added to its product, and the post-norms
- * (x += rms_norm(product) instead of x += product; the product made in a [rows, hidden]);
- * ``act`` the gate's activation (GATE_SILU or GATE_GELU_TANH). With the LoRA deltas of
- * entries o, gu, down (each NULL: none) added after their products: o's on attn, gate_up's on
- * the normed x, down's on act(gate) * up (each the product's own input). v [rows, max(hidden,
- * inter)], u and span (4 ints a row and 1) scratch. Without a block and with GATE_SILU these
- * are the plain layer's three calls, each product added to x inside its call. */
-static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
-               int inter, const uint8_t *o, int o_q8, const float *gamma, float eps,
-               const uint8_t *gate_up, int gate_up_q8, const uint8_t *down, int down_q8,
-               const int64_t *block, int act, float *a, const int64_t *lo, const int64_t *lgu,
-               const int64_t *ldown, float *v, float *u, int *span) {
+/* The o product of kvf_mlp and its residual add, with what the layer's ``block`` row
+ * (B_COLUMNS, or NULL for none) adds: the o bias, and the post-norm (x += rms_norm(product)
+ * instead of x += product; the product made in a [rows, hidden]). With the LoRA delta of
+ * entry lo (NULL: none) on attn, added after the product. v [rows, max(hidden, inter)], u and
+ * span (4 ints a row and 1) scratch. */
+static int attn_out(float *x, const float *attn, int rows, int hidden, int q_size,
+                    const uint8_t *o, int o_q8, float eps, const int64_t *block, float *a,
+                    const int64_t *lo, float *v, float *u, int *span) {
     lora_job job;
-    const int halves[2] = {inter, 2 * inter};
     const float *o_bias = block == NULL ? NULL : float_at(block[B_O_BIAS]);
-    const float *gate_up_bias = block == NULL ? NULL : float_at(block[B_GATE_UP_BIAS]);
-    const float *down_bias = block == NULL ? NULL : float_at(block[B_DOWN_BIAS]);
     const float *post_attn = block == NULL ? NULL : float_at(block[B_POST_ATTN]);
-    const float *post_mlp = block == NULL ? NULL : float_at(block[B_POST_MLP]);
     float *o_out = post_attn == NULL ? x : a;
     if (gemv(attn, rows, q_size, o, hidden, o_out, o_q8, GATE_NONE, NULL, 0.0f, post_attn == NULL,
              NULL, 0, 0, lora_for(&job, lo, attn, v, rows, q_size, hidden, NULL, o_out, u, span)) != 0)
         return -1;
     if (o_bias != NULL) add_bias(o_out, rows, hidden, o_bias);
     if (post_attn != NULL) add_normed(x, a, rows, hidden, post_attn, eps);
+    return 0;
+}
+
+/* The rest of kvf_mlp (norm, gate_up, act, down, residual add), with the layer's gate_up and
+ * down biases and MLP post-norm from ``block`` (as attn_out); ``act`` the gate's activation
+ * (GATE_SILU or GATE_GELU_TANH). With the LoRA deltas of entries gu and down (each NULL:
+ * none) added after their products: gate_up's on the normed x, down's on act(gate) * up. */
+static int dense_mlp(float *x, float *h, int rows, int hidden, int inter, const float *gamma,
+                     float eps, const uint8_t *gate_up, int gate_up_q8, const uint8_t *down,
+                     int down_q8, const int64_t *block, int act, float *a, const int64_t *lgu,
+                     const int64_t *ldown, float *v, float *u, int *span) {
+    lora_job job;
+    const int halves[2] = {inter, 2 * inter};
+    const float *gate_up_bias = block == NULL ? NULL : float_at(block[B_GATE_UP_BIAS]);
+    const float *down_bias = block == NULL ? NULL : float_at(block[B_DOWN_BIAS]);
+    const float *post_mlp = block == NULL ? NULL : float_at(block[B_POST_MLP]);
     if (gemv(x, rows, hidden, gate_up, 2 * inter, h, gate_up_q8, GATE_NONE, gamma, eps, 0, NULL, 0,
              0, lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)
         return -1;
@@ -2018,6 +2037,112 @@ static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int 
     return 0;
 }
 
+/* kvf_mlp's three products (attn_out, then dense_mlp). Without a block and with GATE_SILU
+ * these are the plain layer's three calls, each product added to x inside its call. */
+static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int q_size,
+               int inter, const uint8_t *o, int o_q8, const float *gamma, float eps,
+               const uint8_t *gate_up, int gate_up_q8, const uint8_t *down, int down_q8,
+               const int64_t *block, int act, float *a, const int64_t *lo, const int64_t *lgu,
+               const int64_t *ldown, float *v, float *u, int *span) {
+    if (attn_out(x, attn, rows, hidden, q_size, o, o_q8, eps, block, a, lo, v, u, span) != 0)
+        return -1;
+    return dense_mlp(x, h, rows, hidden, inter, gamma, eps, gate_up, gate_up_q8, down, down_q8,
+                     block, act, a, lgu, ldown, v, u, span);
+}
+
+/* Row hn [hidden]'s routing, as service.model.moe.route computes it: float32 logits
+ * (hn @ router.T, router [count, hidden]), their softmax, the top_k largest probabilities
+ * (ties to the lower expert, as torch.topk picks them), with normalize divided by their sum
+ * (taken in rank order). Answers in weight [count] each expert's weight, 0 for those not
+ * picked; picked [count] 1 for the picked. */
+static void route(const float *hn, int hidden, const float *router, int count, int top_k,
+                  int normalize, float *weight, unsigned char *picked) {
+    float top = -INFINITY, sum = 0.0f;
+    for (int e = 0; e < count; ++e) {
+        const float *w = router + (size_t)e * hidden;
+        float s = 0.0f;
+        for (int j = 0; j < hidden; ++j) s += hn[j] * w[j];
+        weight[e] = s;
+        picked[e] = 0;
+        if (s > top) top = s;
+    }
+    for (int e = 0; e < count; ++e) {
+        weight[e] = expf(weight[e] - top);
+        sum += weight[e];
+    }
+    const float inv = 1.0f / sum;
+    for (int e = 0; e < count; ++e) weight[e] *= inv;
+    int rank[MAX_EXPERTS];
+    float kept = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+        int best = -1;
+        for (int e = 0; e < count; ++e) /* strictly larger: a tie keeps the lower expert */
+            if (!picked[e] && (best < 0 || weight[e] > weight[best])) best = e;
+        picked[best] = 1;
+        rank[k] = best;
+        kept += weight[best];
+    }
+    for (int e = 0; e < count; ++e)
+        if (!picked[e]) weight[e] = 0.0f;
+    for (int k = 0; normalize && k < top_k; ++k) weight[rank[k]] /= kept;
+}
+
+/* A mixture-of-experts MLP (the layer's block row: B_ROUTER, B_EXPERTS, ...) in place of
+ * dense_mlp, each row on its own: its normed input (gamma), its routing (route), then for each
+ * picked expert in expert order its gate_up product, act(gate) * up into its down product,
+ * and m += weight * that (m from 0), then x += m (or its post-norm, B_POST_MLP). A row's
+ * arithmetic is the same whichever rows are beside it; experts add in index order, as
+ * moe_mlp's index_add_ over its expert-sorted assignments does. h [2 inter], a [hidden] and
+ * moe [2 hidden] scratch. */
+static int experts_mlp(float *x, int rows, int hidden, int inter, const float *gamma, float eps,
+                       const int64_t *block, int act, float *h, float *a, float *moe) {
+    const int count = (int)block[B_EXPERT_COUNT], top_k = (int)block[B_TOP_K];
+    const float *router = float_at(block[B_ROUTER]);
+    const int64_t *experts = (const int64_t *)(intptr_t)block[B_EXPERTS];
+    const float *post_mlp = float_at(block[B_POST_MLP]);
+    float *hn = moe, *m = moe + hidden;
+    float weight[MAX_EXPERTS];
+    unsigned char picked[MAX_EXPERTS];
+    for (int r = 0; r < rows; ++r) {
+        float *xr = x + (size_t)r * hidden;
+        input_row(xr, hidden, GATE_NONE, gamma, eps, hn);
+        route(hn, hidden, router, count, top_k, (int)block[B_NORM_TOP_K], weight, picked);
+        memset(m, 0, sizeof(float) * (size_t)hidden);
+        for (int e = 0; e < count; ++e) {
+            if (!picked[e]) continue;
+            const int64_t *ex = experts + (size_t)e * E_COLUMNS;
+            if (gemv(hn, 1, hidden, (const uint8_t *)(intptr_t)ex[E_GATE_UP], 2 * inter, h,
+                     (int)ex[E_GATE_UP_Q8], GATE_NONE, NULL, 0.0f, 0, NULL, 0, 0, NULL) != 0 ||
+                gemv(h, 1, inter, (const uint8_t *)(intptr_t)ex[E_DOWN], hidden, a,
+                     (int)ex[E_DOWN_Q8], act, NULL, 0.0f, 0, NULL, 0, 0, NULL) != 0)
+                return -1;
+            const float w = weight[e];
+            for (int j = 0; j < hidden; ++j) m[j] += w * a[j];
+        }
+        if (post_mlp == NULL)
+            for (int j = 0; j < hidden; ++j) xr[j] += m[j];
+        else
+            add_normed(xr, m, 1, hidden, post_mlp, eps);
+    }
+    return 0;
+}
+
+/* Whether layer block b's experts (if any) are ones kvf_decoder_stack takes: a count of 1 to
+ * MAX_EXPERTS, top_k of 1 to count, a router and every expert's weights, and no dense MLP
+ * biases or gate_up/down LoRA deltas (lgu, ldown) beside them. */
+static int experts_ok(const int64_t *b, const int64_t *lgu, const int64_t *ldown) {
+    if (b == NULL || b[B_EXPERTS] == 0) return 1;
+    const int64_t count = b[B_EXPERT_COUNT], top_k = b[B_TOP_K];
+    if (count < 1 || count > MAX_EXPERTS || top_k < 1 || top_k > count || b[B_ROUTER] == 0 ||
+        b[B_GATE_UP_BIAS] != 0 || b[B_DOWN_BIAS] != 0 || lgu != NULL || ldown != NULL)
+        return 0;
+    const int64_t *experts = (const int64_t *)(intptr_t)b[B_EXPERTS];
+    for (int64_t e = 0; e < count; ++e)
+        if (experts[e * E_COLUMNS + E_GATE_UP] == 0 || experts[e * E_COLUMNS + E_DOWN] == 0)
+            return 0;
+    return 1;
+}
+
 /* A whole decode forward's decoder layers in one call, for rows tokens of rows sequences:
  * per layer l, the same calls the layer-by-layer path makes,
  *   qkv = rms_norm(x, attn_norm) @ qkv.T, plus the bias, each q and k head normed
@@ -2026,7 +2151,9 @@ static int mlp(float *x, const float *attn, float *h, int rows, int hidden, int 
  *         after another in rope), q times query_scale;
  *   out = attend(ctx, l, q, k, v)        kvcache's write and attention;
  *   mlp(x, out, ...)                     o, residual, norm, gate/up, act, down, residual,
- *                                        with the layer's biases and post-norms.
+ *                                        with the layer's biases and post-norms; where the
+ *                                        block row names experts, the o half and then
+ *                                        experts_mlp (router, top-k, each picked expert).
  * x [rows, hidden] float32, updated in place; table [layers, T_COLUMNS]; blocks [layers,
  * B_COLUMNS] or NULL (the plain Llama layer: none of them, RoPE table 0); act the MLP gate's
  * activation (GATE_SILU, GATE_GELU_TANH). With lora [layers, G_COUNT, L_COLUMNS] (else NULL)
@@ -2051,8 +2178,9 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         rope_tables < 1 || (act != GATE_SILU && act != GATE_GELU_TANH) || !isfinite(query_scale))
         return -1;
     for (int l = 0; blocks != NULL && l < layers; ++l) {
-        const int64_t base = blocks[(size_t)l * B_COLUMNS + B_ROPE];
-        if (base < 0 || base >= rope_tables) return -1;
+        const int64_t *b = blocks + (size_t)l * B_COLUMNS;
+        if (b[B_ROPE] < 0 || b[B_ROPE] >= rope_tables) return -1;
+        if (!experts_ok(b, lora_entry(lora, l, G_GATE_UP), lora_entry(lora, l, G_DOWN))) return -1;
     }
     const size_t r = (size_t)rows;
     const int qkv_ends[3] = {q_size, q_size + kv_size, n_qkv};
@@ -2068,10 +2196,11 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
         if (g[L_HELD] < 0 || g[L_HELD] >= HELD_KINDS) return -1;
         if (g[L_RANKS] > max_ranks) max_ranks = g[L_RANKS];
     }
-    /* qkv, then q, k, v (contiguous per head block), attention output, gate/up, and a
-     * product's rows before their post-norm */
-    float *buf = malloc(sizeof(float) * r *
-                        ((size_t)n_qkv * 2 + q_size + 2 * (size_t)inter + (size_t)hidden));
+    /* qkv, then q, k, v (contiguous per head block), attention output, gate/up, a product's
+     * rows before their post-norm, and an expert row's normed input and sum (experts_mlp) */
+    float *buf = malloc(sizeof(float) *
+                        (r * ((size_t)n_qkv * 2 + q_size + 2 * (size_t)inter + (size_t)hidden) +
+                         2 * (size_t)hidden));
     if (buf == NULL) return -1;
     /* with deltas: a product's normed or gated input [rows, max(hidden, inter)], u, span */
     const size_t wide = (size_t)(hidden > inter ? hidden : inter);
@@ -2087,6 +2216,7 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
     int *span = lbuf == NULL ? NULL : (int *)(lu + r * (size_t)max_ranks);
     float *qkv = buf, *q = qkv + r * n_qkv, *k = q + r * q_size, *v = k + r * kv_size;
     float *out = v + r * kv_size, *h = out + r * q_size, *a = h + r * 2 * (size_t)inter;
+    float *moe = a + r * (size_t)hidden;
     int status = 0;
     for (int l = 0; l < layers && status == 0; ++l) {
         const int64_t *t = table + (size_t)l * T_COLUMNS;
@@ -2125,11 +2255,17 @@ int kvf_decoder_stack(float *x, int rows, int hidden, int layers, const int64_t 
             status = -2;
             break;
         }
-        status = mlp(x, out, h, rows, hidden, q_size, inter, (const uint8_t *)(intptr_t)t[T_O],
-                     (int)t[T_O_Q8], float_at(t[T_MLP_NORM]), eps,
-                     (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
-                     (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8], b, act, a, dout, dgu,
-                     ddown, lv, lu, span);
+        status = attn_out(x, out, rows, hidden, q_size, (const uint8_t *)(intptr_t)t[T_O],
+                          (int)t[T_O_Q8], eps, b, a, dout, lv, lu, span);
+        if (status != 0) break;
+        if (b != NULL && b[B_EXPERTS] != 0)
+            status = experts_mlp(x, rows, hidden, inter, float_at(t[T_MLP_NORM]), eps, b, act, h,
+                                 a, moe);
+        else
+            status = dense_mlp(x, h, rows, hidden, inter, float_at(t[T_MLP_NORM]), eps,
+                               (const uint8_t *)(intptr_t)t[T_GATE_UP], (int)t[T_GATE_UP_Q8],
+                               (const uint8_t *)(intptr_t)t[T_DOWN], (int)t[T_DOWN_Q8], b, act, a,
+                               dgu, ddown, lv, lu, span);
     }
     free(lbuf);
     free(buf);

@@ -102,13 +102,17 @@ def build_weights(
             "o": dense.o,
             "gate_up": dense.gate_up,
             "down": dense.down,
+            "experts_gate_up": dense.experts_gate_up,
+            "experts_down": dense.experts_down,
         }
 
         def fused(name: str) -> torch.Tensor:
             if name == "lm_head":
                 return dense.embed if dense.lm_head is None else dense.lm_head
-            kind, layer = name.rsplit(".", 1)
-            return by_name[kind][int(layer)]
+            kind, *at = name.split(".")  # the layer, then (experts) the expert
+            stacked = by_name[kind]
+            assert stacked is not None, name
+            return stacked[tuple(int(i) for i in at)]
 
         packed = build_packed(
             config, weights, codes or (lambda name: None), fused, dtype, dense_dtype or dtype

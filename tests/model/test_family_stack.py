@@ -1,8 +1,8 @@
 """Every family decodes through the native decoder stack: a tiny checkpoint of each, with its
 4-bit packs (``--weights int4``), runs its all-decode steps in one native call per step
 (biases, q/k norms, sandwich norms, GeGLU, a RoPE base per layer, query scaling, windows
-and softcaps) and gives the greedy tokens of the layer loop, logprobs within float32
-rounding; experts (dense) keep the layer loop."""
+and softcaps, experts with their router) and gives the greedy tokens of the layer loop,
+logprobs within float32 rounding."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ WRITERS: dict[str, Callable[[Path], Path]] = {
     "gemma3_text": lambda d: tf.write_tiny(d, "gemma3_text", **CHECKPOINTS["gemma3_text"]),
     # the same with an attention softcap (kvcache's) and a final one
     "gemma2": lambda d: tf.write_tiny(d, "gemma2", **CHECKPOINTS["gemma2"]),
+    # top-2 of 4 experts, renormalised, a window
+    "mixtral": lambda d: tf.write_tiny(d, "mixtral", **CHECKPOINTS["mixtral"]),
+    # top-2 of 4 experts, not renormalised, q/k norms; an expert width the 4-bit packs take
+    "qwen3_moe": lambda d: tf.write_tiny(
+        d, "qwen3_moe", **{**CHECKPOINTS["qwen3_moe"], "moe_intermediate_size": 64}
+    ),
 }
 
 Out = list[tuple[int, float]]
@@ -108,13 +114,48 @@ def test_what_the_stack_adds_is_what_changes_its_output(tmp_path: Path) -> None:
         lm.model.use_stack(stack)
 
 
-def test_experts_keep_the_layer_loop(tmp_path: Path) -> None:
-    path = tf.write_tiny(tmp_path / "mixtral", "mixtral", **{**CHECKPOINTS["mixtral"]})
+def test_experts_whose_width_the_4_bit_packs_do_not_take_keep_the_layer_loop(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-MoE's tiny expert width of 48 is not whole blocks of 32: its experts stay dense
+    and its steps run the layer loop."""
+    path = tf.write_tiny(tmp_path / "qwen3_moe", "qwen3_moe", **CHECKPOINTS["qwen3_moe"])
     lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
+    packed = lm.model.packed
+    assert packed is not None and packed.experts_gate_up == (None, None)
     assert lm.model.stack is None
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_the_stack_routes_each_row_as_the_family_does(tmp_path: Path) -> None:
+    """The stack reads its routing: Mixtral's tokens through the stack change when its
+    top-k weights are not renormalised, or when each row takes one expert instead of two
+    (the layer loop it matched keeps both)."""
+    path = WRITERS["mixtral"](tmp_path / "mixtral")
+    lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
+    stack = lm.model.stack
+    assert isinstance(stack, native_gemv.DecoderStack)
+    want = _decode(lm, stack)
+    c = lm.model.config
+    hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+
+    def routed(**change: Any) -> native_gemv.DecoderStack:
+        layers = [
+            replace(x, experts=replace(x.experts, **change)) if x.experts else x
+            for x in stack.layers
+        ]
+        return native_gemv.DecoderStack(layers, hq, hkv, d, eps, c.activation, c.query_scale)
+
+    try:
+        for piece, other in {
+            "renormalised": routed(normalize=False),
+            "top-2": routed(top_k=1),
+        }.items():
+            assert _decode(lm, other) != want, piece
+    finally:
+        lm.model.use_stack(stack)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "mixtral"])
 def test_the_families_run_batch_invariant(name: str, tmp_path: Path) -> None:
     """With every layer on the stack, these families load ``--batch-invariant on``: a
     request's logprobs are the same bits alone and beside others."""

@@ -214,6 +214,22 @@ MUTANTS = (
         tests="tests/model/test_family_stack.py",
     ),
     mutant(
+        "stack-moe-top-k-not-renormalised",
+        "the native decoder stack renormalises a Mixtral row's top-k routing weights to sum to one",
+        edit("service/model/q4_gemv.c",
+             "    for (int k = 0; normalize && k < top_k; ++k) weight[rank[k]] /= kept;",
+             "    for (int k = 0; 0 && normalize && k < top_k; ++k) weight[rank[k]] /= kept;"),
+        tests="tests/model/test_family_stack.py",
+    ),
+    mutant(
+        "stack-moe-expert-unweighted",
+        "the native decoder stack weighs each picked expert's output by its routing weight",
+        edit("service/model/q4_gemv.c",
+             "            for (int j = 0; j < hidden; ++j) m[j] += w * a[j];",
+             "            for (int j = 0; j < hidden; ++j) m[j] += a[j] + 0.0f * w;"),
+        tests="tests/model/test_family_stack.py",
+    ),
+    mutant(
         "k-quant-one-scale-a-block",
         "a Q6_K block's codes 16-31 take their own sub-block's scale in the GEMV",
         edit("service/model/q4_gemv.c",
