@@ -78,6 +78,7 @@ def _prepacks(weight: torch.Tensor) -> bool:
     parity dtype) keeps ``F.linear``, so parity compares the plain matmul."""
     return (
         weight.device.type == "cpu"
+        and weight.numel() > 0  # oneDNN has no primitive for an empty weight (MoE's dense MLP)
         and weight.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
