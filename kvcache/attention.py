@@ -52,7 +52,7 @@ class LayerAttention:
 @dataclass(frozen=True, slots=True)
 class NativeAttend:
     """One all-decode float32 step's attention as a C function, for model code that runs a
-    whole decode forward natively (``service/model/q4_gemv.c``): an :class:`AttentionFn`
+    whole decode forward natively (``service/model/native/stack.h``): an :class:`AttentionFn`
     that offers ``native_attend(q_heads)`` answers one of these, or None.
 
     ``fn`` is the address of ``int attend(const void *ctx, int layer, const float *q,

@@ -877,7 +877,7 @@ int kvf_write_decode_f32(const float *q, const float *k, const float *v, float *
 }
 
 /* An all-decode float32 step's attention for native model code: the model's own C code
- * (service/model/q4_gemv.c, kvf_decoder_stack) runs a whole decode forward and hands each
+ * (service/model/native/stack.h, kvf_decoder_stack) runs a whole decode forward and hands each
  * layer's q, k, v to kvf_step_attend_f32 with this context. Everything that addresses KV
  * memory (the pool, the rows to write, each sequence's pages and length) is here, built by
  * DecodeKernel.step_context from the step's checked metadata; the caller passes only the

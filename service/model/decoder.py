@@ -22,14 +22,14 @@ from service.model.layers import Layer, dense, layers, normed, stack
 from service.model.lora_batch import LoraBatch, lora_qkv, lora_rest
 from service.model.model_config import ModelConfig
 from service.model.moe import Activation, MoeRouting, experts_mlp
-from service.model.native_gemv import StackDelta
+from service.model.native.kernels import StackDelta
 from service.model.packed import Linear, PackedLinears
 from service.model.rope import attention_factor, cos_sin_table, inv_freq
 
 
 class StackFn(Protocol):
     """Every decoder layer of an all-decode step in one call
-    (:class:`~service.model.native_gemv.DecoderStack`): ``x`` updated in place and returned,
+    (:class:`~service.model.native.kernels.DecoderStack`): ``x`` updated in place and returned,
     ``rope`` the rows' RoPE rows (``[tables, T, 2, D]`` where layers turn by several bases),
     with ``lora`` the step's adapter deltas by fused projection (None: base rows only)."""
 

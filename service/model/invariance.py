@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from service.model.native_gemv import Q4Linear
+from service.model.native.kernels import Q4Linear
 from service.model.packed import Experts, Linear, PackedLinears
 
 

@@ -18,7 +18,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from service.model.native_gemv import (
+from service.model.native.kernels import (
     STACK_GATES,
     DecoderStack,
     MlpBlock,

@@ -15,7 +15,6 @@ import structlog
 import torch
 
 from kvcache import native_build
-from service.model import native_gemv
 from service.model.chat_template import ChatTemplate, ChatTemplateError
 from service.model.decoder import DecoderModel
 from service.model.families.base import refuse_unused
@@ -23,6 +22,7 @@ from service.model.gguf_loader import GGUFCheckpoint, read_gguf
 from service.model.hf_loader import HFCheckpoint, read_hf_dir
 from service.model.load_error import ModelLoadError
 from service.model.model_config import ModelConfig
+from service.model.native import kernels
 from service.model.packed import resolve_weights
 from service.model.progress import Progress
 from service.model.threads import on_fresh_thread
@@ -103,7 +103,7 @@ def resolve_precision(
         return torch.bfloat16, torch.bfloat16
     if not tier_has_bf16():
         return torch.float32, torch.float32
-    if weights in ("auto", "int4") and native_gemv.kernel() is not None:
+    if weights in ("auto", "int4") and kernels.kernel() is not None:
         return torch.float32, torch.bfloat16
     return torch.bfloat16, torch.bfloat16
 
@@ -252,7 +252,7 @@ def _wants_invariance(flag: str, dtype: torch.dtype, device: str, mode: str) -> 
         torch.device(device).type == "cpu"
         and dtype == torch.float32
         and mode in ("file", "int4")
-        and native_gemv.kernel() is not None
+        and kernels.kernel() is not None
     )
     if flag == "on" and not able:
         raise ValueError(

@@ -7,7 +7,7 @@ rows are gathered adapter by adapter and each adapter's matmul pair runs on its 
 so one adapter's values never enter another row's arithmetic (a masked product over every row
 would: NaN x 0 is NaN). The native decoder stack takes the adapters' weights stacked along the
 rank axis (:mod:`service.model.lora_stack`) with a mask naming each row's own ranks; its kernel
-groups the rows by that span and reads only their own ranks (``lora_plan`` in q4_gemv.c).
+groups the rows by that span and reads only their own ranks (``lora_plan`` in native/lora.h).
 Never a forward per adapter.
 """
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from service.model.layers import Layer
 from service.model.lora import GROUPS, LoraAdapter, LoraGroup
 from service.model.lora_stack import LoraStacks
-from service.model.native_gemv import HELD, StackDelta
+from service.model.native.kernels import HELD, StackDelta
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ class LoraBatch:
 
     def stack_deltas(self, rows: int) -> dict[str, StackDelta] | None:
         """Every planned projection as one stacked, masked delta for the native decoder stack
-        (:class:`~service.model.native_gemv.StackDelta`), for a step of ``rows`` rows; None
+        (:class:`~service.model.native.kernels.StackDelta`), for a step of ``rows`` rows; None
         where a plan is a per-adapter segment loop (its mix's stacked copy did not fit its
         bound) or the weights are not float32, bfloat16 or float16 on the CPU: that step
         runs the layer loop."""

@@ -15,8 +15,8 @@ from typing import Literal
 
 import torch
 
-from service.model import native_gemv
 from service.model.model_config import ModelConfig
+from service.model.native import kernels
 from service.model.quant import (
     GROUP,
     Int4Codes,
@@ -91,7 +91,7 @@ class PackedLinears:
 
 def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
     """``auto`` -> ``file`` (keep the file's blocks) on CPU in bf16/fp16, and in float32 where
-    kvfence's own GEMV (:mod:`service.model.native_gemv`) builds; else ``bf16`` (dense).
+    kvfence's own GEMV (:mod:`service.model.native.kernels`) builds; else ``bf16`` (dense).
 
     NOTE: measured on a 2-core AVX2 EPYC (float32), the GEMV decodes one stream 4.4x faster
     than the dense weights. make verify's long-prefill-flood and penalty-rows checks (a
@@ -103,7 +103,7 @@ def resolve_weights(mode: str, dtype: torch.dtype, device: str) -> str:
         raise ValueError(f"unknown weights mode {mode!r}; use {', '.join(WEIGHTS_MODES)}")
     on_cpu = torch.device(device).type == "cpu"
     if mode == "auto":
-        if on_cpu and dtype == torch.float32 and native_gemv.kernel() is not None:
+        if on_cpu and dtype == torch.float32 and kernels.kernel() is not None:
             return "file"
         return "file" if on_cpu and dtype in _FAST_DTYPES else "bf16"
     if mode in ("int4", "int8") and not on_cpu:
@@ -137,7 +137,7 @@ def build_packed(
     expert_parts = {"gate_up": ["gate_proj.weight", "up_proj.weight"], "down": ["down_proj.weight"]}
     head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     # float32 decode reads 4-bit blocks through kvfence's own kernel (torch's is for bf16).
-    kernel = native_gemv.kernel() if dtype == torch.float32 else None
+    kernel = kernels.kernel() if dtype == torch.float32 else None
     # The GEMV's packs serve larger batches; int8 packs are torch's kernel, as are bf16 ones.
     max_rows = MAX_PACKED_ROWS
     # Beside bf16 dense weights the kernel's batches may take the tile unit (bf16 arithmetic,
@@ -155,7 +155,7 @@ def build_packed(
 
     def pack4(w: Int4Codes) -> Linear:
         if kernel is not None:
-            packed = native_gemv.Q4Linear.pack(w, kernel, tiles=tiles)
+            packed = kernels.Q4Linear.pack(w, kernel, tiles=tiles)
             return packed.in_panels() if panels else packed
         return Int4Linear.pack(w, dtype)
 
@@ -172,7 +172,7 @@ def build_packed(
             # of one fused projection in different K-quants stay dense
             joined = concat_k(k_blocks)
             if joined is not None:
-                return native_gemv.Q4Linear.pack_k(joined, kernel)
+                return kernels.Q4Linear.pack_k(joined, kernel)
         if mode == "int4":
             return pack4(quantize_int4(dense(fused)))
         return None  # "file": this weight is stored wider than any kernel; it stays dense

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import random
 
-from service.model import LoadedModel, native_gemv
+from service.model import LoadedModel
+from service.model.native import kernels
 from tests.verify.invariance import alone, mixed_requests, trial
 
 N = 10
 
 
 def test_a_request_gets_the_same_tokens_alone_and_in_any_batch(served_model: LoadedModel) -> None:
-    assert served_model.batch_invariant == (native_gemv.kernel() is not None)
+    assert served_model.batch_invariant == (kernels.kernel() is not None)
     requests = mixed_requests(N, served_model.model.config.vocab_size)
     want = alone(served_model, requests)
     assert all(len(want[r.request_id]) == r.stopping.max_tokens for r in requests)

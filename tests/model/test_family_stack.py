@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from service.model import load_model, native_gemv
+from service.model import load_model
+from service.model.native import kernels
 from tests.fixtures import tiny_families as tf
 from tests.model.test_families_gemma_moe import CHECKPOINTS
 from tests.model.test_native_gemv import _add_greedy, _small_core, _spied_stack
@@ -89,19 +90,19 @@ def test_what_the_stack_adds_is_what_changes_its_output(tmp_path: Path) -> None:
     path = WRITERS["gemma3_text"](tmp_path / "gemma3")
     lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
     stack = lm.model.stack
-    assert isinstance(stack, native_gemv.DecoderStack)
+    assert isinstance(stack, kernels.DecoderStack)
     want = _decode(lm, stack)
     c = lm.model.config
     layers = stack.layers
     hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
     variants = {
-        "post-norms": native_gemv.DecoderStack(
+        "post-norms": kernels.DecoderStack(
             [replace(x, post_attn_norm=None, post_mlp_norm=None) for x in layers],
             hq, hkv, d, eps, c.activation, c.query_scale,
         ),
-        "gelu": native_gemv.DecoderStack(layers, hq, hkv, d, eps, "silu", c.query_scale),
-        "query scale": native_gemv.DecoderStack(layers, hq, hkv, d, eps, c.activation, 1.0),
-        "q/k norms": native_gemv.DecoderStack(
+        "gelu": kernels.DecoderStack(layers, hq, hkv, d, eps, "silu", c.query_scale),
+        "query scale": kernels.DecoderStack(layers, hq, hkv, d, eps, c.activation, 1.0),
+        "q/k norms": kernels.DecoderStack(
             [replace(x, qk_norm=None) for x in layers], hq, hkv, d, eps, c.activation,
             c.query_scale,
         ),
@@ -133,17 +134,17 @@ def test_the_stack_routes_each_row_as_the_family_does(tmp_path: Path) -> None:
     path = WRITERS["mixtral"](tmp_path / "mixtral")
     lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="off")
     stack = lm.model.stack
-    assert isinstance(stack, native_gemv.DecoderStack)
+    assert isinstance(stack, kernels.DecoderStack)
     want = _decode(lm, stack)
     c = lm.model.config
     hq, hkv, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
 
-    def routed(**change: Any) -> native_gemv.DecoderStack:
+    def routed(**change: Any) -> kernels.DecoderStack:
         layers = [
             replace(x, experts=replace(x.experts, **change)) if x.experts else x
             for x in stack.layers
         ]
-        return native_gemv.DecoderStack(layers, hq, hkv, d, eps, c.activation, c.query_scale)
+        return kernels.DecoderStack(layers, hq, hkv, d, eps, c.activation, c.query_scale)
 
     try:
         for piece, other in {

@@ -44,7 +44,7 @@ def test_resolve_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("service.model.loader.tier_has_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu", "bf16") == torch.bfloat16
     # 4-bit decode weights: float32 compute through kvfence's GEMV where it builds
-    monkeypatch.setattr("service.model.native_gemv.kernel", lambda: None)
+    monkeypatch.setattr("service.model.native.kernels.kernel", lambda: None)
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", "cpu")

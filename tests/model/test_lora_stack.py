@@ -16,10 +16,11 @@ from safetensors.torch import save_file
 from kvcache.attention import NativeAttend
 from kvcache.backends import cpu_decode
 from kvcache.metadata import kv_rows
-from service.model import LoadedModel, load_model, native_gemv
+from service.model import LoadedModel, load_model
 from service.model.lora import TARGETS, LoraAdapter, LoraGroup, load_lora
 from service.model.lora_batch import LoraBatch
 from service.model.lora_stack import LoraStacks
+from service.model.native import kernels
 
 # Each test loads the default model (~20-30 s on 2 cores).
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def auto_model(default_model_path: Path) -> LoadedModel:
     lm = load_model(
         default_model_path, dtype="float32", weights="auto", progress=False, batch_invariant="off"
     )
-    assert isinstance(lm.model.stack, native_gemv.DecoderStack)
+    assert isinstance(lm.model.stack, kernels.DecoderStack)
     return lm
 
 
@@ -132,7 +133,7 @@ def _logits(
         x: torch.Tensor,
         rope: torch.Tensor,
         attend: NativeAttend,
-        deltas: Mapping[str, native_gemv.StackDelta] | None = None,
+        deltas: Mapping[str, kernels.StackDelta] | None = None,
     ) -> torch.Tensor:
         calls.append(deltas is not None)
         return stack(x, rope, attend, deltas)
@@ -245,9 +246,9 @@ def test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_co
         assert all(torch.equal(got[i], base[i]) for i, r in enumerate(rows) if r is None)
 
 
-def _stack_of(lm: LoadedModel) -> native_gemv.DecoderStack:
+def _stack_of(lm: LoadedModel) -> kernels.DecoderStack:
     stack = lm.model.stack
-    assert isinstance(stack, native_gemv.DecoderStack)
+    assert isinstance(stack, kernels.DecoderStack)
     return stack
 
 
@@ -262,16 +263,16 @@ def test_the_stack_refuses_lora_deltas_it_does_not_take(
     batch = LoraBatch.of_rows(_rows(adapters), torch.device("cpu"), LoraStacks())
     assert batch is not None
     deltas = batch.stack_deltas(len(POSITIONS))
-    assert deltas is not None and set(deltas) == set(native_gemv.LORA_GROUPS)
+    assert deltas is not None and set(deltas) == set(kernels.LORA_GROUPS)
     qkv = deltas["qkv"]
     bad = [
         {"lm_head": qkv},
         {"o": qkv},
-        {"qkv": native_gemv.StackDelta(qkv.a[:, :0], qkv.b[:, :0], qkv.mask[:, :0])},
-        {"qkv": native_gemv.StackDelta(qkv.a.double(), qkv.b, qkv.mask)},
-        {"qkv": native_gemv.StackDelta(qkv.a, qkv.b.transpose(1, 2).contiguous().transpose(1, 2), qkv.mask)},
-        {"qkv": native_gemv.StackDelta(qkv.a, qkv.b, qkv.mask[:-1])},
-        {"qkv": native_gemv.StackDelta(qkv.a[:-1], qkv.b[:-1], qkv.mask)},
+        {"qkv": kernels.StackDelta(qkv.a[:, :0], qkv.b[:, :0], qkv.mask[:, :0])},
+        {"qkv": kernels.StackDelta(qkv.a.double(), qkv.b, qkv.mask)},
+        {"qkv": kernels.StackDelta(qkv.a, qkv.b.transpose(1, 2).contiguous().transpose(1, 2), qkv.mask)},
+        {"qkv": kernels.StackDelta(qkv.a, qkv.b, qkv.mask[:-1])},
+        {"qkv": kernels.StackDelta(qkv.a[:-1], qkv.b[:-1], qkv.mask)},
     ]
     attn = _PoolAttention(auto_model)
     x = torch.randn(len(POSITIONS), auto_model.model.config.hidden_size)

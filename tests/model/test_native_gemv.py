@@ -1,4 +1,4 @@
-"""The float32 4-bit GEMV (service/model/q4_gemv.c): built from source on first use, it
+"""The float32 4-bit GEMV (service/model/native/kvf.c): built from source on first use, it
 computes ``x @ w.T`` from GGUF blocks as a float32 matmul on the dequantized weights does,
 and ``--weights auto`` uses it in float32 where it builds."""
 
@@ -21,8 +21,9 @@ from kvcache.attention import NativeAttend
 from kvcache.backends import cpu_decode
 from kvcache.dense import DenseAttention
 from kvcache.errors import KernelRefused
-from service.model import ModelLoadError, load_model, native_gemv
+from service.model import ModelLoadError, load_model
 from service.model.loader import resolve_precision
+from service.model.native import kernels
 from service.model.quant import (
     Int4Codes,
     Int4Linear,
@@ -42,21 +43,21 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C co
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KVFENCE_HOME", str(tmp_path))
-    monkeypatch.setattr(native_gemv, "_loaded", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
     yield
 
 
-def _kernel() -> native_gemv.Q4Kernel:
-    kernel = native_gemv.kernel()
+def _kernel() -> kernels.Q4Kernel:
+    kernel = kernels.kernel()
     assert kernel is not None, "a C compiler is here: the kernel must build"
     return kernel
 
 
-def _portable(tmp_path: Path) -> native_gemv.Q4Kernel:
+def _portable(tmp_path: Path) -> kernels.Q4Kernel:
     """The plain C loops (no AVX2), as a CPU without them runs."""
     target = tmp_path / "portable.so"
-    native_build.compile_library(str(shutil.which("cc")), native_gemv.SOURCE, target, "x86-64")
-    kernel = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
+    native_build.compile_library(str(shutil.which("cc")), kernels.SOURCE, target, "x86-64")
+    kernel = kernels.Q4Kernel(ctypes.CDLL(str(target)))
     assert not kernel.simd
     return kernel
 
@@ -101,8 +102,8 @@ def _bound(x: torch.Tensor, codes: Int4Codes, reference: torch.Tensor) -> torch.
     return rounding + 1e-5 * (x.abs().double() @ reference.abs().double().T)
 
 
-def _check(kernel: native_gemv.Q4Kernel, codes: Int4Codes, reference: torch.Tensor) -> None:
-    lin = native_gemv.Q4Linear.pack(codes, kernel)
+def _check(kernel: kernels.Q4Kernel, codes: Int4Codes, reference: torch.Tensor) -> None:
+    lin = kernels.Q4Linear.pack(codes, kernel)
     n, k = reference.shape
     # The identity reads every weight back out: any slip in the nibble order, the minimum
     # (zero - 8 * scale) or the Q8_0 split shows far above the rounding of the step.
@@ -164,8 +165,8 @@ def test_tile_unit_batches_compute_the_dense_bf16_product(kind: GGMLQuantization
     n, k = 37, 96  # 37 output rows: two whole 16-row panels and a partial one
     data = _ggml(kind, n, k, 40 + int(kind))
     codes = UNPACK[kind](data, n)
-    tiled = native_gemv.Q4Linear.pack(codes, kernel, tiles=True)
-    plain = native_gemv.Q4Linear.pack(codes, kernel)
+    tiled = kernels.Q4Linear.pack(codes, kernel, tiles=True)
+    plain = kernels.Q4Linear.pack(codes, kernel)
     w = _exact_weights(kind, data, n, k).float().bfloat16().double()
     x = torch.randn(kernel.max_rows, k, generator=torch.Generator().manual_seed(7)) * 3
     xb = x.bfloat16().double()
@@ -195,7 +196,7 @@ def test_tile_unit_batches_compute_the_dense_bf16_product(kind: GGMLQuantization
 def test_codes_quantized_from_dense_weights_take_fp16_scales() -> None:
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
     codes = quantize_int4(w)
-    lin = native_gemv.Q4Linear.pack(codes, _kernel())
+    lin = kernels.Q4Linear.pack(codes, _kernel())
     back = lin(torch.eye(128)[:8]).T
     # scale and minimum round to fp16 (relative 2^-11): far inside int4's own error.
     want = codes.dequantize()[:, :8]
@@ -205,7 +206,7 @@ def test_codes_quantized_from_dense_weights_take_fp16_scales() -> None:
 
 def test_kernel_refuses_what_it_does_not_take() -> None:
     kernel = _kernel()
-    blocks = native_gemv.to_blocks(quantize_int4(torch.randn(8, 64)))
+    blocks = kernels.to_blocks(quantize_int4(torch.randn(8, 64)))
     with pytest.raises(ValueError, match="does not take"):
         kernel.matmul(torch.randn(1, 64, dtype=torch.bfloat16), blocks)
     with pytest.raises(ValueError, match="does not take"):
@@ -218,17 +219,17 @@ def test_kernel_refuses_what_it_does_not_take() -> None:
 def test_switched_off_or_no_compiler_keeps_torchs_kernel(
     monkeypatch: pytest.MonkeyPatch, default_model_path: Path
 ) -> None:
-    assert isinstance(native_gemv.kernel(), native_gemv.Q4Kernel)
+    assert isinstance(kernels.kernel(), kernels.Q4Kernel)
     monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
-    assert native_gemv.kernel() is None
+    assert kernels.kernel() is None
     off = load_model(default_model_path, dtype="float32", weights="int4", progress=False)
     assert off.model.packed is not None
     assert isinstance(off.model.packed.lm_head, Int4Linear)  # torch's int4 kernel
     assert off.model.small_layers[0].normed_qkv is None  # nothing fused on that path
     monkeypatch.delenv("KVFENCE_CPU_KERNEL")
-    monkeypatch.setattr(native_gemv, "_loaded", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert native_gemv.kernel() is None
+    assert kernels.kernel() is None
 
 
 @pytest.mark.slow
@@ -238,14 +239,14 @@ def test_float32_int4_decodes_through_the_kernel_like_the_dense_model(
     dense = load_model(default_model_path, dtype="float32", weights="bf16", progress=False)
     auto = load_model(default_model_path, dtype="float32", weights="int4", progress=False)
     assert auto.weights == "int4" and auto.model.packed is not None
-    assert isinstance(auto.model.packed.lm_head, native_gemv.Q4Linear)
+    assert isinstance(auto.model.packed.lm_head, kernels.Q4Linear)
     # the norms and the SiLU gate run inside the kernel calls on this path
     layer = auto.model.small_layers[0]
     assert layer.normed_qkv is not None and layer.normed_gate_up is not None
     assert layer.gated_down_into is not None and auto.model.normed_small_head is not None
     # ... and RoPE and the residual adds (the dense model does them in torch)
     assert layer.roped_qkv is not None and layer.o_into is not None
-    assert isinstance(layer.mlp_into, native_gemv.MlpBlock)  # o to down in one call
+    assert isinstance(layer.mlp_into, kernels.MlpBlock)  # o to down in one call
     ids = torch.tensor([1, 4093, 30, 2260])
     n = len(ids)
     assert n <= auto.model.packed.max_rows
@@ -266,7 +267,7 @@ def test_a_non_finite_input_never_gives_a_finite_output() -> None:
     through, as float math does), and leaves the other rows as they were."""
     for kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
         data = _ggml(kind, 8, 64, 3)
-        lin = native_gemv.Q4Linear.pack(UNPACK[kind](data, 8), _kernel())
+        lin = kernels.Q4Linear.pack(UNPACK[kind](data, 8), _kernel())
         x = torch.randn(2, 64)
         alone = lin(x[:1])
         x[1, 40] = float("inf")
@@ -321,10 +322,10 @@ def test_kernel_reproduces_the_files_k_quant_weights(
     reference = torch.from_numpy(dequantize(data, kind).reshape(n, k).astype(np.float32))
     assert torch.equal(blocks.exact().float(), reference)
     kernel = _portable(tmp_path) if portable else _kernel()
-    lin = native_gemv.Q4Linear.pack_k(blocks, kernel)
+    lin = kernels.Q4Linear.pack_k(blocks, kernel)
     assert lin.wide and lin.q8 == (kind == GGMLQuantizationType.Q6_K)
     assert lin.in_panels() is lin and not lin.tiles
-    assert lin.blocks.shape == (n, native_gemv.row_bytes(k, lin.q8, wide=True))
+    assert lin.blocks.shape == (n, kernels.row_bytes(k, lin.q8, wide=True))
     exact = blocks.exact()
     for start in range(0, k, 128):
         eye = torch.eye(k)[start : start + 128]
@@ -348,20 +349,20 @@ def test_kernel_reproduces_the_files_k_quant_weights(
 def test_q8_0_codes_are_read_as_int8_blocks() -> None:
     n, k = 21, 64
     data = _ggml(GGMLQuantizationType.Q8_0, n, k, 11)
-    lin = native_gemv.Q4Linear.pack(from_q8_0(data, n), _kernel())
+    lin = kernels.Q4Linear.pack(from_q8_0(data, n), _kernel())
     assert lin.q8 and lin.repeat == 1
-    assert lin.blocks.shape == (n, native_gemv.row_bytes(k, q8=True))
+    assert lin.blocks.shape == (n, kernels.row_bytes(k, q8=True))
     assert lin.nbytes == n * (k + 2 * 8)  # int8 codes, then 2 scales padded to 8 fp16
     # other two-half codes are not Q8_0: they keep the 4-bit path
     other = from_q8_0(data, n)
     other = Int4Codes(other.codes, other.scale * 1.5, other.zero, other.repeat)
-    assert native_gemv.q8_blocks(other) is None
+    assert kernels.q8_blocks(other) is None
 
 
 def test_q5_0_codes_are_read_as_int8_blocks() -> None:
     """Q5_0's ``q - 16`` is an int8 block: the 8-bit layout, not two 4-bit halves."""
     n, k = 21, 64
-    lin = native_gemv.Q4Linear.pack(
+    lin = kernels.Q4Linear.pack(
         from_q5_0(_ggml(GGMLQuantizationType.Q5_0, n, k, 12), n), _kernel()
     )
     assert lin.q8 and lin.repeat == 1
@@ -369,7 +370,7 @@ def test_q5_0_codes_are_read_as_int8_blocks() -> None:
 
 
 def test_no_rows_give_no_rows() -> None:
-    lin = native_gemv.Q4Linear.pack(quantize_int4(torch.randn(8, 64)), _kernel())
+    lin = kernels.Q4Linear.pack(quantize_int4(torch.randn(8, 64)), _kernel())
     assert lin(torch.empty(0, 64)).shape == (0, 8)
 
 
@@ -377,7 +378,7 @@ def test_fused_norm_and_gate_equal_the_torch_ops_then_the_kernel() -> None:
     kernel = _kernel()
     n, k = 40, 128
     data = _ggml(GGMLQuantizationType.Q4_1, n, k, 9)
-    lin = native_gemv.Q4Linear.pack(from_q4_1(data, n), kernel)
+    lin = kernels.Q4Linear.pack(from_q4_1(data, n), kernel)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, k, generator=gen) * 4
     gamma = torch.rand(k, generator=gen) + 0.5
@@ -404,7 +405,7 @@ def test_fused_gate_follows_torchs_silu_over_the_whole_float_range(
     of +-inf or NaN makes its row NaN, as torch's silu then the kernel do."""
     kernel = _portable(tmp_path) if portable else _kernel()
     n, k = 24, 256
-    lin = native_gemv.Q4Linear.pack(from_q4_1(_ggml(GGMLQuantizationType.Q4_1, n, k, 5), n), kernel)
+    lin = kernels.Q4Linear.pack(from_q4_1(_ggml(GGMLQuantizationType.Q4_1, n, k, 5), n), kernel)
     gate = torch.linspace(-120.0, 120.0, 4 * k).view(4, k)
     gate[1] = torch.linspace(-12.0, 12.0, k)  # where the curve bends
     up = torch.randn(4, k, generator=torch.Generator().manual_seed(3))
@@ -427,8 +428,8 @@ def test_fused_rope_and_residual_add_equal_the_torch_ops_after_the_kernel() -> N
     kernel = _kernel()
     heads, dim, n, k = 3, 16, 64, 128  # 3 rotated heads of 16, then 16 plain columns
     data = _ggml(GGMLQuantizationType.Q4_1, n, k, 12)
-    lin = native_gemv.Q4Linear.pack(from_q4_1(data, n), kernel)
-    down = native_gemv.Q4Linear.pack(
+    lin = kernels.Q4Linear.pack(from_q4_1(data, n), kernel)
+    down = kernels.Q4Linear.pack(
         from_q4_1(_ggml(GGMLQuantizationType.Q4_1, k, n, 13), k), kernel
     )
     gen = torch.Generator().manual_seed(4)
@@ -449,15 +450,15 @@ def test_fused_rope_and_residual_add_equal_the_torch_ops_after_the_kernel() -> N
     plain = lin.normed(v, gamma, 1e-5)
     qk = plain[:, : heads * dim].reshape(3, heads, dim)
     rotated = qk * cos[:, None] + qk.roll(dim // 2, dims=-1) * sin[:, None]
-    got = lin.roped_by(gamma, 1e-5, native_gemv.Rope(heads, dim))(v, table)
+    got = lin.roped_by(gamma, 1e-5, kernels.Rope(heads, dim))(v, table)
     torch.testing.assert_close(got[:, : heads * dim].reshape(3, heads, dim), rotated)
     assert torch.equal(got[:, heads * dim :], plain[:, heads * dim :])
-    roped = lin.roped_by(gamma, 1e-5, native_gemv.Rope(heads, dim))
+    roped = lin.roped_by(gamma, 1e-5, kernels.Rope(heads, dim))
     for bad in (table[:2], table[..., :8].contiguous(), table.double()):
         with pytest.raises(ValueError, match="does not take"):
             roped(v, bad)
     with pytest.raises(ValueError, match="does not take"):
-        lin.roped_by(gamma, 1e-5, native_gemv.Rope(5, dim))(v, table)  # 80 columns > 64
+        lin.roped_by(gamma, 1e-5, kernels.Rope(5, dim))(v, table)  # 80 columns > 64
     with pytest.raises(ValueError, match="does not take"):
         lin.into(v, torch.zeros(3, n + 1))
 
@@ -468,13 +469,13 @@ def test_fused_mlp_call_equals_its_three_calls() -> None:
     would refuse."""
     kernel = _kernel()
     hidden, q_size, inter = 64, 96, 128
-    o = native_gemv.Q4Linear.pack(
+    o = kernels.Q4Linear.pack(
         from_q4_1(_ggml(GGMLQuantizationType.Q4_1, hidden, q_size, 21), hidden), kernel
     )
-    gate_up = native_gemv.Q4Linear.pack(
+    gate_up = kernels.Q4Linear.pack(
         from_q4_1(_ggml(GGMLQuantizationType.Q4_1, 2 * inter, hidden, 22), 2 * inter), kernel
     )
-    down = native_gemv.Q4Linear.pack(
+    down = kernels.Q4Linear.pack(
         from_q8_0(_ggml(GGMLQuantizationType.Q8_0, hidden, inter, 23), hidden), kernel
     )
     assert down.q8  # one 8-bit projection among them
@@ -489,36 +490,36 @@ def test_fused_mlp_call_equals_its_three_calls() -> None:
         o.into(attn, want)
         down.gated_into(gate_up.normed_by(gamma, 1e-5)(want), want)
         got = residual.clone()
-        assert native_gemv.MlpBlock(o, gamma, 1e-5, gate_up, down)(attn, got) is got
+        assert kernels.MlpBlock(o, gamma, 1e-5, gate_up, down)(attn, got) is got
         assert torch.equal(got, want)
-    block = native_gemv.MlpBlock(o, gamma, 1e-5, gate_up, down)
+    block = kernels.MlpBlock(o, gamma, 1e-5, gate_up, down)
     with pytest.raises(ValueError, match="does not take"):
         block(torch.randn(2, q_size), torch.randn(3, hidden))  # rows differ
     with pytest.raises(ValueError, match="does not take"):
         block(torch.randn(2, q_size + 32), torch.randn(2, hidden))
     with pytest.raises(ValueError, match="does not take"):
-        native_gemv.MlpBlock(o, gamma, 1e-5, down, gate_up)  # projections swapped
+        kernels.MlpBlock(o, gamma, 1e-5, down, gate_up)  # projections swapped
     with pytest.raises(ValueError, match="does not take"):
-        native_gemv.MlpBlock(o, gamma[:-1], 1e-5, gate_up, down)
+        kernels.MlpBlock(o, gamma[:-1], 1e-5, gate_up, down)
 
 
 def _spied_stack(
     path: Path, weights: str = "auto"
-) -> tuple[Any, native_gemv.DecoderStack, list[int], Callable[..., torch.Tensor]]:
+) -> tuple[Any, kernels.DecoderStack, list[int], Callable[..., torch.Tensor]]:
     """The float32 model (``weights`` as ``--weights``), its decoder stack, and a spy on it
     recording each call's rows into the returned list: ``(loaded, stack, batches, spy)``.
     Batch-variant (``batch_invariant="off"``): the layer loop it is compared with then
     attends prefill tokens as the stack does for decode-sized steps only."""
     lm = load_model(path, dtype="float32", weights=weights, progress=False, batch_invariant="off")
     stack = lm.model.stack
-    assert isinstance(stack, native_gemv.DecoderStack)
+    assert isinstance(stack, kernels.DecoderStack)
     batches: list[int] = []
 
     def spy(
         x: torch.Tensor,
         rope: torch.Tensor,
         attend: NativeAttend,
-        lora: Mapping[str, native_gemv.StackDelta] | None = None,
+        lora: Mapping[str, kernels.StackDelta] | None = None,
     ) -> torch.Tensor:
         batches.append(x.shape[0])
         return stack(x, rope, attend, lora)
@@ -671,7 +672,7 @@ def test_decoder_stack_refuses_a_step_it_does_not_fit(default_model_path: Path) 
 
     lm = load_model(default_model_path, dtype="float32", weights="auto", progress=False)
     stack = lm.model.stack
-    assert isinstance(stack, native_gemv.DecoderStack)
+    assert isinstance(stack, kernels.DecoderStack)
     c = lm.model.config
     decode = cpu_decode.kernel()
     assert decode is not None
@@ -738,7 +739,7 @@ def test_auto_on_a_bf16_cpu_decodes_float32_through_the_kernel_and_batches_dense
     assert ref.max_packed_rows == 32
     assert m.packed is not None and ref.packed is not None
     head, ref_head = m.packed.lm_head, ref.packed.lm_head
-    assert isinstance(head, native_gemv.Q4Linear) and isinstance(ref_head, native_gemv.Q4Linear)
+    assert isinstance(head, kernels.Q4Linear) and isinstance(ref_head, kernels.Q4Linear)
     assert head.panels == ref_head.panels == kernel.panel_simd
     assert head.tiles == (kernel.amx and not kernel.panel_simd) and not ref_head.tiles
     assert m.stack is not None
@@ -786,7 +787,7 @@ def test_the_invariant_model_has_one_kernel_for_every_batch_size(
     assert lm.batch_invariant and m.batch_invariant and m.max_packed_rows == 0
     assert m.packed is not None and m.stack is not None
     packs = [*m.packed.qkv, *m.packed.o, *m.packed.gate_up, *m.packed.down, m.packed.lm_head]
-    assert all(isinstance(p, native_gemv.Q4Linear) and not p.tiles for p in packs)
+    assert all(isinstance(p, kernels.Q4Linear) and not p.tiles for p in packs)
     # where the kernel runs the panel layout on SIMD, every projection and the head (their
     # rows fill panels of 16) are on it: one exact integer a block, the fast batches
     kernel = packs[0].kernel
@@ -814,13 +815,13 @@ def test_the_invariant_model_turns_the_tile_unit_off_for_weights_left_out_of_pan
     """A weight whose rows do not fill panels of 16 keeps the row layout, where the default
     packs take the tile unit (bf16) on an AMX CPU; the invariant model turns it off. Here
     every weight of the default model is left out of panels."""
-    monkeypatch.setattr(native_gemv.Q4Linear, "in_panels", lambda self: self)
+    monkeypatch.setattr(kernels.Q4Linear, "in_panels", lambda self: self)
 
-    def packs(batch_invariant: str) -> list[native_gemv.Q4Linear]:
+    def packs(batch_invariant: str) -> list[kernels.Q4Linear]:
         m = load_model(default_model_path, progress=False, batch_invariant=batch_invariant).model
         assert m.packed is not None
         got = [*m.packed.qkv, *m.packed.o, *m.packed.gate_up, *m.packed.down, m.packed.lm_head]
-        q4 = [p for p in got if isinstance(p, native_gemv.Q4Linear)]
+        q4 = [p for p in got if isinstance(p, kernels.Q4Linear)]
         assert len(q4) == len(got)
         return q4
 

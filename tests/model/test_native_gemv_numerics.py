@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcache import native_build
-from service.model import native_gemv
+from service.model.native import kernels
 from service.model.quant import quantize_int4
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -24,40 +24,40 @@ BUILDS = {"native": None, "avx2": "x86-64-v3", "portable": "x86-64"}
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, native_gemv.Q4Kernel]:
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, kernels.Q4Kernel]:
     """The other builds, each made once for the module."""
-    made: dict[str, native_gemv.Q4Kernel] = {}
+    made: dict[str, kernels.Q4Kernel] = {}
     for build, arch in BUILDS.items():
         if arch is not None:
             target = tmp_path_factory.mktemp("builds") / f"{build}.so"
             native_build.compile_library(
-                str(shutil.which("cc")), native_gemv.SOURCE, target, arch, native_build.extra_flags()
+                str(shutil.which("cc")), kernels.SOURCE, target, arch, native_build.extra_flags()
             )
-            made[build] = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
+            made[build] = kernels.Q4Kernel(ctypes.CDLL(str(target)))
     return made
 
 
 @pytest.fixture
-def built(builds: dict[str, native_gemv.Q4Kernel]) -> Callable[[str], native_gemv.Q4Kernel]:
-    def get(build: str) -> native_gemv.Q4Kernel:
+def built(builds: dict[str, kernels.Q4Kernel]) -> Callable[[str], kernels.Q4Kernel]:
+    def get(build: str) -> kernels.Q4Kernel:
         if BUILDS[build] is not None:
             return builds[build]
-        kernel = native_gemv.kernel()
+        kernel = kernels.kernel()
         assert kernel is not None, "a C compiler is here: the kernel must build"
         return kernel
 
     return get
 
 
-def _packed(kernel: native_gemv.Q4Kernel, n: int, k: int, seed: int) -> native_gemv.Q4Linear:
+def _packed(kernel: kernels.Q4Kernel, n: int, k: int, seed: int) -> kernels.Q4Linear:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    return native_gemv.Q4Linear.pack(quantize_int4(w), kernel)
+    return kernels.Q4Linear.pack(quantize_int4(w), kernel)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("scale", [1e-36, 1e-31, 1e-20], ids=["1e-36", "1e-31", "1e-20"])
 def test_tiny_blocks_keep_their_sign_and_size(
-    build: str, scale: float, built: Callable[[str], native_gemv.Q4Kernel]
+    build: str, scale: float, built: Callable[[str], kernels.Q4Kernel]
 ) -> None:
     """A row whose blocks' largest |x| is below ~1e-34 once overflowed 32767 / top (every
     value read as -32768: the wrong sign, ~100x too large); now it is the product to float32
@@ -79,7 +79,7 @@ def test_tiny_blocks_keep_their_sign_and_size(
 
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_a_strided_norm_weight_is_read_as_its_values(
-    build: str, built: Callable[[str], native_gemv.Q4Kernel]
+    build: str, built: Callable[[str], kernels.Q4Kernel]
 ) -> None:
     """``gamma`` not contiguous: the kernel reads a contiguous copy, which must outlive the
     call (a pointer to a freed temporary gave errors up to 7.0)."""
@@ -99,7 +99,7 @@ def test_a_strided_norm_weight_is_read_as_its_values(
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("n", [64, 4096], ids=["one thread", "workers"])
 def test_a_threads_scratch_is_freed_when_it_exits(
-    build: str, n: int, built: Callable[[str], native_gemv.Q4Kernel]
+    build: str, n: int, built: Callable[[str], kernels.Q4Kernel]
 ) -> None:
     """Each calling thread (and each OpenMP worker of a parallel call) keeps its scratch
     between calls, on the heap, and gives it back when the thread exits."""

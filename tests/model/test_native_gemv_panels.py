@@ -1,4 +1,4 @@
-"""The 4-bit GEMV's panel layout (``q4_gemv.c``'s panels, :func:`native_gemv.to_panels`),
+"""The 4-bit GEMV's panel layout (``service/model/native/panels.h``, :func:`kernels.to_panels`),
 which batch-invariant steps run: one exact integer per (row, output, block), then one float
 chain per output in block order, so a row's output is the same bits in a batch of any size
 and at any place in it, on the SIMD loops and on the plain C ones alike."""
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvcache import native_build
-from service.model import native_gemv
 from service.model.invariance import invariant_linear
+from service.model.native import kernels
 from service.model.quant import Int4Codes
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -26,18 +26,18 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C co
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KVFENCE_HOME", str(tmp_path))
-    monkeypatch.setattr(native_gemv, "_loaded", {})
+    monkeypatch.setattr(kernels, "_loaded", {})
     yield
 
 
-def _kernel(portable: bool, tmp_path: Path) -> native_gemv.Q4Kernel:
+def _kernel(portable: bool, tmp_path: Path) -> kernels.Q4Kernel:
     if not portable:
-        kernel = native_gemv.kernel()
+        kernel = kernels.kernel()
         assert kernel is not None, "a C compiler is here: the kernel must build"
         return kernel
     target = tmp_path / "portable.so"
-    native_build.compile_library(str(shutil.which("cc")), native_gemv.SOURCE, target, "x86-64")
-    kernel = native_gemv.Q4Kernel(ctypes.CDLL(str(target)))
+    native_build.compile_library(str(shutil.which("cc")), kernels.SOURCE, target, "x86-64")
+    kernel = kernels.Q4Kernel(ctypes.CDLL(str(target)))
     assert not kernel.panel_simd
     return kernel
 
@@ -51,7 +51,7 @@ def _codes(n: int, k: int, seed: int) -> Int4Codes:
 
 
 def _panels(w: Int4Codes) -> torch.Tensor:
-    return native_gemv.to_panels(native_gemv.to_blocks(w), w.codes.shape[1])
+    return kernels.to_panels(kernels.to_blocks(w), w.codes.shape[1])
 
 
 def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,12 +59,12 @@ def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
     d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4).half()
-    return native_gemv._rows(codes, native_gemv._padded(d)), codes, d
+    return kernels._rows(codes, kernels._padded(d)), codes, d
 
 
 def _weights(q8: bool, n: int, k: int, seed: int) -> torch.Tensor:
     """Random weights in the panel layout, 4-bit or 8-bit."""
-    return native_gemv.to_panels(_q8(n, k, seed)[0], k, True) if q8 else _panels(_codes(n, k, seed))
+    return kernels.to_panels(_q8(n, k, seed)[0], k, True) if q8 else _panels(_codes(n, k, seed))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ def _f32(v: Fraction) -> float:
 
 
 def _reference(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """The panel layout's defined arithmetic (q4_gemv.c), one output at a time: x's int16
+    """The panel layout's defined arithmetic (panels.h), one output at a time: x's int16
     blocks as prepare() makes them, S_g exact, acc = fma(S_g, d_g * s_g, acc) and
     mac = fma(m_g, t_g, mac) in block order (m = 0 for 8-bit blocks), then acc + mac;
     every FMA rounded once."""
@@ -139,7 +139,7 @@ def _reference(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray | 
 def test_panels_compute_the_defined_sums_in_block_order(
     portable: bool, q8: bool, tmp_path: Path
 ) -> None:
-    """Bit for bit the arithmetic q4_gemv.c documents for the panel layout, for a batch of
+    """Bit for bit the arithmetic panels.h documents for the panel layout, for a batch of
     5 (a group of four rows and a single one) and of 18 (the tile unit where the CPU has
     it); another order of the float steps, or float partial sums inside a block, would
     round differently."""
@@ -151,7 +151,7 @@ def test_panels_compute_the_defined_sums_in_block_order(
         d, m, codes_np = d16.float().numpy(), None, codes.to(torch.int64).numpy()
     else:
         w = _codes(n, k, 3)
-        blocks = native_gemv.to_blocks(w)
+        blocks = kernels.to_blocks(w)
         tail = blocks[:, groups * 16 :].contiguous()
         d = tail[:, : 2 * groups].contiguous().view(torch.float16).float().numpy()
         m = tail[:, 16 : 16 + 2 * groups].contiguous().view(torch.float16).float().numpy()
@@ -160,7 +160,7 @@ def test_panels_compute_the_defined_sums_in_block_order(
     x = torch.randint(-4000, 4000, (18, k), generator=gen).float() / 1024
     x[1] /= 1024  # rows of different sizes (dyadic: the block sums are exact)
     want = torch.from_numpy(_reference(x.numpy(), codes_np, d, m))
-    panels = native_gemv.to_panels(blocks, k, q8)
+    panels = kernels.to_panels(blocks, k, q8)
     for rows in (5, 18):
         got = kernel.matmul(x[:rows], panels, q8, panels=True)
         assert torch.equal(_bits(got), _bits(want[:rows])), rows
@@ -168,7 +168,7 @@ def test_panels_compute_the_defined_sums_in_block_order(
 
 def test_panels_approximate_the_float_product_and_carry_non_finite_rows() -> None:
     n, k = 64, 1536
-    kernel = native_gemv.kernel()
+    kernel = kernels.kernel()
     assert kernel is not None
     w = _codes(n, k, 5)
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
@@ -188,14 +188,14 @@ def test_panels_approximate_the_float_product_and_carry_non_finite_rows() -> Non
 
 
 def test_the_kernel_refuses_panels_it_cannot_run() -> None:
-    kernel = native_gemv.kernel()
+    kernel = kernels.kernel()
     assert kernel is not None
     blocks = _panels(_codes(32, 64, 7))
     with pytest.raises(ValueError, match="does not take"):
         kernel.matmul(torch.zeros(1, 64), blocks[:24], panels=True)  # not whole panels
     with pytest.raises(ValueError, match="does not take"):
         kernel.matmul(torch.zeros(1, 64), blocks[:, :-1].contiguous(), panels=True)
-    lin = native_gemv.Q4Linear.pack(_codes(24, 64, 8), kernel)
+    lin = kernels.Q4Linear.pack(_codes(24, 64, 8), kernel)
     assert not invariant_linear(lin).panels  # 24 rows: not whole panels, stays on the int16 GEMV
-    full = invariant_linear(native_gemv.Q4Linear.pack(_codes(32, 64, 8), kernel))
+    full = invariant_linear(kernels.Q4Linear.pack(_codes(32, 64, 8), kernel))
     assert full.panels == kernel.panel_simd and not full.tiles

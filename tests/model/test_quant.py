@@ -12,8 +12,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvcache.dense import DenseAttention
-from service.model import load_model, native_gemv
+from service.model import load_model
 from service.model.gguf_loader import read_gguf
+from service.model.native import kernels
 from service.model.packed import resolve_weights
 from service.model.quant import (
     Int4Linear,
@@ -115,7 +116,7 @@ def test_auto_resolves_to_the_files_blocks_only_where_a_fast_kernel_exists(
 ) -> None:
     assert resolve_weights("auto", torch.bfloat16, "cpu") == "file"
     # float32: kvfence's own GEMV (built with the system compiler, as in CI), else dense
-    assert native_gemv.kernel() is not None
+    assert kernels.kernel() is not None
     assert resolve_weights("auto", torch.float32, "cpu") == "file"
     monkeypatch.setenv("KVFENCE_CPU_KERNEL", "off")
     assert resolve_weights("auto", torch.float32, "cpu") == "bf16"

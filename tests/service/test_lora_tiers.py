@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.model import native_gemv
+from service.model.native import kernels
 from tests.fixtures.tiny_lora import ALL_TARGETS, write_random_lora
 from tests.serverutil import TEST_SIZING, ServerHandle, TenantSpec, running_server
 from tests.service.rpc import generate, request
@@ -72,13 +72,13 @@ def test_adapters_decode_in_the_native_stack_as_peft_computes_them(
     srv: ServerHandle, merged: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stack_calls = {"with adapters": 0}
-    original = native_gemv.DecoderStack.__call__
+    original = kernels.DecoderStack.__call__
 
     def counted(self: Any, x: torch.Tensor, rope: Any, attend: Any, lora: Any = None) -> Any:
         stack_calls["with adapters"] += lora is not None
         return original(self, x, rope, attend, lora)
 
-    monkeypatch.setattr(native_gemv.DecoderStack, "__call__", counted)
+    monkeypatch.setattr(kernels.DecoderStack, "__call__", counted)
     ids = srv.stack.model.tokenizer.encode(PROMPTS[0])
 
     def run(model: str) -> list[int]:

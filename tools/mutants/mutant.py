@@ -34,7 +34,7 @@ class Mutant:
 # What a mutant may need, and the Python expression (run in the scratch copy) that is true
 # where this machine's kernels have it: the kernel's own detection, not a list of CPUs.
 HARDWARE = {
-    "amx": "__import__('service.model.native_gemv', fromlist=['kernel']).kernel().amx",
+    "amx": "__import__('service.model.native.kernels', fromlist=['kernel']).kernel().amx",
 }
 
 

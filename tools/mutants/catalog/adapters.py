@@ -31,7 +31,7 @@ MUTANTS = (
     mutant(
         "stack-skips-gate-up-delta",
         "an adapter row's decode step in the native stack adds every projection's delta",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/mlp.h",
              "lora_for(&job, lgu, NULL, v, rows, hidden, 2 * inter, halves, h, u, span)) != 0)",
              "NULL) != 0)"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
@@ -39,7 +39,7 @@ MUTANTS = (
     mutant(
         "stack-lora-wrong-module-slice",
         "the stack reads each module's own rank slice of a block-diagonal B",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/lora.h",
              "        *lo += m * slice;",
              "        *lo += (job->parts - 1 - m) * slice;"),
         tests=f"{T_STACK}::test_a_mixed_adapter_step_runs_in_the_stack_as_the_layer_loop_computes_it",
@@ -55,7 +55,7 @@ MUTANTS = (
     mutant(
         "stack-lora-bfloat16-widened-wrong",
         "the stack widens bfloat16-held adapter weights exactly to float32 (the bits moved up 16)",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/lora_loops.h",
              "    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));",
              "    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 15));"),
         tests=f"{T_STACK}::test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_copy",
@@ -63,7 +63,7 @@ MUTANTS = (
     mutant(
         "stack-lora-float16-widened-as-bfloat16",
         "the stack widens float16-held adapter weights as float16",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/lora_loops.h",
              "    if (held == HELD_F16) return _mm256_cvtph_ps(h);",
              "    if (held == HELD_F16 && 0) return _mm256_cvtph_ps(h);"),
         tests=f"{T_STACK}::test_a_half_precision_adapter_is_held_so_and_computes_exactly_its_float32_copy",
@@ -71,7 +71,7 @@ MUTANTS = (
     mutant(
         "stack-lora-group-shares-first-rows-input",
         "rows that share a pass over an adapter's weights each dot their own input",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/lora_loops.h",
              "                s0[p][q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + j), w0, s0[p][q]);\n"
              "                s1[p][q]",
              "                s0[p][q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + j), w0, s0[p][q]);\n"
@@ -100,7 +100,7 @@ MUTANTS = (
     mutant(
         "stack-checks-absent-projections",
         "an adapter on some projections only (PEFT's q_proj/v_proj) runs in the native stack",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/stack.h",
              "        if (g[L_RANKS] == 0) continue; /* no delta on this projection: the rest is unread */\n",
              ""),
         tests=T_TIERS,

@@ -186,13 +186,13 @@ MUTANTS = (
     mutant(
         "q4-tiny-block-step",
         "a block of tiny inputs keeps its sign and size in the 4-bit GEMV",
-        edit("service/model/q4_gemv.c", "            if (top > 0.0f && top < TINY_TOP) {", "            if (0) {"),
+        edit("service/model/native/common.h", "            if (top > 0.0f && top < TINY_TOP) {", "            if (0) {"),
         tests="tests/model/test_native_gemv_numerics.py::test_tiny_blocks_keep_their_sign_and_size",
     ),
     mutant(
         "stack-family-qkv-bias",
         "a family's qkv bias is added in the native decoder stack (Qwen2 decodes as its layer loop)",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/stack.h",
              "        if (qkv_bias != NULL) add_bias(qkv, rows, n_qkv, qkv_bias);",
              "        (void)qkv_bias;"),
         tests="tests/model/test_family_stack.py",
@@ -200,7 +200,7 @@ MUTANTS = (
     mutant(
         "stack-family-post-norms",
         "Gemma's output norms run in the native decoder stack before each residual add",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/mlp.h",
              "    if (post_mlp != NULL) add_normed(x, a, rows, hidden, post_mlp, eps);",
              "    if (post_mlp != NULL) add_bias(x, rows, hidden, a);"),
         tests="tests/model/test_family_stack.py",
@@ -208,7 +208,7 @@ MUTANTS = (
     mutant(
         "stack-family-geglu",
         "a GeGLU family's gate is gelu_tanh in the native decoder stack, not SiLU",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/common.h",
              "    if (gated == GATE_GELU_TANH) {\n        gelu_gate(x, k, v);",
              "    if (gated == GATE_GELU_TANH) {\n        silu_gate(x, k, v);"),
         tests="tests/model/test_family_stack.py",
@@ -216,7 +216,7 @@ MUTANTS = (
     mutant(
         "stack-moe-top-k-not-renormalised",
         "the native decoder stack renormalises a Mixtral row's top-k routing weights to sum to one",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/moe.h",
              "    for (int k = 0; normalize && k < top_k; ++k) weight[rank[k]] /= kept;",
              "    for (int k = 0; 0 && normalize && k < top_k; ++k) weight[rank[k]] /= kept;"),
         tests="tests/model/test_family_stack.py",
@@ -224,7 +224,7 @@ MUTANTS = (
     mutant(
         "stack-moe-expert-unweighted",
         "the native decoder stack weighs each picked expert's output by its routing weight",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/moe.h",
              "            for (int j = 0; j < hidden; ++j) m[j] += w * a[j];",
              "            for (int j = 0; j < hidden; ++j) m[j] += a[j] + 0.0f * w;"),
         tests="tests/model/test_family_stack.py",
@@ -232,7 +232,7 @@ MUTANTS = (
     mutant(
         "k-quant-one-scale-a-block",
         "a Q6_K block's codes 16-31 take their own sub-block's scale in the GEMV",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/q8_rows.h",
              "            if (wide) scales8(dh + 4 * (size_t)padded, xs, groups, step[4 + i], 1);",
              "            if (wide) scales8(dh, xs, groups, step[4 + i], 1);"),
         tests="tests/model/test_native_gemv.py::test_kernel_reproduces_the_files_k_quant_weights",
@@ -240,7 +240,7 @@ MUTANTS = (
     mutant(
         "q4-gamma-copy-alive",
         "a strided norm weight's contiguous copy outlives the 4-bit GEMV call",
-        edit("service/model/native_gemv.py",
+        edit("service/model/native/kernels.py",
              "        gamma = None if gamma is None else gamma.contiguous()\n        norm = 0 if gamma is None else gamma.data_ptr()",
              "        norm = 0 if gamma is None else gamma.contiguous().data_ptr()"),
         tests="tests/model/test_native_gemv_numerics.py::test_a_strided_norm_weight_is_read_as_its_values",
@@ -256,7 +256,7 @@ MUTANTS = (
     mutant(
         "batch-invariant-panel-unfused-combine",
         "the panel GEMV's few-row loop rounds each block's step like its tile-unit batches (one FMA)",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/panels.h",
              "            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), step, acc[r]);",
              # the product rounded on its own (a mul then an add would be contracted back
              # into one FMA by the compiler)
@@ -267,7 +267,7 @@ MUTANTS = (
     mutant(
         "batch-invariant-tile-chunk-first-panel-scales",
         "each panel of a chunk on the tile unit takes its own scales, not the chunk's first panel's",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/panels_amx.h",
              "panel_amx_tile(p, xb, plane, r0, live, k, groups, dm + (size_t)(q - c0) * 32 * groups,",
              "panel_amx_tile(p, xb, plane, r0, live, k, groups, dm,"),
         tests="tests/model/test_native_gemv_panels.py",
@@ -276,7 +276,7 @@ MUTANTS = (
     mutant(
         "batch-invariant-tile-odd-blocks-from-even-tiles",
         "an odd block's sums leave the tile unit from the tiles its products went to",
-        edit("service/model/q4_gemv.c",
+        edit("service/model/native/panels_amx.h",
              "        if (h & 1) {\n            _tile_stored(5, sums[0], 64);",
              "        if (!(h & 1)) {\n            _tile_stored(5, sums[0], 64);"),
         tests="tests/model/test_native_gemv_panels.py",

@@ -1,4 +1,4 @@
-"""The 4-bit GEMV for float32 activations (``q4_gemv.c``), compiled on first use.
+"""The 4-bit GEMV for float32 activations (``kvf.c`` and its parts), compiled on first use.
 
 torch's ``_weight_int4pack_mm_for_cpu`` is fast only with bf16/fp16 activations; CPUs
 without AVX512-BF16 compute in float32, where that kernel is slower than the dense matmul,
@@ -32,8 +32,8 @@ from kvcache.errors import KernelRefused
 from kvcache.native_build import load_once
 from service.model.quant import GROUP, Int4Codes, KBlocks
 
-SOURCE = Path(__file__).with_name("q4_gemv.c")  # the kernel's C source
-PANEL = 16  # output rows per panel of the panel layout (PANEL in q4_gemv.c)
+SOURCE = Path(__file__).with_name("kvf.c")  # the kernel's translation unit (includes its parts)
+PANEL = 16  # output rows per panel of the panel layout (PANEL in panels.h)
 _lock = threading.Lock()
 _loaded: dict[str, Q4Kernel | None] = {}
 
@@ -323,7 +323,7 @@ def _on_cpu(*tensors: torch.Tensor | None) -> bool:
 def kernel() -> Q4Kernel | None:
     """The compiled kernel, built once per process (and cached on disk); None where it
     cannot be built or is switched off."""
-    return load_once(_loaded, _lock, SOURCE, "q4_gemv", Q4Kernel)
+    return load_once(_loaded, _lock, SOURCE, "kvf", Q4Kernel)
 
 
 def _rows(*parts: torch.Tensor) -> torch.Tensor:
@@ -341,7 +341,7 @@ def _padded(scales: torch.Tensor) -> torch.Tensor:
 
 def flags(q8: bool, tiles: bool, panels: bool = False, wide: bool = False) -> int:
     """A weight's q8 argument to the kernel: bit 0 for 8-bit blocks, bit 1 (KVF_TILES in
-    q4_gemv.c) to let batches run on the tile unit, bit 2 (KVF_PANELS) for 4-bit blocks in
+    common.h) to let batches run on the tile unit, bit 2 (KVF_PANELS) for 4-bit blocks in
     the panel layout, bit 3 (KVF_WIDE) for a wide layout (:func:`wide_blocks`)."""
     return int(q8) | (2 if tiles else 0) | (4 if panels else 0) | (8 if wide else 0)
 
@@ -418,9 +418,9 @@ def wide_blocks(w: KBlocks) -> torch.Tensor:
 
 
 def to_panels(blocks: torch.Tensor, k: int, q8: bool = False) -> torch.Tensor:
-    """``blocks`` (:func:`service.model.native_gemv.to_blocks`, or with ``q8``
-    :func:`~service.model.native_gemv.q8_blocks`; ``[N, row bytes]``, N a multiple of 16) in
-    the kernel's panel layout (:func:`~service.model.native_gemv.panel_row_bytes` a row): per
+    """``blocks`` (:func:`service.model.native.kernels.to_blocks`, or with ``q8``
+    :func:`~service.model.native.kernels.q8_blocks`; ``[N, row bytes]``, N a multiple of 16) in
+    the kernel's panel layout (:func:`~service.model.native.kernels.panel_row_bytes` a row): per
     panel of 16 output rows and block g, the 16 rows' codes (byte ``[i][n][j]`` is byte
     ``4i + j`` of row n's block), then their 16 fp16 scales, then their 16 fp16 minimums
     (zeros for 8-bit blocks)."""
@@ -636,8 +636,8 @@ class Q4Linear:
 
 # The fused projections a step's LoRA deltas attach to, in the C table's order.
 LORA_GROUPS = ("qkv", "o", "gate_up", "down")
-MAX_LORA_RANKS = 65536  # LORA_MAX_RANKS in q4_gemv.c
-# How a LoRA delta's A and B may be held, and the C table's flag for each (HELD_* in q4_gemv.c).
+MAX_LORA_RANKS = 65536  # LORA_MAX_RANKS in lora.h
+# How a LoRA delta's A and B may be held, and the C table's flag for each (HELD_* in lora_loops.h).
 HELD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -663,7 +663,7 @@ class StackDelta:
 
 
 # The MLP gate's activations the native decoder stack computes, by ModelConfig.activation,
-# and the C code's value for each (GATE_SILU, GATE_GELU_TANH in q4_gemv.c).
+# and the C code's value for each (GATE_SILU, GATE_GELU_TANH in common.h).
 STACK_GATES = {"silu": 1, "gelu_tanh": 2}
 
 
@@ -683,7 +683,7 @@ class StackExperts:
     top_k: int
     normalize: bool
     # [experts, 4] int64: each expert's gate_up and down pointers and flags (E_* in
-    # q4_gemv.c), set in __post_init__
+    # attend.h), set in __post_init__
     table: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -720,7 +720,7 @@ class StackExperts:
         return self.down[0].k
 
     def columns(self) -> list[int]:
-        """The C block table's expert columns (B_ROUTER to B_NORM_TOP_K in q4_gemv.c)."""
+        """The C block table's expert columns (B_ROUTER to B_NORM_TOP_K in attend.h)."""
         return [
             self.router.data_ptr(), self.table.data_ptr(), len(self.gate_up), self.top_k,
             int(self.normalize),
@@ -762,7 +762,7 @@ class StackLayer:
         return self.down.k
 
     def extras(self) -> tuple[torch.Tensor | None, ...]:
-        """The optional tensors in the C block table's order (B_* in q4_gemv.c, B_ROPE
+        """The optional tensors in the C block table's order (B_* in attend.h, B_ROPE
         aside)."""
         return (
             self.qkv_bias, self.qk_norm, self.o_bias, self.gate_up_bias, self.down_bias,
@@ -834,7 +834,7 @@ class DecoderStack:
         self._gate = STACK_GATES[activation]
         self._query_scale = query_scale
         self._rope_tables = tables
-        # Per layer, the block table (B_* in q4_gemv.c); None where every layer is the plain
+        # Per layer, the block table (B_* in attend.h); None where every layer is the plain
         # Llama layer (no column set), which the C code then runs without one.
         plain = (
             all(t is None for layer in layers for t in layer.extras())
