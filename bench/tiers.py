@@ -13,8 +13,10 @@ SmolLM2-135M Q4_1 and gemma-3-270m Q4_K_M, the same GGUF for both systems):
   ``llama-server``, its slots and physical batch swept once per tier and model on a quarter
   of the work (bench.llama_server.sweep) and its best setting timed in full each run.
 - **roofline**: the machine's memory read bandwidth (:func:`read_bandwidth`, measured at the
-  start of the suite) over the bytes one decode token reads (kvfence: its packed weights;
-  llama.cpp: the model size llama-bench reports); each single-stream figure as a fraction.
+  start of the suite) over the file's weight bytes (the model size llama-bench reports: a
+  decode token reads every weight once, the tied embedding as the head), the same for both
+  systems; each single-stream figure as a fraction. kvfence's own packed bytes are recorded
+  beside it (its K-quant and Q5_0 layouts hold more bytes than the file).
 
 Runs are interleaved (run r of every tier and model, then run r + 1), and within a run each
 pair goes back to back, kvfence first on even runs and llama.cpp first on odd ones. Each
@@ -294,16 +296,15 @@ def report(
                                         OFFLINE_GOAL))
             o_cell = f"{fmt_spread(spread(offline).as_dict())} / " \
                      f"{fmt_spread(spread(peer_offline).as_dict())} = {o_ratio}"
-        weight = ours[0]["weight_bytes"]
-        roof_cell = "n/a"
-        if weight:
-            roof = spread(v * weight / bandwidth for v in decode)
-            peer_roof = spread(v * theirs[0]["model_bytes"] / bandwidth for v in peer_decode)
-            fig |= {"roofline": roof, "llama_roofline": peer_roof, "weight_bytes": weight}
-            roof_cell = f"{roof} / {peer_roof}"
-            if case.tier == "native":
-                targets.append(worst_target(f"{name}: decode / memory roofline", roof,
-                                            ROOFLINE_GOAL))
+        model_bytes = theirs[0]["model_bytes"]
+        roof = spread(v * model_bytes / bandwidth for v in decode)
+        peer_roof = spread(v * model_bytes / bandwidth for v in peer_decode)
+        fig |= {"roofline": roof, "llama_roofline": peer_roof, "model_bytes": model_bytes,
+                "kvfence_weight_bytes": ours[0]["weight_bytes"]}
+        roof_cell = f"{roof} / {peer_roof}"
+        if case.tier == "native":
+            targets.append(worst_target(f"{name}: decode / memory roofline", roof,
+                                        ROOFLINE_GOAL))
         figures[name] = fig
         rows.append((name, f"{spread(decode)} / {spread(peer_decode)} = {d_ratio}",
                      f"{spread(ttft)} / {spread(peer_ttft)} = {t_ratio}", o_cell, roof_cell))
