@@ -1,7 +1,9 @@
 """Run every benchmark suite one after another: `python -m bench.run_all [--quick] [--only S]`.
 
-Full-run sizing targets about 25 minutes on 2 cores (see docs/benchmarks.md for what
-each suite runs). Systems never run concurrently; each suite reports its own targets.
+Full-run sizing targets about 25 minutes on 2 cores for every suite but ``tiers``, which
+takes about 40 more (it sweeps one llama-server per tier and model; measured: 2,495 s on a
+2-core EPYC with two tiers). See docs/benchmarks.md for what each suite runs. Systems never
+run concurrently; each suite reports its own targets.
 Each suite runs in its own interpreter: a suite that ran torch on the main thread leaves an
 OpenMP pool there, which slows every engine thread started after it (service.model.threads;
 measured: offline untimed engine 130 output tok/s after the overhead suite in the same
