@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from service.model import load_model
 from service.model.layers import _prepacks, dense
 from tests.fixtures import tiny_families as tf
 from tests.model.test_families_gemma_moe import CHECKPOINTS
-from tests.model.test_native_gemv import _add_greedy, _small_core
+from tests.model.test_native_gemv import _greedy_alone
 
 WRITERS: dict[str, Callable[[Path], Path]] = {
     "qwen2_windowed": tf.write_qwen2_windowed,
@@ -37,18 +36,6 @@ def test_an_empty_dense_weight_is_never_prepacked() -> None:
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_each_family_decodes_at_the_served_defaults(name: str, tmp_path: Path) -> None:
     lm = load_model(WRITERS[name](tmp_path / name), progress=False)
-    core = _small_core(lm)
-    got: list[tuple[int, float]] = []
-
-    def sink(event: Any) -> None:
-        from service.engine.types import Delta
-
-        if isinstance(event, Delta):
-            got.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
-
-    _add_greedy(core, 0, 5, 12, 6, 1, sink)
-    with torch.inference_mode():
-        while core.has_work():
-            core.step()
+    got = _greedy_alone(lm, 0, 5, 12, 6)
     assert len(got) == 6
     assert all(0 <= t < lm.model.config.vocab_size and math.isfinite(lp) for t, lp in got)

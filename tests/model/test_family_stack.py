@@ -18,7 +18,7 @@ from service.model import load_model
 from service.model.native import kernels
 from tests.fixtures import tiny_families as tf
 from tests.model.test_families_gemma_moe import CHECKPOINTS
-from tests.model.test_native_gemv import _add_greedy, _small_core, _spied_stack
+from tests.model.test_native_gemv import _add_greedy, _greedy_alone, _small_core, _spied_stack
 
 WRITERS: dict[str, Callable[[Path], Path]] = {
     "qwen2_windowed": tf.write_qwen2_windowed,  # qkv bias, a sliding layer
@@ -164,17 +164,4 @@ def test_the_families_run_batch_invariant(name: str, tmp_path: Path) -> None:
     lm = load_model(path, dtype="float32", weights="int4", progress=False, batch_invariant="on")
     assert lm.batch_invariant
     together = _decode(lm, lm.model.stack)
-    from service.engine.types import Delta, EngineEvent
-
-    core = _small_core(lm)
-    alone: Out = []
-
-    def sink(event: EngineEvent) -> None:
-        if isinstance(event, Delta):
-            alone.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
-
-    _add_greedy(core, 1, 5, 5, 8, 1, sink)
-    with torch.inference_mode():
-        while core.has_work():
-            core.step()
-    assert alone == together[1]
+    assert _greedy_alone(lm, 1, 5, 5, 8) == together[1]

@@ -564,6 +564,25 @@ def _add_greedy(
     )
 
 
+
+def _greedy_alone(lm: Any, i: int, first: int, prompt: int, n: int) -> list[tuple[int, float]]:
+    """:func:`_add_greedy`'s request ``r{i}`` alone on a fresh :func:`_small_core`: its
+    (token, logprob) pairs."""
+    from service.engine.types import Delta
+
+    core = _small_core(lm)
+    got: list[tuple[int, float]] = []
+
+    def sink(event: Any) -> None:
+        if isinstance(event, Delta):
+            got.extend((lp.token_id, lp.logprob) for lp in event.logprobs)
+
+    _add_greedy(core, i, first, prompt, n, 1, sink)
+    with torch.inference_mode():
+        while core.has_work():
+            core.step()
+    return got
+
 @pytest.mark.slow
 def test_decoder_stack_decodes_bit_for_bit_as_the_layer_loop(default_model_path: Path) -> None:
     """An all-decode float32 step runs every layer in one native call (``DecoderStack``, with
