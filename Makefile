@@ -94,7 +94,8 @@ parity: $(STAMP) model
 verify: $(STAMP) model
 	$(PY) -m tests.verify_report
 
-# Switch off each stated guarantee in a scratch copy and check that its tests fail.
+# Switch off each stated guarantee in a scratch copy and check that its tests fail; the C
+# kernels' mutants again on each other kernel build this CPU runs (avx2, portable).
 mutants: $(STAMP) model
 	$(PY) -m tools.mutants --markdown docs/mutants.md
 

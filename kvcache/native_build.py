@@ -66,6 +66,22 @@ def switched_off() -> bool:
     return os.environ.get("KVFENCE_CPU_KERNEL", "auto").lower() in ("off", "0", "false", "no")
 
 
+# CPU flags of the AVX2 build's instruction set, and those beyond it: a CPU with both runs
+# two different builds (native, and avx2 forced), a CPU with AVX2 alone one.
+_AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})
+_WIDER_FLAGS = ("avx512f", "avx_vnni", "amx_tile")
+
+
+def tiers(cpu_flags: str | None = None) -> tuple[str, ...]:
+    """The kernel builds (``KVFENCE_KERNEL_ISA`` values) that run different code on this CPU
+    (``cpu_flags``: /proc/cpuinfo's flags line, this machine's by default): ``native``;
+    ``avx2`` where the CPU has AVX2 and more (AVX-512, AVX-VNNI, AMX), so the two differ;
+    and ``portable`` (plain x86-64), which every x86-64 CPU runs."""
+    flags = set((_cpu_flags() if cpu_flags is None else cpu_flags).split())
+    wider = flags >= _AVX2_FLAGS and any(f in flags for f in _WIDER_FLAGS)
+    return ("native", "avx2", "portable") if wider else ("native", "portable")
+
+
 def march() -> str:
     """The ``-march`` of this process's builds, from ``KVFENCE_KERNEL_ISA`` (default native)."""
     isa = os.environ.get("KVFENCE_KERNEL_ISA", "native").lower()

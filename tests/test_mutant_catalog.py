@@ -74,3 +74,41 @@ def test_a_mutant_of_code_for_hardware_this_machine_lacks_is_not_run(
     assert run_mutant(tmp_path, m, env, 60).result == "killed"
     with pytest.raises(ValueError, match="needs 'gpu'"):
         mutant("m", "g", tests="t.py", needs="gpu")
+
+
+def test_a_kernel_mutant_a_tier_compiles_to_the_same_code_is_not_run_there(
+    tmp_path: Path,
+) -> None:
+    """A C edit inside code one build leaves out (an AVX2 path in the portable build) is not
+    run on that build: its assembly is the same with and without the edit. The build that
+    contains the code runs the tests, which decide."""
+    from tools.mutants.mutant import edit, mutant
+    from tools.mutants.run import run_mutant
+
+    source = "int f(int x) {\n#ifdef __AVX2__\n    return x + 1;\n#else\n    return x;\n#endif\n}\n"
+    (tmp_path / "k.c").write_text(source)
+    (tmp_path / "test_runs.py").write_text("def test_runs():\n    assert False\n")
+    m = mutant("m", "g", edit("k.c", "return x + 1;", "return x + 2;"), tests="test_runs.py")
+    env = {"PATH": "/usr/bin:/bin"}
+    portable = run_mutant(tmp_path, m, env, 60, "portable")
+    assert (portable.result, portable.passed) == ("not run", True)
+    assert "portable build compiles it to the same code" in portable.why
+    assert run_mutant(tmp_path, m, env, 60, "avx2").result == "killed"
+    assert (tmp_path / "k.c").read_text() == source  # restored either way
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("flags : fpu sse2 avx avx2 fma f16c bmi2", ("native", "portable")),
+        ("flags : fpu avx avx2 fma f16c avx512f avx512_vnni", ("native", "avx2", "portable")),
+        ("flags : fpu avx avx2 fma f16c amx_tile", ("native", "avx2", "portable")),
+        ("flags : fpu sse2", ("native", "portable")),
+    ],
+)
+def test_the_mutants_run_on_each_kernel_build_the_cpu_runs(
+    flags: str, expected: tuple[str, ...]
+) -> None:
+    from kvcache.native_build import tiers
+
+    assert tiers(flags) == expected

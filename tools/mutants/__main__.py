@@ -4,12 +4,16 @@
     python -m tools.mutants -k scrub,log    # only mutants whose name contains scrub or log
     python -m tools.mutants --list          # the catalogue, nothing run
     python -m tools.mutants --markdown out.md
+    python -m tools.mutants --tiers native  # one kernel build only
 
 Prints one row per mutant (killed, and by which test, or SURVIVED / not run / STALE / BROKEN)
 and exits non-zero unless every selected mutant is killed or not run: a mutant of code this
-machine does not run (its guarding tests all skip here, or it needs hardware, ``needs``, the
-kernel lacks) is reported as not run, never as killed or survived. The catalogue is
-``tools/mutants/catalog``.
+machine does not run (its guarding tests all skip here, it needs hardware, ``needs``, the
+kernel lacks, or the tier's build compiles the edited C to the same code) is reported as not
+run, never as killed or survived. Every mutant runs on the first tier's build (``native``);
+the mutants of the C kernels run again on each other build this CPU runs
+(``kvcache.native_build.tiers``: ``avx2`` where the CPU has more, and ``portable``), since
+each build compiles other code paths. The catalogue is ``tools/mutants/catalog``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvcache.native_build import ISAS, tiers
 from tools.mutants.catalog import ALL
 from tools.mutants.run import Row, run_all
 
@@ -41,17 +46,26 @@ literal edits (each anchor must occur exactly once, or the mutant is reported ST
 small test selection with `-x`, and restores the file. `-k a,b` runs only mutants whose names
 contain `a` or `b`; `--list` prints the catalogue. A mutant is a few lines in
 `tools/mutants/catalog/` (`mutant(name, guarantee, edit(path, old, new), ..., tests=...)`).
+
+Every mutant runs on the native kernel build; the mutants of the C kernels run again on each
+other build the CPU runs (`KVFENCE_KERNEL_ISA=avx2` where it has more than AVX2, and
+`portable`), each build compiling other code paths. A kernel mutant whose edit the tier's
+build compiles to the same code is not run there: that build does not contain the code.
 """
 
 
-def markdown(rows: Sequence[Row]) -> str:
+def markdown(by_tier: dict[str, list[Row]]) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lines = [MARKDOWN_HEAD, f"Run {when}: {_tally(rows)}.", "",
-             "| mutant | guarantee switched off | result | killed by |", "|---|---|---|---|"]
-    for r in rows:
-        cells = (f"`{r.mutant.name}`", r.mutant.guarantee, r.result,
-                 f"`{r.by}`" if r.by else "")
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines = [MARKDOWN_HEAD, f"Run {when}."]
+    for tier, rows in by_tier.items():
+        what = "every mutant" if tier == next(iter(by_tier)) else "the kernel mutants"
+        lines += ["", f"## The `{tier}` build (`-march={ISAS[tier]}`): {what}", "",
+                  f"{_tally(rows)}.", "",
+                  "| mutant | guarantee switched off | result | killed by |", "|---|---|---|---|"]
+        for r in rows:
+            cells = (f"`{r.mutant.name}`", r.mutant.guarantee, r.result,
+                     f"`{r.by}`" if r.by else "")
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -64,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
     parser.add_argument("--markdown", type=Path, help="also write the table as markdown here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    parser.add_argument("--tiers", default=",".join(tiers()),
+                        help="kernel builds, comma-separated (default: those this CPU runs)")
     args = parser.parse_args(argv)
+    chosen_tiers = [t for t in args.tiers.split(",") if t]
+    unknown = [t for t in chosen_tiers if t not in ISAS]
+    if unknown or not chosen_tiers:
+        parser.error(f"--tiers: use some of {', '.join(ISAS)} (got {args.tiers!r})")
     names = [m.name for m in ALL]
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
@@ -77,15 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name:<34} {m.guarantee}\n{'':<34} tests: {' '.join(m.tests)}")
         return 0
-    rows = run_all(chosen, timeout=args.timeout, with_baseline=not args.no_baseline,
-                   keep=args.keep)
-    print()
-    for line in render(rows):
-        print(line)
-    failed = [r.mutant.name for r in rows if not r.passed]
-    print(f"\nmutants: {_tally(rows)}" + (f"; NOT killed: {failed}" if failed else ""))
+    by_tier = run_all(chosen, timeout=args.timeout, with_baseline=not args.no_baseline,
+                      keep=args.keep, tiers=chosen_tiers)
+    failed = []
+    for tier, rows in by_tier.items():
+        print(f"\n{tier} build")
+        for line in render(rows):
+            print(line)
+        failed += [f"{r.mutant.name} ({tier})" for r in rows if not r.passed]
+        print(f"mutants, {tier}: {_tally(rows)}")
+    if failed:
+        print(f"NOT killed: {failed}")
     if args.markdown:
-        args.markdown.write_text(markdown(rows), encoding="utf-8")
+        args.markdown.write_text(markdown(by_tier), encoding="utf-8")
     return 1 if failed else 0
 
 

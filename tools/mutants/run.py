@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcache.native_build import FLAGS, ISAS
 from tools.mutants.mutant import HARDWARE, Mutant, StaleAnchor, mutated_sources
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,12 +72,48 @@ def scratch_copy(root: Path, dest: Path) -> None:
         shutil.copy2(src, target)
 
 
-def scratch_env(scratch: Path) -> dict[str, str]:
+def scratch_env(scratch: Path, tier: str = "native") -> dict[str, str]:
+    """The tests' environment: the scratch copy's packages, and ``tier``'s kernel build."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(scratch)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["KVFENCE_KERNEL_ISA"] = tier
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def in_kernels(m: Mutant) -> bool:
+    """Whether ``m`` edits the C kernels, the code that differs from one tier's build to
+    another's (the Python around them runs alike on every tier)."""
+    return any(e.path.endswith((".c", ".h")) for e in m.edits)
+
+
+def _units(scratch: Path, m: Mutant) -> list[Path]:
+    """The translation units ``m``'s edits reach: an edited ``.c`` file, or every ``.c``
+    file beside an edited header (each kernel folder builds one translation unit)."""
+    units: set[Path] = set()
+    for e in m.edits:
+        path = scratch / e.path
+        if path.suffix == ".c":
+            units.add(path)
+        elif path.suffix == ".h":
+            units.update(path.parent.glob("*.c"))
+    return sorted(units)
+
+
+def assembly(units: Sequence[Path], tier: str) -> list[str]:
+    """The assembly ``tier``'s build makes of ``units`` (the kernels' own flags)."""
+    compiler = os.environ.get("CC", "cc")
+    flags = [f for f in FLAGS if f != "-shared"]
+    out = []
+    for unit in units:
+        done = subprocess.run(
+            [compiler, *flags, f"-march={ISAS[tier]}", "-S", str(unit), "-o", "-"],
+            cwd=unit.parent, capture_output=True, text=True, timeout=300, check=False,
+        )
+        # a mutant that does not compile changes the build: its tests fail to load it
+        out.append(done.stdout if done.returncode == 0 else f"error {done.returncode}")
+    return out
 
 
 def check_imports_from(scratch: Path, env: dict[str, str]) -> None:
@@ -165,7 +202,7 @@ def machine_has(scratch: Path, needs: str, env: dict[str, str]) -> bool:
 
 
 def run_mutant(
-    scratch: Path, m: Mutant, env: dict[str, str], timeout: float
+    scratch: Path, m: Mutant, env: dict[str, str], timeout: float, tier: str = "native"
 ) -> Row:
     if m.needs and not machine_has(scratch, m.needs, env):
         return Row(m, "not run", "", 0.0, f"this machine's kernels have no {m.needs}")
@@ -174,9 +211,13 @@ def run_mutant(
     except StaleAnchor as err:
         return Row(m, "STALE", str(err), 0.0)
     originals = {path: path.read_text(encoding="utf-8") for path in sources}
+    units = _units(scratch, m) if in_kernels(m) else []
+    before = assembly(units, tier)
     try:
         for path, text in sources.items():
             path.write_text(text, encoding="utf-8")
+        if units and assembly(units, tier) == before:
+            return Row(m, "not run", "", 0.0, f"the {tier} build compiles it to the same code")
         result = run_pytest(scratch, m.tests, env, timeout, stop_first=True)
     finally:
         for path, text in originals.items():
@@ -203,22 +244,31 @@ def baseline(scratch: Path, mutants: Iterable[Mutant], env: dict[str, str], time
 
 
 def run_all(
-    mutants: Sequence[Mutant], *, timeout: float, with_baseline: bool, keep: bool
-) -> list[Row]:
+    mutants: Sequence[Mutant], *, timeout: float, with_baseline: bool, keep: bool,
+    tiers: Sequence[str] = ("native",),
+) -> dict[str, list[Row]]:
+    """Rows per tier: every mutant on the first tier's build, and the kernel mutants
+    (``in_kernels``) again on each further tier's build."""
     scratch = Path(tempfile.mkdtemp(prefix="kvfence-mutants-"))
     try:
         scratch_copy(ROOT, scratch)
-        env = scratch_env(scratch)
-        check_imports_from(scratch, env)
-        if with_baseline:
-            baseline(scratch, mutants, env, timeout * 2)
-        rows = []
-        for m in mutants:
-            row = run_mutant(scratch, m, env, timeout)
-            print(f"  {row.result:<8} {m.name}  {row.by}  ({row.seconds:.0f} s)\n"
-                  f"           {row.why[:150]}", flush=True)
-            rows.append(row)
-        return rows
+        out: dict[str, list[Row]] = {}
+        for i, tier in enumerate(tiers):
+            chosen = list(mutants) if i == 0 else [m for m in mutants if in_kernels(m)]
+            if not chosen:
+                continue
+            print(f"tier {tier}: {len(chosen)} mutants", flush=True)
+            env = scratch_env(scratch, tier)
+            check_imports_from(scratch, env)
+            if with_baseline:
+                baseline(scratch, chosen, env, timeout * 2)
+            rows = out.setdefault(tier, [])
+            for m in chosen:
+                row = run_mutant(scratch, m, env, timeout, tier)
+                print(f"  {row.result:<8} {m.name}  {row.by}  ({row.seconds:.0f} s)\n"
+                      f"           {row.why[:150]}", flush=True)
+                rows.append(row)
+        return out
     finally:
         if keep:
             print(f"scratch copy kept at {scratch}")
