@@ -128,14 +128,16 @@ class GGUFCheckpoint:
     def file_blocks(self, name: str) -> Int4Codes | KBlocks | None:
         """The tensor's own blocks, exactly: as int4 codes (Q4_0, Q4_1, Q5_0, Q8_0) or as
         K-quant blocks with float32 scales (Q4_K, Q6_K); None for a type with neither
-        mapping (see service/model/quant.py)."""
+        mapping (see service/model/quant.py). An expert's are its own entry of the stacked
+        tensor: the reader's data holds whole rows of blocks, so they unpack alone."""
         raw, src = self._raw(name)
         unpack = _EXACT.get(GGMLQuantizationType(raw.tensor_type))
-        if unpack is None or src.expert >= 0 or len(raw.shape) != 2 or int(raw.shape[0]) % 32:
+        dims = 3 if src.expert >= 0 else 2
+        if unpack is None or len(raw.shape) != dims or int(raw.shape[0]) % 32:
             return None
         rows = int(raw.shape[1])
         try:
-            codes = unpack(raw.data, rows)
+            codes = unpack(raw.data if src.expert < 0 else raw.data[src.expert], rows)
         except ValueError as e:
             raise ModelLoadError(f"tensor {raw.name} is corrupt ({e})") from None
         if src.stop:
