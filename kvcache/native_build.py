@@ -84,7 +84,7 @@ def tiers(cpu_flags: str | None = None) -> tuple[str, ...]:
 
 def march() -> str:
     """The ``-march`` of this process's builds, from ``KVFENCE_KERNEL_ISA`` (default native)."""
-    isa = os.environ.get("KVFENCE_KERNEL_ISA", "native").lower()
+    isa = (os.environ.get("KVFENCE_KERNEL_ISA") or "native").lower()  # empty: the default
     if isa not in ISAS:
         raise KernelBuildError(f"KVFENCE_KERNEL_ISA={isa!r}: use one of {', '.join(ISAS)}")
     return ISAS[isa]

@@ -61,3 +61,13 @@ def test_progress_goes_to_stderr_only_when_asked(
     load_model(path, dtype="float32", progress=False)
     assert "loading" not in capsys.readouterr().err
     assert loaded.name == "q2" and loaded.path == path and loaded.dtype == torch.float32
+
+
+def test_an_empty_kernel_isa_is_the_default_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcache import native_build
+
+    monkeypatch.setenv("KVFENCE_KERNEL_ISA", "")
+    assert native_build.march() == "native"
+    monkeypatch.setenv("KVFENCE_KERNEL_ISA", "sse9")
+    with pytest.raises(native_build.KernelBuildError, match="use one of native, avx2, portable"):
+        native_build.march()

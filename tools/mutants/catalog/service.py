@@ -230,6 +230,14 @@ MUTANTS = (
         tests="tests/model/test_family_stack.py",
     ),
     mutant(
+        "gguf-expert-blocks-first-expert",
+        "a GGUF expert is packed from its own entry of the stacked expert tensor",
+        edit("service/model/gguf_loader.py",
+             "unpack(raw.data if src.expert < 0 else raw.data[src.expert], rows)",
+             "unpack(raw.data if src.expert < 0 else raw.data[0], rows)"),
+        tests="tests/model/test_gguf_moe_stack.py::test_each_expert_is_packed_from_its_own_blocks",
+    ),
+    mutant(
         "k-quant-one-scale-a-block",
         "a Q6_K block's codes 16-31 take their own sub-block's scale in the GEMV",
         edit("service/model/native/q8_rows.h",
