@@ -12,6 +12,9 @@ SmolLM2-135M Q4_1 and gemma-3-270m Q4_K_M, the same GGUF for both systems):
 - **offline**: the offline suite's 64 requests over gRPC, all at once, against the tier's
   ``llama-server``, its slots and physical batch swept once per tier and model on a quarter
   of the work (bench.llama_server.sweep) and its best setting timed in full each run.
+- **isolation tax**: the same 64 requests sent by two tenants (alternate requests) to the
+  same server, against the one tenant's run (the two back to back, one first on even runs,
+  two on odd ones): two tenants' output tok/s over one tenant's.
 - **roofline**: the machine's memory read bandwidth (:func:`read_bandwidth`, measured at the
   start of the suite) over the file's weight bytes (the model size llama-bench reports: a
   decode token reads every weight once, the tied embedding as the head), the same for both
@@ -66,7 +69,7 @@ from bench.offline_llama import run_server
 SUITE = "tiers"
 PROMPT, DECODE, LONG = 32, 128, 512
 REPS = 5
-TENANT = "bench"
+TENANT, OTHER = "bench", "other"
 SECOND = "gemma-3-270m"  # the second pullable model (service.model.catalog)
 # What a process of each tier runs with: kvfence's kernels built for the tier, and torch's
 # own dispatch (ATen, oneDNN, MKL) held to the same instruction sets, so the AVX2 tier
@@ -77,7 +80,7 @@ TIER_ENV = {
              "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 # The goals per tier and model, judged on the worst run.
-DECODE_GOAL, TTFT_GOAL, OFFLINE_GOAL, ROOFLINE_GOAL = 1.1, 1.0, 2.0, 0.6
+DECODE_GOAL, TTFT_GOAL, OFFLINE_GOAL, ROOFLINE_GOAL, TAX_GOAL = 1.1, 1.0, 2.0, 0.6, 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,18 +128,21 @@ def llama_bench(path: Path, tier: str, threads: int, reps: int, tokens: int) -> 
             "model_bytes": int(tg["model_size"])}
 
 
-def _job(path: Path, works: dict[str, list[Work]]) -> dict[str, Any]:
-    return {"path": str(path),
+def _job(path: Path, works: dict[str, list[Work]], two_first: bool) -> dict[str, Any]:
+    return {"path": str(path), "two_first": two_first,
             **{k: [{"prompt_ids": list(w.prompt_ids), "max_tokens": w.max_tokens} for w in ws]
                for k, ws in works.items()}}
 
 
-def kvfence_run(case: Case, works: dict[str, list[Work]]) -> dict[str, Any]:
-    """One run of kvfence on ``case`` in a process of its own built for the case's tier."""
+def kvfence_run(case: Case, works: dict[str, list[Work]], two_first: bool = False
+                ) -> dict[str, Any]:
+    """One run of kvfence on ``case`` in a process of its own built for the case's tier
+    (``two_first``: the offline work by two tenants before the one tenant's run)."""
     env = {**os.environ, **TIER_ENV[case.tier]}
     done = subprocess.run(
         [sys.executable, "-m", "bench.tiers", "--child"],
-        input=json.dumps(_job(case.path, works)), capture_output=True, text=True, env=env,
+        input=json.dumps(_job(case.path, works, two_first)), capture_output=True, text=True,
+        env=env,
         cwd=str(Path(__file__).resolve().parents[1]), check=False,
     )
     if done.returncode != 0:
@@ -157,11 +163,12 @@ async def _child(job: dict[str, Any]) -> dict[str, Any]:
     every = [] if packed is None else [*packed.qkv, *packed.o, *packed.gate_up, *packed.down]
     # the bytes a decode token reads, where every projection and the head are packed
     weight_bytes = packed.nbytes if packed and all(every) and packed.lm_head else None
-    async with grpc_server(loaded, (TENANT,)) as (target, keys, _):
+    async with grpc_server(loaded, (TENANT, OTHER)) as (target, keys, _):
 
-        async def go(ws: list[Work], one_at_a_time: bool) -> tuple[float, list[Any]]:
+        async def go(ws: list[Work], one_at_a_time: bool, tenants: tuple[str, ...] = (TENANT,)
+                     ) -> tuple[float, list[Any]]:
             wall, traces = await run_grpc_elsewhere(
-                target, keys, ws, (TENANT,), bypass_prefix_cache=True,
+                target, keys, ws, tenants, bypass_prefix_cache=True,
                 max_concurrency=1 if one_at_a_time else None)
             check_complete(ws, traces)
             return wall, traces
@@ -169,12 +176,16 @@ async def _child(job: dict[str, Any]) -> dict[str, Any]:
         await go(works("warm"), True)
         _, decode = await go(works("decode"), True)
         _, ttft = await go(works("ttft"), True)
-        wall, _ = await go(works("offline"), False)
-    offline = throughput("kvfence gRPC", works("offline"), wall).output_tok_s
+        walls: dict[int, float] = {}
+        for n in (2, 1) if job["two_first"] else (1, 2):
+            walls[n], _ = await go(works("offline"), False, (TENANT, OTHER)[:n])
+    offline, offline_two = (throughput("kvfence gRPC", works("offline"), walls[n]).output_tok_s
+                            for n in (1, 2))
     return {
         "decode_tok_s": sorted(1.0 / t.tpot for t in decode)[len(decode) // 2],
         "ttft_s": sorted(t.ttft for t in ttft)[len(ttft) // 2],
         "offline_tok_s": offline,
+        "offline_two_tenants_tok_s": offline_two,
         "weight_bytes": weight_bytes,
         "stack": loaded.model.stack is not None,
         "dense_dtype": str(loaded.dense_dtype or loaded.dtype),
@@ -236,8 +247,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             for case in cases:
                 plan = plans[case.label][r]
 
-                def ours(c: Case = case, p: dict[str, list[Work]] = plan) -> dict[str, Any]:
-                    return kvfence_run(c, p)
+                def ours(c: Case = case, p: dict[str, list[Work]] = plan,
+                         odd: bool = r % 2 == 1) -> dict[str, Any]:
+                    return kvfence_run(c, p, two_first=odd)
 
                 def theirs(c: Case = case, p: dict[str, list[Work]] = plan) -> dict[str, Any]:
                     figures = llama_bench(c.path, c.tier, threads, reps, tokens)
@@ -276,16 +288,18 @@ def report(
         peer_offline = [r["offline_tok_s"] for r in theirs]
         d_ratio = _ratio_rows(case.label, decode, peer_decode)
         t_ratio = _ratio_rows(case.label, ttft, peer_ttft)
+        tax = _ratio_rows(case.label, [r["offline_two_tenants_tok_s"] for r in ours], offline)
         fig: dict[str, Any] = {
             "decode_tok_s": spread(decode), "llama_tg_tok_s": spread(peer_decode),
             "decode_ratio": d_ratio, "ttft_s": spread(ttft), "llama_pp512_s": spread(peer_ttft),
-            "ttft_ratio": t_ratio, "offline_tok_s": spread(offline),
+            "ttft_ratio": t_ratio, "offline_tok_s": spread(offline), "isolation_tax": tax,
             "native_stack": all(r["stack"] for r in ours), "dense_dtype": ours[0]["dense_dtype"],
         }
         name = case.label
         targets += [worst_target(f"{name}: decode / llama.cpp tg{DECODE}", d_ratio, DECODE_GOAL),
                     worst_target(f"{name}: TTFT(512) / llama.cpp pp512", t_ratio, TTFT_GOAL,
-                                 higher_is_better=False)]
+                                 higher_is_better=False),
+                    worst_target(f"{name}: offline 64, two tenants / one tenant", tax, TAX_GOAL)]
         o_cell = "n/a"
         if all(p is not None for p in peer_offline):
             o_ratio = _ratio_rows(name, offline, peer_offline)
@@ -307,7 +321,8 @@ def report(
                                         ROOFLINE_GOAL))
         figures[name] = fig
         rows.append((name, f"{spread(decode)} / {spread(peer_decode)} = {d_ratio}",
-                     f"{spread(ttft)} / {spread(peer_ttft)} = {t_ratio}", o_cell, roof_cell))
+                     f"{spread(ttft)} / {spread(peer_ttft)} = {t_ratio}", o_cell, str(tax),
+                     roof_cell))
     data = {
         "suite": SUITE, "quick": quick, "machine": machine_info(threads),
         "memory_read_bandwidth_bytes_s": bandwidth, "figures": figures,
@@ -320,7 +335,8 @@ def report(
         md_table(("tier, model", "decode tok/s: kvfence gRPC / llama-bench tg "
                   f"{DECODE} = ratio", "TTFT(512) s: kvfence gRPC / llama.cpp pp512 = ratio",
                   "offline output tok/s: kvfence gRPC / best llama-server = ratio",
-                  "decode / roofline: kvfence / llama.cpp"), rows),
+                  "offline, two tenants / one", "decode / roofline: kvfence / llama.cpp"),
+                 rows),
         targets_table(targets),
         *([md_table(("system", "error"), list(errors.items()))] if errors else []),
     ])
