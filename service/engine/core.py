@@ -415,7 +415,8 @@ class EngineCore:
             e.seq.sample_s = seconds if not e.seq.sample_s else (e.seq.sample_s + seconds) / 2
             owed[e.seq.tenant] = owed.get(e.seq.tenant, 0.0) + seconds
         for tenant, seconds in owed.items():
-            self._scheduler.charge_cpu(tenant, seconds)
+            if seconds > 0:  # greedy rows without masks or penalties cost nothing here
+                self._scheduler.charge_cpu(tenant, seconds)
 
     def _accept(self, seq: SeqState, token: int, logprob: TokenLogprob | None) -> None:
         self._scheduler.append(seq, token)

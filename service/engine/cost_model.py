@@ -164,11 +164,15 @@ class StepCostModel:
     # EW averages of decode-only steps' (seconds, keys) by padded batch size, for batches
     # up to ``observed_rows`` rows.
     by_rows: dict[int, tuple[float, float]] = field(init=False)
+    # The fit of the steps observed so far (``fit`` solves it once between observations:
+    # a step asks for it more than once, when it is planned and when its rows are charged).
+    _fitted: tuple[StepCost | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.decode = LeastSquares(4, self.decay)
         self.chunks = LeastSquares(4, self.decay)
         self.by_rows = {}
+        self._fitted = None
 
     def observe(
         self, rows: int, row_keys: int, chunks: Sequence[tuple[int, int]], seconds: float
@@ -177,6 +181,7 @@ class StepCostModel:
         (each ``(context, tokens)``) took ``seconds``."""
         if seconds <= 0 or (rows <= 0 and not chunks):
             return
+        self._fitted = None
         regime = self.regime
         if not chunks:
             dense = 1.0 if regime.dense(rows) else 0.0
@@ -206,6 +211,11 @@ class StepCostModel:
 
     def fit(self) -> StepCost | None:
         """The fitted cost, or None before a step with prefill chunks was observed."""
+        if self._fitted is None:
+            self._fitted = (self._solve(),)
+        return self._fitted[0]
+
+    def _solve(self) -> StepCost | None:
         if not self.chunks.measured:
             return None
         base, per_row, per_row_key, dense = self.decode.fit(_DECODE_TRIES, 0)
