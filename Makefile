@@ -20,7 +20,7 @@ DEV_TENANTS ?= dev/tenants.toml
 # Extra `kvfence serve` flags for `make serve`, e.g. make serve ARGS="--metrics-port 9464"
 ARGS ?=
 
-.PHONY: install protos lint typecheck test test-slow test-fast sanitize serve parity verify mutants bench peers docs model clean gpu-wheels \
+.PHONY: install protos lint typecheck test test-slow test-fast sanitize serve parity verify verify-avx2 mutants bench peers docs model clean gpu-wheels \
 	gpu-check cluster cluster-down cluster-verify cluster-deps image image-cuda
 
 $(STAMP): pyproject.toml Makefile
@@ -93,6 +93,11 @@ parity: $(STAMP) model
 
 verify: $(STAMP) model
 	$(PY) -m tests.verify_report
+
+# The same on the AVX2 kernel build, with torch held to AVX2 too: as an AVX2-only CPU runs it.
+verify-avx2: $(STAMP) model
+	KVFENCE_KERNEL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m tests.verify_report --results docs/verify-avx2
 
 # Switch off each stated guarantee in a scratch copy and check that its tests fail; the C
 # kernels' mutants again on each other kernel build this CPU runs (avx2, portable).

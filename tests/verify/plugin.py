@@ -10,6 +10,7 @@ still gets a failing check row, so the report can never show all-pass for a run 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -105,7 +106,8 @@ class VerifyReport:
             "mode": mode(),
             "passed": self.passed(),
             "seconds": round(time.monotonic() - self.started, 1),
-            "machine": {"python": platform.python_version(), "platform": platform.platform()},
+            "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                        "kernel_build": os.environ.get("KVFENCE_KERNEL_ISA") or "native"},
             "tests": {
                 t: {"outcome": o.outcome, "seconds": round(o.seconds, 2)}
                 for t, o in self.outcomes.items()
@@ -175,7 +177,8 @@ def render_markdown(rows: list[dict[str, Any]], doc: dict[str, Any]) -> str:
     checks, figures = split(rows)
     lines = [
         f"Isolation and reliability report (`make verify`, {doc['mode']} sizes, "
-        f"{doc['seconds']:.0f} s on {doc['machine']['platform']}): "
+        f"{doc['seconds']:.0f} s on {doc['machine']['platform']}, the "
+        f"{doc['machine'].get('kernel_build', 'native')} kernel build): "
         f"**{'all checks pass' if doc['passed'] else 'FAILURES'}**; {summary(rows)}.",
         "",
         "Checks (each value held to a bound):",
