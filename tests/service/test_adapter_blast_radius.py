@@ -5,9 +5,11 @@ another adapter's rows in the same steps get exactly their tokens alone."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -113,14 +115,28 @@ def _run(srv: ServerHandle, tenant: str, ids: list[int], model: str = "") -> lis
         return f"{err.code().name}: {err.details()}"
 
 
+def _wait_for_commands(srv: ServerHandle, n: int, timeout: float = 30.0) -> None:
+    """Until ``n`` commands (the requests' submits) wait in the paused engine's inbox."""
+    deadline = time.monotonic() + timeout
+    while srv.engine._inbox.qsize() < n:
+        assert time.monotonic() < deadline, f"{srv.engine._inbox.qsize()} of {n} submits queued"
+        time.sleep(0.01)
+
+
 def test_an_overflowing_adapter_fails_its_own_request_and_no_other_row(srv: ServerHandle) -> None:
     calls = [("victim", PROMPTS[0], ""), ("victim", PROMPTS[1], "good"), ("victim", PROMPTS[1], "")]
     alone = [_run(srv, *c) for c in calls]
     assert all(isinstance(a, list) and len(a) == TOKENS for a in alone), alone
     with ThreadPoolExecutor(8) as pool:
-        for _ in range(2):
-            attacks = [pool.submit(_run, srv, "attacker", p, "huge") for p in PROMPTS]
-            beside = [pool.submit(_run, srv, *c) for c in calls]
+        for held in (True, False):
+            # Held: every request reaches the engine at one step boundary, so the attacker's
+            # rows share the step whose logits overflow with the victim's rows (left to
+            # arrive as they come, a loaded machine can give the attacker a step of its own).
+            with srv.paused_engine() if held else contextlib.nullcontext():
+                attacks = [pool.submit(_run, srv, "attacker", p, "huge") for p in PROMPTS]
+                beside = [pool.submit(_run, srv, *c) for c in calls]
+                if held:
+                    _wait_for_commands(srv, len(attacks) + len(beside))
             assert [f.result() for f in beside] == alone
             for f in attacks:
                 assert f.result() == (
