@@ -117,7 +117,7 @@ class VerifyReport:
             "figures": split(rows)[1],
         }
         (self.results_dir / "verify.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (self.results_dir / "verify.md").write_text(render_page(rows, doc))
+        (self.results_dir / "verify.md").write_text(render_page(rows, doc, self.results_dir))
 
 
 def _short(nodeid: str) -> str:
@@ -230,12 +230,21 @@ lists the guarantees switched off in a scratch copy and the test that caught eac
 """
 
 
-def render_page(rows: list[dict[str, Any]], doc: dict[str, Any]) -> str:
-    """``verify.md``: what the report means, then the run's two tables."""
-    return PAGE_HEAD + render_markdown(rows, doc) + "\n"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def render_page(rows: list[dict[str, Any]], doc: dict[str, Any], where: Path = DOCS) -> str:
+    """``verify.md``: what the report means, then the run's two tables; the links to the
+    pages beside it in ``docs/`` hold from the folder ``where`` it is written."""
+    up = Path(os.path.relpath(DOCS, where.resolve()))
+    head = PAGE_HEAD
+    if up != Path("."):
+        for page in ("verify-checks.md", "mutants.md"):
+            head = head.replace(f"]({page})", f"]({(up / page).as_posix()})")
+    return head + render_markdown(rows, doc) + "\n"
 
 
 def page_from_json(path: Path) -> str:
     """Re-render ``verify.md`` from a run's ``verify.json`` (same tables, no rerun)."""
     doc = json.loads(path.read_text())
-    return render_page([*doc["checks"], *doc["figures"]], doc)
+    return render_page([*doc["checks"], *doc["figures"]], doc, path.parent)
