@@ -1,8 +1,9 @@
 """Run every benchmark suite one after another: `python -m bench.run_all [--quick] [--only S]`.
 
 Full-run sizing targets about 25 minutes on 2 cores for every suite but ``tiers``, which
-takes about 40 more (it sweeps one llama-server per tier and model; measured: 2,495 s on a
-2-core EPYC with two tiers). See docs/benchmarks.md for what each suite runs. Systems never
+takes about an hour more on a 2-core EPYC with two tiers (it sweeps one llama-server per tier
+and model; measured 2,495 s with one offline run per case and run, and each case and run
+sends the offline work three times, for the isolation tax: ~20 minutes more). See docs/benchmarks.md for what each suite runs. Systems never
 run concurrently; each suite reports its own targets.
 Each suite runs in its own interpreter: a suite that ran torch on the main thread leaves an
 OpenMP pool there, which slows every engine thread started after it (service.model.threads;
